@@ -1,0 +1,76 @@
+"""Single-device dynamic sparse attention: the autograd Function and its thin wrappers.
+
+Layout is FlashAttention's ``[batch, seq, heads, head_dim]``; attention is causal and restricted to
+the entries of a :class:`~ds_mtraining.index.SparseIndex`. The forward and backward run in the
+op builder's kernels (C++/OpenMP on CPU, CUDA on GPU), accumulating in fp32.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import ops
+from .index import SparseIndex, Stripe
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_attention_inputs(q, k, v, index: SparseIndex | None = None, local_index_len: int | None = None):
+    """One clear error for each way q/k/v/index can be wrong."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name} must be a 4-d tensor [batch, seq, heads, head_dim], got {shape}")
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{name} has dtype {t.dtype}; use one of float32, bfloat16, float16")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
+    if q.shape[0] != k.shape[0] or q.shape[1] != k.shape[1] or q.shape[3] != k.shape[3]:
+        raise ValueError(
+            f"q {tuple(q.shape)} and k {tuple(k.shape)} must share batch, seq and head_dim "
+            f"(layout [batch, seq, heads, head_dim]; transpose from [batch, heads, seq, head_dim])")
+    if q.shape[2] % k.shape[2] != 0:
+        raise ValueError(f"query heads ({q.shape[2]}) must be a multiple of key/value heads "
+                         f"({k.shape[2]}) for GQA")
+    if index is not None:
+        if index.device != q.device:
+            raise ValueError(f"index is on {index.device} but q is on {q.device}; use index.to(q.device)")
+        seq = local_index_len if local_index_len is not None else q.shape[1]
+        index.check_matches(q.shape[0], seq, q.shape[2])
+
+
+class SparseAttentionFunction(torch.autograd.Function):
+    """Causal vertical-slash sparse attention; returns (out in q's dtype, lse fp32 [B, H, S])."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, index: SparseIndex, scale: float):
+        out, lse = ops.attention_forward(q, k, v, index, scale, Stripe())
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.index, ctx.scale = index, scale
+        ctx.mark_non_differentiable(lse)
+        return out.to(q.dtype), lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = ops.attention_backward(dout, q, k, v, out, lse, ctx.index, ctx.scale, Stripe())
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+
+
+def sparse_attention_with_lse(q, k, v, index: SparseIndex, softmax_scale: float | None = None):
+    """Sparse causal attention of q [B, S, H, D] over k, v [B, S, Hkv, D] on ``index``.
+
+    Returns (out [B, S, H, D] in q's dtype, lse [B, H, S] float32)."""
+    check_attention_inputs(q, k, v, index)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    return SparseAttentionFunction.apply(q, k, v, index, scale)
+
+
+def sparse_attention(q, k, v, index: SparseIndex, softmax_scale: float | None = None):
+    """Like :func:`sparse_attention_with_lse`, returning only the output."""
+    return sparse_attention_with_lse(q, k, v, index, softmax_scale)[0]

@@ -1,0 +1,272 @@
+"""The compact vertical-slash index and everything derived from it.
+
+Per (batch, query head) the pattern is two short sorted lists:
+
+* ``slash``: block diagonals ``d`` (query block minus key block), always containing 0;
+* ``vertical``: key token positions (columns).
+
+Query token ``q`` attends key token ``k`` iff ``k <= q`` and either ``block(q) - block(k)`` is in
+``slash`` or ``k`` is in ``vertical``. Drawn for 4 blocks, slash = {0, 2}, vertical = {column x}::
+
+          key blocks ->        (D = diagonal block, token-causal; S = slash block; x = column)
+    qb0   D . . .
+    qb1   . D . .
+    qb2   S x D .
+    qb3   x S x D
+
+Lists padded to the longest row hold ``PAD`` at their tail. Nothing here is ever ``S x S`` except
+:meth:`SparseIndex.to_dense_mask` (tests, small sizes); the kernels derive each query block's
+key blocks and leftover columns from the two lists, also under striping (:class:`Stripe`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .config import SUPPORTED_BLOCK_SIZES
+
+PAD = 1 << 30
+MAX_DENSE_ELEMENTS = 1 << 28
+
+
+@dataclass(frozen=True)
+class Stripe:
+    """Which tokens the local queries and keys are, under block striping over ``world`` ranks.
+
+    Rank ``r`` holds global blocks ``r, r + world, r + 2 world, ...``; a ring step pairs the
+    queries of ``q_rank`` with the keys of ``k_rank``. ``Stripe()`` is the single-device case.
+    """
+
+    world: int = 1
+    q_rank: int = 0
+    k_rank: int = 0
+
+    def positions(self, local_len: int, block_size: int, rank: int, device=None) -> torch.Tensor:
+        """Global token positions of the ``local_len`` tokens that ``rank`` holds."""
+        local = torch.arange(local_len, device=device)
+        return (local // block_size * self.world + rank) * block_size + local % block_size
+
+
+@dataclass(frozen=True)
+class BlockCSR:
+    """Compressed rows: row ``i`` of the flattened (batch, head, block) grid is
+    ``indices[ptr[i]:ptr[i+1]]``."""
+
+    ptr: torch.Tensor
+    indices: torch.Tensor
+    shape: tuple
+
+    def row(self, b: int, h: int, i: int) -> torch.Tensor:
+        flat = (b * self.shape[1] + h) * self.shape[2] + i
+        return self.indices[self.ptr[flat]:self.ptr[flat + 1]]
+
+
+def _sorted_unique(values: torch.Tensor) -> torch.Tensor:
+    """Sorts the last dim, turns repeats and negatives into PAD, trims trailing all-PAD columns."""
+    values = torch.where(values < 0, torch.full_like(values, PAD), values)
+    values = values.sort(dim=-1).values
+    if values.shape[-1] > 1:
+        repeat = torch.zeros_like(values, dtype=torch.bool)
+        repeat[..., 1:] = values[..., 1:] == values[..., :-1]
+        values = torch.where(repeat, torch.full_like(values, PAD), values).sort(dim=-1).values
+    width = int((values != PAD).sum(-1).max()) if values.numel() else 0
+    return values[..., :max(width, 1)].to(torch.int32).contiguous()
+
+
+def _membership(lists: torch.Tensor, size: int) -> torch.Tensor:
+    """[B, H, size] bool: which values of ``range(size)`` each padded list holds."""
+    present = torch.zeros(*lists.shape[:-1], size + 1, dtype=torch.bool, device=lists.device)
+    present.scatter_(-1, lists.long().clamp(max=size), True)
+    return present[..., :size]
+
+
+class SparseIndex:
+    """A vertical-slash pattern for a ``[B, S, H, D]`` attention, in O(selected entries) memory.
+
+    Args:
+        slash: int [B, H, Ls], sorted block diagonals per head, PAD-padded, each row holding 0.
+        vertical: int [B, H, Lv], sorted key token positions per head, PAD-padded.
+        seq_len: global sequence length S.
+        block_size: kernel granularity (64 or 128).
+    """
+
+    def __init__(self, slash: torch.Tensor, vertical: torch.Tensor, seq_len: int, block_size: int):
+        if block_size not in SUPPORTED_BLOCK_SIZES:
+            raise ValueError(f"block_size={block_size} is unsupported; use one of {SUPPORTED_BLOCK_SIZES}")
+        if slash.dim() != 3 or vertical.dim() != 3 or slash.shape[:2] != vertical.shape[:2]:
+            raise ValueError(
+                f"slash and vertical must be [B, H, n] with the same B, H; got {tuple(slash.shape)} "
+                f"and {tuple(vertical.shape)}")
+        self.seq_len = int(seq_len)
+        self.block_size = int(block_size)
+        self.slash = slash.to(torch.int32).contiguous()
+        self.vertical = vertical.to(torch.int32).contiguous()
+        if not bool((self.slash[..., 0] == 0).all()):
+            raise ValueError("every head's slash list must hold block diagonal 0 (keeps rows non-empty)")
+        if bool(((self.slash != PAD) & (self.slash >= self.num_blocks)).any()):
+            raise ValueError(f"slash block diagonals must be < num_blocks={self.num_blocks}")
+        if bool(((self.vertical != PAD) & (self.vertical >= self.seq_len)).any()):
+            raise ValueError(f"vertical key positions must be < seq_len={self.seq_len}")
+        self.slash_count = (self.slash != PAD).sum(-1).to(torch.int32)
+        self.vertical_count = (self.vertical != PAD).sum(-1).to(torch.int32)
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_blocks(cls, slash_blocks, vertical, seq_len, block_size, local_blocks: int = 1):
+        """From block diagonals and key tokens (-1 = padding); adds diagonals 0..local_blocks-1."""
+        local = torch.arange(local_blocks, device=slash_blocks.device)
+        local = local.expand(*slash_blocks.shape[:2], local_blocks)
+        nb = -(-seq_len // block_size)
+        slash_blocks = torch.cat([slash_blocks.long(), local.long()], -1)
+        slash_blocks = torch.where(slash_blocks < nb, slash_blocks, torch.full_like(slash_blocks, -1))
+        return cls(_sorted_unique(slash_blocks), _sorted_unique(vertical.long()), seq_len, block_size)
+
+    @classmethod
+    def from_vertical_slash(cls, vertical, slash, seq_len: int, block_size: int, local_blocks: int = 1):
+        """From key token columns and token diagonals (query minus key); -1 entries are padding.
+
+        A token diagonal ``t`` crosses block diagonal ``t // block`` and, unless ``t`` is a
+        multiple of the block, also the next one: both are kept so the diagonal is covered.
+        """
+        if block_size not in SUPPORTED_BLOCK_SIZES:
+            raise ValueError(f"block_size={block_size} is unsupported; use one of {SUPPORTED_BLOCK_SIZES}")
+        for name, t in (("vertical", vertical), ("slash", slash)):
+            if t.dim() != 3 or t.dtype not in (torch.int32, torch.int64):
+                raise ValueError(f"{name} must be an integer tensor [B, H, n], got {t.dtype} {tuple(t.shape)}")
+            if bool((t >= seq_len).any()) or bool((t < -1).any()):
+                raise ValueError(f"{name} entries must lie in [0, seq_len={seq_len}) or be -1 (padding)")
+        slash = slash.long()
+        first = torch.where(slash >= 0, slash // block_size, -1)
+        second = torch.where((slash >= 0) & (slash % block_size != 0), first + 1, -1)
+        return cls.from_blocks(torch.cat([first, second], -1), vertical, seq_len, block_size, local_blocks)
+
+    # ------------------------------------------------------------------ shape and checks
+    @property
+    def batch(self) -> int:
+        return self.slash.shape[0]
+
+    @property
+    def heads(self) -> int:
+        return self.slash.shape[1]
+
+    @property
+    def num_blocks(self) -> int:
+        return -(-self.seq_len // self.block_size)
+
+    @property
+    def device(self):
+        return self.slash.device
+
+    def to(self, device) -> "SparseIndex":
+        return SparseIndex(self.slash.to(device), self.vertical.to(device), self.seq_len, self.block_size)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in
+                   (self.slash, self.vertical, self.slash_count, self.vertical_count))
+
+    def check_matches(self, batch: int, seq_len: int, heads: int):
+        """Raises if this index was built for another attention shape."""
+        if (batch, seq_len, heads) != (self.batch, self.seq_len, self.heads):
+            raise ValueError(
+                f"index was built for batch={self.batch}, seq_len={self.seq_len}, heads={self.heads} "
+                f"but the attention has batch={batch}, seq_len={seq_len}, heads={heads}; "
+                f"estimate the index from these q/k")
+
+    # ------------------------------------------------------------------ dense views (tests)
+    def mask_for(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+        """Bool [B, H, len(q_pos), len(k_pos)]: entries computed between these global positions."""
+        elements = self.batch * self.heads * q_pos.numel() * k_pos.numel()
+        if elements > MAX_DENSE_ELEMENTS:
+            raise ValueError(f"a dense mask of {elements} entries is too large; it is for tests only")
+        q_pos, k_pos = q_pos.to(self.device).long(), k_pos.to(self.device).long()
+        in_slash = _membership(self.slash, self.num_blocks)
+        in_vertical = _membership(self.vertical, self.seq_len)
+        offset = (q_pos[:, None] // self.block_size - k_pos[None, :] // self.block_size)
+        causal = offset >= 0
+        slash_hit = in_slash[..., offset.clamp(min=0)] & causal
+        vertical_hit = in_vertical[..., None, k_pos].expand_as(slash_hit)
+        return (slash_hit | vertical_hit) & (q_pos[:, None] >= k_pos[None, :])
+
+    def to_dense_mask(self, stripe: Stripe | None = None) -> torch.Tensor:
+        """Bool [B, H, Sq, Sk]: exactly the entries the kernel computes. Without ``stripe``, the
+        whole sequence; with it, the local queries of ``q_rank`` against the keys of ``k_rank``."""
+        if stripe is None or stripe.world == 1:
+            pos = torch.arange(self.seq_len)
+            return self.mask_for(pos, pos)
+        local = self.seq_len // stripe.world
+        return self.mask_for(stripe.positions(local, self.block_size, stripe.q_rank),
+                             stripe.positions(local, self.block_size, stripe.k_rank))
+
+    # ------------------------------------------------------------------ sizes
+    def _block_len(self, blocks: torch.Tensor) -> torch.Tensor:
+        start = blocks * self.block_size
+        return (torch.clamp(self.seq_len - start, max=self.block_size)).clamp(min=0)
+
+    def num_entries(self) -> torch.Tensor:
+        """Int64 [B, H]: attention entries (q, k) the kernel computes, from the lists alone."""
+        nb, bs = self.num_blocks, self.block_size
+        last = self.seq_len - (nb - 1) * bs
+        d = self.slash.long()
+        valid = d != PAD
+        diag = (nb - 1) * bs * (bs + 1) // 2 + last * (last + 1) // 2
+        off = (nb - d - 1).clamp(min=0) * bs * bs + torch.where(d < nb - 1, last * bs, 0)
+        slash_entries = torch.where(valid & (d > 0), off, 0).sum(-1) + diag
+        # a column in block c is read by the rows of blocks g > c whose offset g - c is no slash
+        col = self.vertical.long()
+        cvalid = col != PAD
+        cblock = torch.where(cvalid, col // bs, nb)
+        rows_after = (self.seq_len - (cblock + 1) * bs).clamp(min=0)
+        target = cblock[..., :, None] + d[..., None, :]
+        covered = self._block_len(target) * (valid & (d > 0))[..., None, :] * (target < nb)
+        vertical_entries = torch.where(cvalid, rows_after - covered.sum(-1), 0).sum(-1)
+        return slash_entries + vertical_entries
+
+    def density(self) -> float:
+        """Computed entries over the causal entries S (S + 1) / 2, averaged over batch and heads."""
+        causal = self.seq_len * (self.seq_len + 1) / 2
+        return float(self.num_entries().double().mean() / causal)
+
+    # ------------------------------------------------------------------ derived lists
+    def _csr(self, base: torch.Tensor, sign: int, limit: int) -> BlockCSR:
+        """Rows i of [B, H, nb]: values i + sign * d for d in slash that land in [0, limit)."""
+        nb = self.num_blocks
+        d = self.slash.long()
+        order = d.flip(-1) if sign < 0 else d  # keep each row's values ascending
+        values = base.view(1, 1, nb, 1) + sign * order[..., None, :]
+        keep = (order != PAD)[..., None, :] & (values >= 0) & (values < limit)
+        counts = keep.sum(-1).flatten()
+        ptr = torch.zeros(counts.numel() + 1, dtype=torch.int64, device=d.device)
+        ptr[1:] = counts.cumsum(0)
+        return BlockCSR(ptr, values[keep].to(torch.int32), (self.batch, self.heads, nb))
+
+    def query_block_lists(self) -> BlockCSR:
+        """Per query block, the key blocks it reads through slash diagonals (ascending)."""
+        nb = self.num_blocks
+        return self._csr(torch.arange(nb, device=self.device), -1, nb)
+
+    def key_block_lists(self) -> BlockCSR:
+        """The transpose: per key block, the query blocks that read it (ascending)."""
+        nb = self.num_blocks
+        return self._csr(torch.arange(nb, device=self.device), +1, nb)
+
+    def vertical_lists(self) -> BlockCSR:
+        """Per query block, the vertical key tokens it reads beyond its slash blocks."""
+        nb = self.num_blocks
+        in_slash = _membership(self.slash, nb)
+        col = self.vertical.long()
+        cblock = torch.where(col != PAD, col // self.block_size, nb)
+        g = torch.arange(nb, device=self.device).view(1, 1, nb, 1)
+        offset = g - cblock[..., None, :]
+        covered = torch.gather(in_slash, -1, offset.clamp(0, nb - 1).flatten(2)).view_as(offset)
+        keep = (offset > 0) & ~covered & (cblock < nb)[..., None, :]
+        counts = keep.sum(-1).flatten()
+        ptr = torch.zeros(counts.numel() + 1, dtype=torch.int64, device=self.device)
+        ptr[1:] = counts.cumsum(0)
+        values = col[..., None, :].expand_as(keep)[keep]
+        return BlockCSR(ptr, values.to(torch.int32), (self.batch, self.heads, nb))
+
+    def __repr__(self):
+        return (f"SparseIndex(batch={self.batch}, heads={self.heads}, seq_len={self.seq_len}, "
+                f"block_size={self.block_size}, slash<= {self.slash.shape[-1]}, "
+                f"vertical<= {self.vertical.shape[-1]})")
