@@ -210,7 +210,7 @@ class SparseIndex:
         d = self.slash.long()
         valid = d != PAD
         diag = (nb - 1) * bs * (bs + 1) // 2 + last * (last + 1) // 2
-        off = (nb - d - 1).clamp(min=0) * bs * bs + torch.where(d < nb - 1, last * bs, 0)
+        off = (nb - d - 1).clamp(min=0) * bs * bs + last * bs  # the last query block may be partial
         slash_entries = torch.where(valid & (d > 0), off, 0).sum(-1) + diag
         # a column in block c is read by the rows of blocks g > c whose offset g - c is no slash
         col = self.vertical.long()
