@@ -1,0 +1,140 @@
+"""What the CPU and CUDA builders of the sparse attention op share.
+
+Sources are resolved to absolute paths from this file (DeepSpeed resolves relative ones against its
+own package). The C++/CUDA sources live in ``csrc/`` at the repository root; an installed
+package ships the same tree as package data at ``op_builder/csrc`` (see setup.py), so the op can
+be JIT-compiled both from a checkout and from a plain ``pip install .``.
+"""
+from __future__ import annotations
+
+import glob
+import importlib
+import importlib.util
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from deepspeed.ops.op_builder.builder import OpBuilder
+
+BUILD_VAR = "DS_BUILD_MTRAINING"
+NO_JIT_VAR = "DS_MTRAINING_NO_JIT"
+_HERE = Path(__file__).resolve().parent
+
+
+def csrc_root() -> Path:
+    """The shipped ``csrc`` (installed package) or the checkout's ``csrc`` (repository)."""
+    for candidate in (_HERE / "csrc", _HERE.parent / "csrc"):
+        if (candidate / "include" / "mtraining" / "pattern.h").is_file():
+            return candidate
+    raise FileNotFoundError(
+        f"the ds-mtraining C++ sources (csrc/) are neither in {_HERE / 'csrc'} nor in "
+        f"{_HERE.parent / 'csrc'}; reinstall the package")
+
+
+def extension_root() -> str:
+    """Where JIT builds are cached: TORCH_EXTENSIONS_DIR, else torch's per-user default."""
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return os.environ["TORCH_EXTENSIONS_DIR"]
+    import torch
+    from torch.utils.cpp_extension import get_default_build_root
+    accelerator = f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda else "cpu"
+    return os.path.join(get_default_build_root(),
+                        f"py{sys.version_info.major}{sys.version_info.minor}_{accelerator}")
+
+
+class MTrainingBuilderMixin:
+    """Naming, paths and prebuilt-first loading; mixed in before a DeepSpeed builder class.
+
+    ``load()`` imports the module that ``DS_BUILD_MTRAINING=1 pip install`` placed in the
+    package and otherwise JIT-compiles it (cached in TORCH_EXTENSIONS_DIR). With
+    ``DS_MTRAINING_NO_JIT=1`` a missing prebuilt op is an error instead of a compilation.
+    """
+
+    BUILD_VAR = BUILD_VAR
+    NAME = ""
+    DEVICE_TYPE = ""
+    SOURCES_HINT = ""  # the source files, relative to csrc/, for error messages
+
+    def __init__(self):
+        super().__init__(name=self.NAME)
+
+    def absolute_name(self) -> str:
+        return f"ds_mtraining.{self.NAME}_op"
+
+    def include_paths(self) -> list[str]:
+        return [str(csrc_root() / "include")]
+
+    def missing(self) -> list[str]:
+        """Why this op cannot be built here (empty when it can)."""
+        reasons = []
+        if shutil.which(os.environ.get("CXX", "c++")) is None:
+            reasons.append(f"no C++ compiler: '{os.environ.get('CXX', 'c++')}' is not on PATH "
+                           f"(install g++)")
+        if not self.sources():
+            reasons.append(f"no sources: {self.SOURCES_HINT} not found in {csrc_root()}")
+        return reasons
+
+    def missing_for_jit(self) -> list[str]:
+        """Why this op cannot be JIT-compiled in this process (empty when it can)."""
+        reasons = self.missing()
+        try:
+            from torch.utils.cpp_extension import verify_ninja_availability
+            verify_ninja_availability()
+        except RuntimeError:
+            reasons.append("ninja is not installed (pip install ninja)")
+        return reasons
+
+    def is_compatible(self, verbose=False) -> bool:
+        reasons = self.missing()
+        if reasons and verbose:
+            self.warning(f"{self.NAME} cannot be built: " + "; ".join(reasons))
+        return not reasons
+
+    def prebuilt_available(self) -> bool:
+        """Whether a prebuilt module of this op is installed (it is not imported here)."""
+        try:
+            return importlib.util.find_spec(self.absolute_name()) is not None
+        except ImportError:
+            return False
+
+    def jit_build_dir(self) -> str:
+        return os.path.join(extension_root(), self.NAME)
+
+    def jit_library(self) -> str:
+        """The shared library a JIT build leaves in its cache directory."""
+        return os.path.join(self.jit_build_dir(), f"{self.NAME}.so")
+
+    def load(self, verbose=False):
+        """The compiled module: cached, else prebuilt, else JIT-compiled."""
+        if self.name in OpBuilder._loaded_ops:
+            return OpBuilder._loaded_ops[self.name]
+        module = None
+        if self.prebuilt_available():
+            try:
+                module = importlib.import_module(self.absolute_name())
+            except ImportError as err:  # e.g. built against another torch
+                if os.environ.get(NO_JIT_VAR) == "1":
+                    raise RuntimeError(f"the prebuilt {self.NAME} op does not import ({err}) and "
+                                       f"{NO_JIT_VAR}=1 forbids compiling it") from err
+                self.warning(f"prebuilt {self.absolute_name()} does not import ({err}); "
+                             f"JIT-compiling it instead")
+        if module is None:
+            if os.environ.get(NO_JIT_VAR) == "1":
+                raise RuntimeError(
+                    f"the {self.NAME} op is not prebuilt and {NO_JIT_VAR}=1 forbids compiling it; "
+                    f"install with {BUILD_VAR}=1 pip install --no-build-isolation . or unset "
+                    f"{NO_JIT_VAR}")
+            reasons = self.missing_for_jit()
+            if reasons:
+                raise RuntimeError(f"cannot JIT-compile the {self.NAME} op: " + "; ".join(reasons))
+            if not verbose and not os.path.exists(self.jit_library()):
+                print(f"ds-mtraining: compiling the {self.NAME} op (once; cached in "
+                      f"{self.jit_build_dir()})", file=sys.stderr, flush=True)
+            module = self.jit_load(verbose)
+        OpBuilder._loaded_ops[self.name] = module
+        return module
+
+    @staticmethod
+    def _sorted_glob(*patterns: str) -> list[str]:
+        return sorted(path for pattern in patterns for path in glob.glob(pattern))
