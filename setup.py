@@ -4,6 +4,7 @@
     DS_BUILD_MTRAINING=1 pip install --no-build-isolation .
                                     # prebuilds the CPU op (and the CUDA op where CUDA is usable)
                                     # into the package, DeepSpeed style: no compilation at import
+                                    # (DS_BUILD_MTRAINING_CUDA=0 skips the CUDA op)
 
 Prebuilding imports torch and deepspeed, so they must already be installed and pip must not
 isolate the build. The sources ship inside the package as ``op_builder/csrc`` (package data), so
@@ -37,7 +38,9 @@ def op_extensions():
         raise SystemExit(f"{BUILD_VAR}=1: cannot build {cpu.NAME}: " + "; ".join(cpu.missing()))
     extensions = [cpu.builder()]
     cuda = MTrainingCUDABuilder()
-    if cuda.is_compatible():
+    if os.environ.get(f"{BUILD_VAR}_CUDA", "1") == "0":
+        print(f"{BUILD_VAR}_CUDA=0: not prebuilding {cuda.NAME}")
+    elif cuda.is_compatible():
         extensions.append(cuda.builder())
     else:
         print(f"{BUILD_VAR}=1: not prebuilding {cuda.NAME}: " + "; ".join(cuda.missing()))

@@ -1,0 +1,94 @@
+"""The DeepSpeed op builder: a JIT build from a fresh TORCH_EXTENSIONS_DIR, and a prebuilt
+install (DS_BUILD_MTRAINING=1 pip install) that imports without compiling. Each runs in a
+subprocess and checks the op's forward and gradients against float64 dense attention."""
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Defines check(module): one small GQA problem with a partial last block, vertical columns read
+# alone and a slash block, against ds_mtraining.reference; raises on any mismatch.
+CHECK = textwrap.dedent("""
+    import torch
+    from ds_mtraining import SparseIndex
+    from ds_mtraining.reference import dense_attention_with_lse
+
+    def check(module):
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(1, 200, h, 32, generator=g) for h in (4, 2, 2))
+        vertical = torch.tensor([3, 70, 150]).expand(1, 4, 3)
+        slash = torch.tensor([130]).expand(1, 4, 1)
+        index = SparseIndex.from_vertical_slash(vertical, slash, 200, 64)
+        lists = (index.slash, index.slash_count, index.vertical, index.vertical_count, 64, 0.2, 1, 0, 0)
+        out, lse = module.forward(q, k, v, *lists)
+        dout = torch.randn(out.shape, generator=g)
+        dq, dk, dv = module.backward(dout, q, k, v, out, lse, *lists)
+        leaves = [t.double().requires_grad_() for t in (q, k, v)]
+        ref_out, ref_lse = dense_attention_with_lse(*leaves, index.to_dense_mask(), 0.2)
+        ref_grads = torch.autograd.grad(ref_out, leaves, dout.double())
+        for name, got, want in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, dq, dk, dv),
+                                   (ref_out.detach(), ref_lse.detach(), *ref_grads)):
+            error = (got.double() - want).abs().max().item()
+            assert error <= 1e-5 * want.abs().max().item(), f"{name}: max error {error}"
+""")
+
+
+def run_python(code: str, env: dict, cwd: Path, timeout: int) -> str:
+    result = subprocess.run([sys.executable, "-c", code], env=env, cwd=cwd, capture_output=True,
+                            text=True, timeout=timeout)
+    assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    return result.stdout
+
+
+def test_jit_build_in_fresh_extension_dir(tmp_path):
+    extensions = tmp_path / "torch_extensions"
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(extensions), PYTHONPATH=str(REPO))
+    env.pop("DS_MTRAINING_NO_JIT", None)
+    code = CHECK + textwrap.dedent(f"""
+        from op_builder import MTrainingCPUBuilder
+        builder = MTrainingCPUBuilder()
+        module = builder.jit_load(verbose=False)
+        assert module.__file__.startswith({str(extensions)!r}), module.__file__
+        assert builder.load() is module, "load() must reuse the compiled module"
+        check(module)
+        print("JIT OK", module.__file__)
+    """)
+    out = run_python(code, env, tmp_path, timeout=900)
+    assert "JIT OK" in out
+    assert (extensions / "mtraining_cpu" / "mtraining_cpu.so").is_file()
+
+
+@pytest.mark.slow
+def test_prebuilt_install_imports_without_compiling(tmp_path):
+    target, extensions = tmp_path / "site", tmp_path / "torch_extensions"
+    extensions.mkdir()
+    install = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-build-isolation", "--no-deps",
+         "--no-cache-dir", "--target", str(target), str(REPO)],
+        env=dict(os.environ, DS_BUILD_MTRAINING="1", DS_BUILD_MTRAINING_CUDA="0"),
+        capture_output=True, text=True, timeout=1200)
+    assert install.returncode == 0, install.stdout[-4000:] + install.stderr[-4000:]
+    assert list((target / "ds_mtraining").glob("mtraining_cpu_op*.so")), "the op was not prebuilt"
+
+    # run outside the repository so that only the install can be imported; JIT is forbidden
+    env = dict(os.environ, PYTHONPATH=str(target), TORCH_EXTENSIONS_DIR=str(extensions),
+               DS_MTRAINING_NO_JIT="1")
+    code = CHECK + textwrap.dedent(f"""
+        import ds_mtraining, op_builder
+        from ds_mtraining import ops
+        assert ds_mtraining.__file__.startswith({str(target)!r}), ds_mtraining.__file__
+        assert str(op_builder.csrc_root()).startswith({str(target)!r}), "csrc/ is not shipped"
+        module = ops.op_module("cpu")
+        assert module.__file__.startswith({str(target / "ds_mtraining")!r}), module.__file__
+        check(module)
+        print("PREBUILT OK", module.__file__)
+    """)
+    assert "PREBUILT OK" in run_python(code, env, tmp_path, timeout=300)
+    report = run_python("from ds_mtraining.cli import main; main(['report'])", env, tmp_path, 120)
+    assert "prebuilt" in report
+    assert not any(extensions.iterdir()), "nothing may be compiled when the op is prebuilt"
