@@ -1,0 +1,260 @@
+"""Long-document training data: load (offline), tokenize, pack, shift, stripe per rank.
+
+Sources (the ``mtraining.data`` section of the DeepSpeed JSON, see :func:`load_documents`):
+
+* ``{"source": "stdlib"}`` (default): the Python standard library's own ``.py`` files of the
+  running interpreter, read in sorted order and concatenated into long documents; real text that
+  needs no download and that nobody on this project wrote.
+* ``{"files": ["a.jsonl", "b.parquet", ...], "text_field": "text"}``: local json/jsonl, parquet,
+  arrow or csv files, read by ``datasets`` (format from the extension, or ``"format"``).
+* ``{"saved_dataset": "dir", "split": "train"}``: a dataset saved with ``save_to_disk``
+  (e.g. a ProLong-style long-document mix prepared elsewhere).
+
+Tokenizers: ``"bytes"`` (default), :class:`ByteTokenizer` (UTF-8 bytes 0..255 plus an end-of-
+document token 256, implemented here, nothing to download), or the path of a local tokenizer
+directory loaded with ``transformers.AutoTokenizer`` (``local_files_only``).
+
+Packing: documents, each followed by the end-of-document token, form one token stream; sample i
+is the window ``stream[i L : i L + L + 1]``: input ids are its first L tokens and labels its last L
+(the shift happens here, on the global sequence, before striping). Sample order is a permutation
+per epoch seeded by (seed, epoch), so the data position (micro-batches consumed) is all that a
+checkpoint needs to resume the same stream.
+"""
+from __future__ import annotations
+
+import os
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+DEFAULT_DOCUMENT_CHARS = 1 << 18
+FILE_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".arrow": "arrow",
+                ".csv": "csv"}
+
+
+class DataConfigError(ValueError):
+    """A data setting that cannot work (raised before training starts)."""
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as token ids 0..255, plus ``eos_token_id`` = 256 between documents."""
+
+    eos_token_id = 256
+    vocab_size = 257
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
+
+    def decode(self, ids) -> str:
+        data = bytes(int(i) for i in ids if int(i) < 256)
+        return data.decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A transformers tokenizer loaded from a local directory (never downloaded)."""
+
+    def __init__(self, path: str, key: str = "mtraining.tokenizer"):
+        from transformers import AutoTokenizer
+        if not Path(path).is_dir():
+            raise DataConfigError(f"{key}={path!r} is neither 'bytes' nor an existing tokenizer directory; "
+                                  f"use 'bytes' or the local directory of a saved tokenizer")
+        self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        if self.tokenizer.eos_token_id is None:
+            raise DataConfigError(f"{key}={path!r}: the tokenizer has no eos token to separate documents")
+        self.eos_token_id = self.tokenizer.eos_token_id
+        self.vocab_size = len(self.tokenizer)
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.asarray(self.tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int32)
+
+    def decode(self, ids) -> str:
+        return self.tokenizer.decode(list(ids))
+
+
+def load_tokenizer(spec: str = "bytes", key: str = "mtraining.tokenizer"):
+    """``"bytes"`` or a local tokenizer directory."""
+    return ByteTokenizer() if spec == "bytes" else HFTokenizer(spec, key)
+
+
+# ----------------------------------------------------------------------------- documents
+def stdlib_documents(document_chars: int = DEFAULT_DOCUMENT_CHARS) -> list[dict]:
+    """The interpreter's standard library ``.py`` files (sorted, site-packages excluded), joined
+    into documents of at least ``document_chars`` characters, each file under a path header."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts)
+    if not files:
+        raise DataConfigError(f"no .py files under the standard library directory {root}; "
+                              f"set mtraining.data.files to your own corpus")
+    documents, parts, size = [], [], 0
+    for path in files:
+        text = f"# {path.relative_to(root)}\n" + path.read_text(encoding="utf-8", errors="replace")
+        parts.append(text)
+        size += len(text)
+        if size >= document_chars:
+            documents.append({"text": "\n".join(parts), "source": str(root)})
+            parts, size = [], 0
+    if parts:
+        documents.append({"text": "\n".join(parts), "source": str(root)})
+    return documents
+
+
+def check_data_spec(spec: dict | None, key: str = "mtraining.data") -> dict:
+    """Validates a data spec without reading the data (keys, one source, files exist, format);
+    returns it with defaults filled in."""
+    spec = dict(spec or {"source": "stdlib"})
+    known = {"source", "files", "format", "text_field", "saved_dataset", "split", "document_chars"}
+    unknown = sorted(set(spec) - known)
+    if unknown:
+        raise DataConfigError(f"unknown key(s) {unknown} in '{key}'; valid keys are {sorted(known)}")
+    chosen = [name for name in ("source", "files", "saved_dataset") if name in spec]
+    if len(chosen) != 1:
+        raise DataConfigError(f"'{key}' needs exactly one of 'source' (\"stdlib\"), 'files' or "
+                              f"'saved_dataset', got {chosen or 'none'}")
+    if "source" in spec and spec["source"] != "stdlib":
+        raise DataConfigError(f"{key}.source={spec['source']!r} is unknown; the built-in corpus is "
+                              f"\"stdlib\" (use 'files' or 'saved_dataset' for your own data)")
+    if "files" in spec:
+        files = [spec["files"]] if isinstance(spec["files"], str) else list(spec["files"])
+        missing = [f for f in files if not Path(f).is_file()]
+        if not files or missing:
+            raise DataConfigError(f"{key}.files: file(s) not found: {missing or '(empty list)'}; "
+                                  f"give existing local json/jsonl/parquet/arrow/csv paths")
+        formats = {spec.get("format") or FILE_FORMATS.get(Path(f).suffix.lower()) for f in files}
+        if None in formats or len(formats) != 1 or not formats <= set(FILE_FORMATS.values()):
+            raise DataConfigError(f"{key}.files: cannot tell one format from the extensions of {files}; "
+                                  f"set {key}.format to one of {sorted(set(FILE_FORMATS.values()))}")
+        spec.update(files=files, format=formats.pop())
+    if "saved_dataset" in spec and not Path(spec["saved_dataset"]).is_dir():
+        raise DataConfigError(f"{key}.saved_dataset={spec['saved_dataset']!r} is not a directory; give "
+                              f"the directory written by Dataset.save_to_disk")
+    spec.setdefault("text_field", "text")
+    return spec
+
+
+def load_documents(spec: dict | None, key: str = "mtraining.data"):
+    """A ``datasets.Dataset`` with a ``text`` column from a data spec (see the module docstring)."""
+    import datasets
+    spec = check_data_spec(spec, key)
+    text_field = spec["text_field"]
+    if "source" in spec:
+        documents = stdlib_documents(spec.get("document_chars", DEFAULT_DOCUMENT_CHARS))
+        return datasets.Dataset.from_list(documents)
+    if "files" in spec:
+        dataset = datasets.load_dataset(spec["format"], data_files=spec["files"], split="train")
+    else:
+        dataset = datasets.load_from_disk(spec["saved_dataset"])
+        if isinstance(dataset, datasets.DatasetDict):
+            split = spec.get("split", "train")
+            if split not in dataset:
+                raise DataConfigError(f"{key}.split={split!r} is not in {list(dataset)}")
+            dataset = dataset[split]
+    if text_field not in dataset.column_names:
+        raise DataConfigError(f"{key}.text_field={text_field!r} is not a column of the data "
+                              f"(columns: {dataset.column_names}); set {key}.text_field")
+    return dataset.rename_column(text_field, "text") if text_field != "text" else dataset
+
+
+def tokenize_documents(documents, tokenizer):
+    """Adds ``input_ids`` (each document followed by the end-of-document token) and ``length``."""
+    def encode(batch):
+        ids = [np.append(tokenizer.encode(text), tokenizer.eos_token_id).astype(np.int32)
+               for text in batch["text"]]
+        return {"input_ids": ids, "length": [len(x) for x in ids]}
+    return documents.map(encode, batched=True, remove_columns=documents.column_names,
+                         desc="tokenizing").with_format("numpy")
+
+
+# ----------------------------------------------------------------------------- packing
+class PackedSequences:
+    """Fixed-length causal-LM samples cut from the concatenated token stream of the documents.
+
+    ``self[i]`` is ``(input_ids [L], labels [L])`` int64, labels shifted by one on the stream."""
+
+    def __init__(self, tokenized, seq_len: int):
+        self.documents = tokenized
+        self.seq_len = seq_len
+        lengths = np.asarray(tokenized["length"], dtype=np.int64)
+        self.starts = np.concatenate([[0], np.cumsum(lengths)])
+        self.total_tokens = int(self.starts[-1])
+        if self.total_tokens < seq_len + 1:
+            raise DataConfigError(f"the corpus holds {self.total_tokens} tokens, fewer than one sample of "
+                                  f"mtraining.seq_len + 1 = {seq_len + 1}; add data or shorten seq_len")
+
+    def __len__(self) -> int:
+        return (self.total_tokens - 1) // self.seq_len
+
+    def window(self, start: int, length: int) -> np.ndarray:
+        """Tokens ``start .. start + length - 1`` of the stream."""
+        first = int(np.searchsorted(self.starts, start, side="right")) - 1
+        pieces, position, doc = [], start, first
+        while position < start + length:
+            ids = self.documents[doc]["input_ids"]
+            offset = position - int(self.starts[doc])
+            piece = ids[offset:offset + start + length - position]
+            pieces.append(piece)
+            position += len(piece)
+            doc += 1
+        return np.concatenate(pieces)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not 0 <= i < len(self):
+            raise IndexError(f"sample {i} of {len(self)}")
+        tokens = torch.from_numpy(self.window(i * self.seq_len, self.seq_len + 1).astype(np.int64))
+        return tokens[:-1], tokens[1:]
+
+
+# ----------------------------------------------------------------------------- per-rank batches
+@dataclass
+class RankBatches:
+    """Micro-batches for one rank: data-parallel replica ``data_rank`` of ``data_world`` reads its
+    own samples; the ``sequence_world`` ranks of its sequence-parallel group read the same samples
+    and each keeps its stripe (blocks r, r + W, ... of ``block_size`` tokens).
+
+    ``batch(position)`` gives micro-batch number ``position`` (counting from 0 over the whole
+    run, all epochs) as a dict of [B, S/W] int64 tensors: input_ids, labels, position_ids.
+    """
+
+    samples: PackedSequences
+    micro_batch_size: int
+    data_rank: int = 0
+    data_world: int = 1
+    sequence_rank: int = 0
+    sequence_world: int = 1
+    block_size: int = 128
+    seed: int = 0
+
+    def __post_init__(self):
+        from .ring.layout import StripedLayout
+        self.layout = StripedLayout(self.sequence_world, self.block_size)
+        self.layout.check(self.samples.seq_len)
+        self.per_epoch = len(self.samples) // (self.micro_batch_size * self.data_world)
+        if self.per_epoch < 1:
+            raise DataConfigError(
+                f"the corpus packs into {len(self.samples)} samples of {self.samples.seq_len} tokens, "
+                f"fewer than one global micro-batch (micro batch {self.micro_batch_size} x "
+                f"{self.data_world} data-parallel replicas); add data or shorten mtraining.seq_len")
+
+    def sample_ids(self, position: int) -> list[int]:
+        epoch, within = divmod(position, self.per_epoch)
+        order = np.random.default_rng([self.seed, epoch]).permutation(len(self.samples))
+        first = (within * self.data_world + self.data_rank) * self.micro_batch_size
+        return [int(i) for i in order[first:first + self.micro_batch_size]]
+
+    def batch(self, position: int) -> dict:
+        pairs = [self.samples[i] for i in self.sample_ids(position)]
+        input_ids = torch.stack([p[0] for p in pairs])
+        labels = torch.stack([p[1] for p in pairs])
+        seq_len = input_ids.shape[1]
+        positions = self.layout.positions(seq_len, self.sequence_rank)
+        return {"input_ids": self.layout.shard(input_ids, self.sequence_rank),
+                "labels": self.layout.shard(labels, self.sequence_rank),
+                "position_ids": positions.expand(input_ids.shape[0], -1).contiguous()}
+
+
+def datasets_offline():
+    """Makes ``datasets``/``huggingface_hub`` work without a network (local files only)."""
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")

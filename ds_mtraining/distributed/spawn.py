@@ -1,0 +1,58 @@
+"""Run a function on ``world_size`` local gloo ranks, with a deadline: CPU tests and small demos.
+
+A rank that hangs (a deadlocked collective) or dies makes :func:`run_on_ranks` raise instead of
+waiting forever; the others are killed.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    """An unused TCP port on localhost (for MASTER_PORT)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _rank_main(rank, world_size, port, fn, args, result_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size))
+    torch.set_num_threads(1)  # ranks usually outnumber this machine's cores
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        result = fn(rank, world_size, *args)
+        torch.save(result, os.path.join(result_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_on_ranks(fn, world_size: int, *args, timeout: float = 120.0) -> list:
+    """Runs ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo processes and returns
+    their results (picklable, saved with ``torch.save``) in rank order.
+
+    ``fn`` must be importable (a module-level function). Raises ``TimeoutError`` if the ranks do
+    not finish within ``timeout`` seconds and re-raises the first rank failure."""
+    with tempfile.TemporaryDirectory() as result_dir:
+        context = mp.start_processes(_rank_main, args=(world_size, free_port(), fn, args, result_dir),
+                                     nprocs=world_size, join=False, start_method="spawn")
+        deadline = time.monotonic() + timeout
+        try:
+            while not context.join(timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{world_size} ranks running {fn.__name__} did not finish "
+                                       f"within {timeout:.0f} s (a hang?)")
+        finally:
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+        return [torch.load(os.path.join(result_dir, f"rank{rank}.pt"), weights_only=False)
+                for rank in range(world_size)]

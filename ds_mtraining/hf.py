@@ -1,0 +1,85 @@
+"""MTraining attention for Hugging Face transformers models (Qwen2/Qwen2.5, Llama, ...).
+
+Registers an attention function named ``"mtraining"`` with transformers' ``AttentionInterface``
+(no modeling code is copied): the model computes q/k/v and applies RoPE itself, from the
+**global** position ids of its striped tokens, then calls :func:`mtraining_attention_forward`
+with q [B, H, S/W, D] and k/v [B, Hkv, S/W, D] (GQA: key/value heads are not repeated).
+
+    model = AutoModelForCausalLM.from_config(config)              # or from a local directory
+    use_mtraining_attention(model, MTrainingAttentionSettings(sparse, group))
+    out = model.model(input_ids=ids_r, position_ids=positions_r)  # this rank's striped shard
+"""
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface, PreTrainedModel
+
+from .layer import MTrainingAttentionSettings, striped_sparse_attention
+
+ATTENTION_NAME = "mtraining"
+SETTINGS_ATTRIBUTE = "mtraining_settings"
+
+
+def mtraining_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                                value: torch.Tensor, attention_mask, scaling: float | None = None,
+                                dropout: float = 0.0, sliding_window=None, position_ids=None,
+                                **kwargs):
+    """transformers attention function: (out [B, S/W, H, D], None)."""
+    settings = getattr(module, SETTINGS_ATTRIBUTE, None)
+    if settings is None:
+        raise RuntimeError(f"{type(module).__name__} runs attention '{ATTENTION_NAME}' but has no "
+                           f"settings; enable it with ds_mtraining.hf.use_mtraining_attention(model, settings)")
+    if attention_mask is not None:
+        raise ValueError("MTraining attention is causal over the whole (packed) sequence and takes no "
+                         "attention mask; pack documents instead of padding them")
+    if dropout:
+        raise ValueError(f"attention dropout {dropout} is not supported; set the model config's "
+                         f"attention_dropout to 0")
+    if sliding_window is not None:
+        raise ValueError(f"sliding-window attention (window {sliding_window}) is not supported; "
+                         f"set the model config's use_sliding_window to false")
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    out = striped_sparse_attention(q.contiguous(), k.contiguous(), v.contiguous(), settings,
+                                   softmax_scale=scaling, position_ids=position_ids)
+    return out, None
+
+
+AttentionInterface.register(ATTENTION_NAME, mtraining_attention_forward)
+
+
+def check_model_config(config, key: str = "mtraining.model") -> None:
+    """Raises ValueError naming the model config field when MTraining attention cannot run it."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if heads % kv_heads != 0:
+        raise ValueError(
+            f"{key}: num_attention_heads={heads} is not divisible by num_key_value_heads={kv_heads} "
+            f"(GQA needs whole groups of query heads per key/value head); choose num_key_value_heads "
+            f"among {[d for d in range(1, heads + 1) if heads % d == 0]}")
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    if head_dim * heads != config.hidden_size and getattr(config, "head_dim", None) is None:
+        raise ValueError(f"{key}: hidden_size={config.hidden_size} is not divisible by "
+                         f"num_attention_heads={heads}; choose a divisor or set head_dim")
+    if getattr(config, "use_sliding_window", False):
+        raise ValueError(f"{key}: use_sliding_window=true is not supported by MTraining attention; "
+                         f"set it to false")
+    if getattr(config, "attention_dropout", 0.0):
+        raise ValueError(f"{key}: attention_dropout={config.attention_dropout} is not supported; set it to 0")
+
+
+def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The self-attention modules of a transformers decoder (those that call the interface)."""
+    return [m for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")]
+
+
+def use_mtraining_attention(model: PreTrainedModel, settings: MTrainingAttentionSettings) -> PreTrainedModel:
+    """Switches ``model`` to MTraining attention with ``settings`` (in place; returns it)."""
+    check_model_config(model.config)
+    modules = attention_modules(model)
+    if not modules:
+        raise ValueError(f"{type(model).__name__} has no transformers self-attention modules "
+                         f"(classes named *Attention with a layer_idx); MTraining cannot hook it")
+    for module in modules:
+        setattr(module, SETTINGS_ATTRIBUTE, settings)
+    model.set_attn_implementation(ATTENTION_NAME)
+    return model
