@@ -1,0 +1,1 @@
+"""Benchmarks: kernel speed, ring balance, ring communication model."""
