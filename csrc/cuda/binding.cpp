@@ -1,0 +1,211 @@
+// Torch binding of the CUDA sparse attention kernels (docs/KERNEL_CONTRACT.md): tensor checks,
+// output and scratch allocation, then raw pointers, sizes and the current stream to the kernels
+// (which include no ATen header). Exposes forward, backward and step_index (the per-call index
+// lists, for tests and the benchmark).
+#include <torch/extension.h>
+
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include "mtraining/checks.h"
+#include "params.h"
+
+namespace mtraining {
+namespace {
+
+constexpr const char* kOpName = "mtraining_cuda";
+
+void check_status(cudaError_t status, const char* what) {
+    TORCH_CHECK(status == cudaSuccess, kOpName, ": ", what, " failed: ", cudaGetErrorString(status));
+}
+
+// The per-call lists build_step_index fills, kept alive for the kernels that read them.
+struct StepLists {
+    at::Tensor local_offsets, num_offsets, local_keys, num_keys;
+};
+
+// Checks a call (shared with the CPU op), then the CUDA-only limits, and fills the params.
+mtr::AttentionParams make_params(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                 const at::Tensor& slash, const at::Tensor& slash_count,
+                                 const at::Tensor& vertical, const at::Tensor& vertical_count,
+                                 int64_t block, double scale, int64_t world, int64_t q_rank,
+                                 int64_t k_rank, StepLists& lists) {
+    const Geometry geo = check_call(q, k, v, slash, slash_count, vertical, vertical_count, block, scale,
+                                    world, q_rank, k_rank, c10::DeviceType::CUDA, kOpName);
+    TORCH_CHECK_TYPE(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf, kOpName,
+                     ": the CUDA kernels take bfloat16 or float16 q/k/v, got ", q.scalar_type(),
+                     "; cast them (float32 runs on the CPU op)");
+    TORCH_CHECK_VALUE(q.size(3) == 64 || q.size(3) == 128, kOpName, ": head_dim must be 64 or 128, got ",
+                      q.size(3));
+    TORCH_CHECK_VALUE(block == 64 || block == 128, kOpName, ": block_size must be 64 or 128, got ", block);
+    TORCH_CHECK_VALUE(q.size(1) >= 1, kOpName, ": the sequence is empty");
+    TORCH_CHECK_VALUE(std::max(geo.q_blocks, geo.k_blocks) <= mtr::kMaxLocalBlocks, kOpName, ": ",
+                      std::max(geo.q_blocks, geo.k_blocks), " local blocks exceed the kernels' limit of ",
+                      mtr::kMaxLocalBlocks, "; use a larger block_size or more ranks");
+    TORCH_CHECK_VALUE(q.numel() < (int64_t{1} << 31) * 64, kOpName, ": q is too large");
+    for (const at::Tensor* t : {&q, &k, &v, &slash, &slash_count, &vertical, &vertical_count})
+        TORCH_CHECK_VALUE(t->is_contiguous(), kOpName, ": inputs must be contiguous (the caller makes them so)");
+
+    const auto int_options = slash.options();
+    lists.local_offsets = at::empty_like(slash);
+    lists.num_offsets = at::empty({q.size(0), q.size(2)}, int_options);
+    lists.local_keys = at::empty_like(vertical);
+    lists.num_keys = at::empty({q.size(0), q.size(2)}, int_options);
+
+    mtr::AttentionParams p;
+    p.q = q.data_ptr();
+    p.k = k.data_ptr();
+    p.v = v.data_ptr();
+    p.slash = slash.data_ptr<int32_t>();
+    p.slash_count = slash_count.data_ptr<int32_t>();
+    p.vertical = vertical.data_ptr<int32_t>();
+    p.vertical_count = vertical_count.data_ptr<int32_t>();
+    p.local_offsets = lists.local_offsets.data_ptr<int32_t>();
+    p.num_offsets = lists.num_offsets.data_ptr<int32_t>();
+    p.local_keys = lists.local_keys.data_ptr<int32_t>();
+    p.num_keys = lists.num_keys.data_ptr<int32_t>();
+    p.batch = static_cast<int>(q.size(0));
+    p.heads = static_cast<int>(q.size(2));
+    p.kv_heads = static_cast<int>(k.size(2));
+    p.seq_q = static_cast<int>(q.size(1));
+    p.seq_k = static_cast<int>(k.size(1));
+    p.head_dim = static_cast<int>(q.size(3));
+    p.block_size = static_cast<int>(block);
+    p.slash_len = static_cast<int>(slash.size(2));
+    p.vertical_len = static_cast<int>(vertical.size(2));
+    p.scale = static_cast<float>(scale);
+    p.world = static_cast<int>(world);
+    p.q_rank = static_cast<int>(q_rank);
+    p.k_rank = static_cast<int>(k_rank);
+    return p;
+}
+
+template <typename Run>
+cudaError_t dispatch(const at::Tensor& q, Run run) {
+    const bool bf16 = q.scalar_type() == at::kBFloat16;
+    const bool d64 = q.size(3) == 64;
+    if (bf16) return d64 ? run(std::integral_constant<mtr::DType, mtr::DType::kBF16>{}, std::integral_constant<int, 64>{})
+                         : run(std::integral_constant<mtr::DType, mtr::DType::kBF16>{}, std::integral_constant<int, 128>{});
+    return d64 ? run(std::integral_constant<mtr::DType, mtr::DType::kFP16>{}, std::integral_constant<int, 64>{})
+               : run(std::integral_constant<mtr::DType, mtr::DType::kFP16>{}, std::integral_constant<int, 128>{});
+}
+
+std::vector<at::Tensor> forward(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+                                const at::Tensor& slash, const at::Tensor& slash_count,
+                                const at::Tensor& vertical, const at::Tensor& vertical_count, int64_t block,
+                                double scale, int64_t world, int64_t q_rank, int64_t k_rank) {
+    const c10::cuda::OptionalCUDAGuard guard(q_in.device());
+    const at::Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
+    const at::Tensor s = slash.contiguous(), sc = slash_count.contiguous();
+    const at::Tensor vt = vertical.contiguous(), vc = vertical_count.contiguous();
+    StepLists lists;
+    mtr::AttentionParams p = make_params(q, k, v, s, sc, vt, vc, block, scale, world, q_rank, k_rank, lists);
+    const auto float_options = q.options().dtype(at::kFloat);
+    at::Tensor out = at::empty(q.sizes(), float_options);
+    at::Tensor lse = at::empty({q.size(0), q.size(2), q.size(1)}, float_options);
+    p.out = out.data_ptr<float>();
+    p.lse = lse.data_ptr<float>();
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+    check_status(mtr::build_step_index(p, stream), "build_step_index");
+    check_status(dispatch(q, [&](auto dtype, auto dim) { return mtr::run_forward<decltype(dtype)::value, decltype(dim)::value>(p, stream); }),
+                 "forward");
+    return {out, lse};
+}
+
+std::vector<at::Tensor> backward(const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in,
+                                 const at::Tensor& v_in, const at::Tensor& out_in, const at::Tensor& lse_in,
+                                 const at::Tensor& slash, const at::Tensor& slash_count,
+                                 const at::Tensor& vertical, const at::Tensor& vertical_count, int64_t block,
+                                 double scale, int64_t world, int64_t q_rank, int64_t k_rank) {
+    const c10::cuda::OptionalCUDAGuard guard(q_in.device());
+    const at::Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
+    const at::Tensor s = slash.contiguous(), sc = slash_count.contiguous();
+    const at::Tensor vt = vertical.contiguous(), vc = vertical_count.contiguous();
+    StepLists lists;
+    mtr::AttentionParams p = make_params(q, k, v, s, sc, vt, vc, block, scale, world, q_rank, k_rank, lists);
+    check_backward_tensors(q, dout_in, out_in, lse_in, kOpName);
+    const at::Tensor dout = dout_in.to(q.scalar_type()).contiguous();
+    const at::Tensor out = out_in.to(at::kFloat).contiguous();
+    const at::Tensor lse = lse_in.contiguous();
+    const auto float_options = q.options().dtype(at::kFloat);
+    at::Tensor dq = at::empty(q.sizes(), float_options);
+    at::Tensor dk = at::empty(k.sizes(), float_options);
+    at::Tensor dv = at::empty(v.sizes(), float_options);
+    at::Tensor delta = at::empty({q.size(0), q.size(2), q.size(1)}, float_options);
+    const std::vector<int64_t> partial_shape = {q.size(0), q.size(2), vertical.size(2), q.size(3)};
+    at::Tensor vertical_dk = at::empty(partial_shape, float_options);
+    at::Tensor vertical_dv = at::empty(partial_shape, float_options);
+    p.dout = dout.data_ptr();
+    p.out_in = out.data_ptr<float>();
+    p.lse_in = lse.data_ptr<float>();
+    p.dq = dq.data_ptr<float>();
+    p.dk = dk.data_ptr<float>();
+    p.dv = dv.data_ptr<float>();
+    p.delta = delta.data_ptr<float>();
+    p.vertical_dk = vertical_dk.data_ptr<float>();
+    p.vertical_dv = vertical_dv.data_ptr<float>();
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+    check_status(mtr::build_step_index(p, stream), "build_step_index");
+    check_status(dispatch(q, [&](auto dtype, auto dim) { return mtr::run_backward<decltype(dtype)::value, decltype(dim)::value>(p, stream); }),
+                 "backward");
+    return {dq, dk, dv};
+}
+
+// The per-call lists for (q_rank, k_rank): (local_offsets, num_offsets, local_keys, num_keys).
+std::vector<at::Tensor> step_index(const at::Tensor& slash, const at::Tensor& slash_count, const at::Tensor& vertical,
+                                   const at::Tensor& vertical_count, int64_t block, int64_t seq_k, int64_t world,
+                                   int64_t q_rank, int64_t k_rank) {
+    TORCH_CHECK_VALUE(slash.is_cuda() && slash.dim() == 3 && vertical.dim() == 3, kOpName,
+                      ": step_index takes CUDA int32 lists [batch, heads, n]");
+    const c10::cuda::OptionalCUDAGuard guard(slash.device());
+    const int64_t batch = slash.size(0), heads = slash.size(1);
+    check_list(slash, slash_count, "slash", batch, heads, slash.device(), kOpName);
+    check_list(vertical, vertical_count, "vertical", batch, heads, slash.device(), kOpName);
+    TORCH_CHECK_VALUE(world >= 1 && 0 <= q_rank && q_rank < world && 0 <= k_rank && k_rank < world && block >= 1,
+                      kOpName, ": need block >= 1, world >= 1 and ranks in [0, world)");
+    StepLists lists;
+    const at::Tensor s = slash.contiguous(), sc = slash_count.contiguous();
+    const at::Tensor vt = vertical.contiguous(), vc = vertical_count.contiguous();
+    lists.local_offsets = at::empty_like(s);
+    lists.num_offsets = at::empty_like(sc);
+    lists.local_keys = at::empty_like(vt);
+    lists.num_keys = at::empty_like(vc);
+    mtr::AttentionParams p;
+    p.slash = s.data_ptr<int32_t>();
+    p.slash_count = sc.data_ptr<int32_t>();
+    p.vertical = vt.data_ptr<int32_t>();
+    p.vertical_count = vc.data_ptr<int32_t>();
+    p.local_offsets = lists.local_offsets.data_ptr<int32_t>();
+    p.num_offsets = lists.num_offsets.data_ptr<int32_t>();
+    p.local_keys = lists.local_keys.data_ptr<int32_t>();
+    p.num_keys = lists.num_keys.data_ptr<int32_t>();
+    p.batch = static_cast<int>(batch);
+    p.heads = static_cast<int>(heads);
+    p.seq_k = static_cast<int>(seq_k);
+    p.block_size = static_cast<int>(block);
+    p.slash_len = static_cast<int>(s.size(2));
+    p.vertical_len = static_cast<int>(vt.size(2));
+    p.world = static_cast<int>(world);
+    p.q_rank = static_cast<int>(q_rank);
+    p.k_rank = static_cast<int>(k_rank);
+    check_status(mtr::build_step_index(p, c10::cuda::getCurrentCUDAStream().stream()), "build_step_index");
+    return {lists.local_offsets, lists.num_offsets, lists.local_keys, lists.num_keys};
+}
+
+}  // namespace
+}  // namespace mtraining
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    m.def("forward", &mtraining::forward, "sparse attention forward -> (out fp32, lse fp32)", py::arg("q"),
+          py::arg("k"), py::arg("v"), py::arg("slash"), py::arg("slash_count"), py::arg("vertical"),
+          py::arg("vertical_count"), py::arg("block_size"), py::arg("scale"), py::arg("world"), py::arg("q_rank"),
+          py::arg("k_rank"));
+    m.def("backward", &mtraining::backward, "sparse attention backward -> (dq, dk, dv) fp32", py::arg("dout"),
+          py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("slash"),
+          py::arg("slash_count"), py::arg("vertical"), py::arg("vertical_count"), py::arg("block_size"),
+          py::arg("scale"), py::arg("world"), py::arg("q_rank"), py::arg("k_rank"));
+    m.def("step_index", &mtraining::step_index,
+          "per-call lists -> (local_offsets, num_offsets, local_keys, num_keys)", py::arg("slash"),
+          py::arg("slash_count"), py::arg("vertical"), py::arg("vertical_count"), py::arg("block_size"),
+          py::arg("seq_k"), py::arg("world"), py::arg("q_rank"), py::arg("k_rank"));
+}

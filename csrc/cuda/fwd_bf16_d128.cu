@@ -1,0 +1,6 @@
+// Instantiation: run_forward for bf16, head_dim 128.
+#include "launch.cuh"
+
+namespace mtr {
+template cudaError_t run_forward<DType::kBF16, 128>(const AttentionParams&, cudaStream_t);
+}  // namespace mtr

@@ -1,0 +1,325 @@
+// The key-side backward kernels: dK and dV without atomics, each key row written by one CTA.
+//
+//  * Slash pass: one CTA per (local key block, kv head, batch) keeps its K/V block resident and
+//    loops over the query heads of its GQA group and, per head, over the query blocks that read
+//    the block through a slash offset (i = j + o), 64 queries at a time.
+//  * Vertical pass (runs first): one CTA per 64 consecutive vertical keys of one query head
+//    gathers their K/V and loops over every later query block that reads them as columns; it
+//    writes per-head partial dK/dV to scratch. CTAs are numbered tile-major, so the tiles of the
+//    earliest keys (the longest loops) start first.
+//  * The slash pass adds the scratch rows of its block's vertical keys head by head (a fixed
+//    order), after its own rows are written: deterministic, no atomics.
+#pragma once
+
+#include <math.h>
+
+#include "step_index.cuh"
+
+namespace mtr {
+
+constexpr int kQueryStep = 64;  // queries per step of the key-side kernels
+
+template <typename T, int D, int BS, bool kVertical>
+struct KeyKernelConfig {
+    static constexpr int kKeyRows = kVertical ? kKeyTile : BS;
+    static constexpr int kWarps = kKeyRows / 16;
+    static constexpr int kThreads = kWarps * 32;
+    static constexpr int kStepElements = kQueryStep * D;
+    static_assert(kThreads >= kQueryStep && kThreads >= kKeyTile, "too few threads for the per-step loads");
+
+    static size_t smem_bytes(int bit_words) {
+        return sizeof(T) * (2 * static_cast<size_t>(kKeyRows) * D + 4 * kStepElements) +
+               sizeof(float) * 4 * kQueryStep + sizeof(int) * kKeyTile + sizeof(uint32_t) * bit_words;
+    }
+};
+
+// 64 queries of one head and query block.
+struct QueryStep {
+    int head;
+    int first;
+    int block;
+    bool causal;
+};
+
+// Slash pass: the query blocks that read local key block `key_block`, head after head of the group.
+template <int BS>
+struct SlashStepSource {
+    const int* offsets;      // [heads][stride] of this batch
+    const int* num_offsets;  // [heads] of this batch
+    int stride;
+    int first_head;
+    int group;
+    int key_block;
+    int query_blocks;
+    int seq_q;
+    bool same_rank;
+
+    int head_index = 0;
+    int offset_index = 0;
+    int sub_step = 0;
+    int query_block = 0;
+    bool causal = false;
+
+    __device__ __forceinline__ bool next(QueryStep& step) {
+        while (head_index < group) {
+            const int head = first_head + head_index;
+            if (sub_step == 0) {
+                const bool more = offset_index < num_offsets[head];
+                const int o = more ? offsets[static_cast<size_t>(head) * stride + offset_index] : 0;
+                query_block = key_block + o;
+                if (!more || query_block >= query_blocks) {  // offsets ascend: this head is done
+                    ++head_index;
+                    offset_index = 0;
+                    continue;
+                }
+                causal = same_rank && o == 0;
+            }
+            const int first = query_block * BS + sub_step * kQueryStep;
+            if (++sub_step == BS / kQueryStep) {
+                sub_step = 0;
+                ++offset_index;
+            }
+            if (first >= seq_q) continue;
+            step = QueryStep{head, first, query_block, causal};
+            return true;
+        }
+        return false;
+    }
+};
+
+// Vertical pass: every query block from the tile's first key block on that reads at least one
+// of the tile's keys as a column (a CTA-wide vote per block).
+template <int BS>
+struct VerticalStepSource {
+    const int* tile_keys;  // shared memory, ascending
+    int key_count;
+    const uint32_t* bits;
+    int head;
+    int query_blocks;
+    int seq_q;
+    bool query_rank_after;
+
+    int query_block = 0;
+    int sub_step = 0;
+
+    __device__ __forceinline__ bool next(QueryStep& step) {
+        while (true) {
+            if (sub_step == 0) {
+                if (query_block >= query_blocks) return false;
+                const bool reads = threadIdx.x < key_count &&
+                                   reads_as_column(query_block, tile_keys[threadIdx.x] / BS, query_rank_after, bits);
+                if (!__syncthreads_or(reads)) {
+                    ++query_block;
+                    continue;
+                }
+            }
+            const int first = query_block * BS + sub_step * kQueryStep;
+            step = QueryStep{head, first, query_block, false};
+            if (++sub_step == BS / kQueryStep) {
+                sub_step = 0;
+                ++query_block;
+            }
+            if (first >= seq_q) continue;
+            return true;
+        }
+    }
+};
+
+template <typename T, int D, int BS, bool kVertical>
+__global__ void __launch_bounds__(KeyKernelConfig<T, D, BS, kVertical>::kThreads)
+    key_kernel(const AttentionParams p) {
+    using Config = KeyKernelConfig<T, D, BS, kVertical>;
+    constexpr int kThreads = Config::kThreads;
+    constexpr int kKeyRows = Config::kKeyRows;
+    extern __shared__ __align__(128) unsigned char smem[];
+    T* key_tile = reinterpret_cast<T*>(smem);
+    T* value_tile = key_tile + kKeyRows * D;
+    T* query_tiles = value_tile + kKeyRows * D;
+    T* dout_tiles = query_tiles + 2 * Config::kStepElements;
+    float* lse_tiles = reinterpret_cast<float*>(dout_tiles + 2 * Config::kStepElements);
+    float* delta_tiles = lse_tiles + 2 * kQueryStep;
+    int* tile_keys = reinterpret_cast<int*>(delta_tiles + 2 * kQueryStep);
+    uint32_t* bits = reinterpret_cast<uint32_t*>(tile_keys + kKeyTile);
+
+    const int group = p.heads / p.kv_heads;
+    const int query_blocks = (p.seq_q + BS - 1) / BS;
+    const int bit_words = (max(query_blocks, (p.seq_k + BS - 1) / BS) + 31) / 32;
+    const size_t q_stride = static_cast<size_t>(p.heads) * D;
+    const size_t kv_stride = static_cast<size_t>(p.kv_heads) * D;
+    const T* q = static_cast<const T*>(p.q);
+    const T* k = static_cast<const T*>(p.k);
+    const T* v = static_cast<const T*>(p.v);
+    const T* dout = static_cast<const T*>(p.dout);
+    const int row0 = (threadIdx.x >> 5) * 16;  // this warp's first key row
+
+    int batch, kv_head, key_count, key_first = 0, first_entry = 0, bh_vertical = 0;
+    if constexpr (kVertical) {
+        const int rows = p.batch * p.heads;
+        const int tile = blockIdx.x / rows;
+        bh_vertical = blockIdx.x % rows;
+        batch = bh_vertical / p.heads;
+        kv_head = (bh_vertical % p.heads) / group;
+        first_entry = tile * kKeyTile;
+        const int num_keys = p.num_keys[bh_vertical];
+        if (first_entry >= num_keys) return;  // uniform over the CTA
+        key_count = min(kKeyTile, num_keys - first_entry);
+        if (threadIdx.x < kKeyTile) {
+            tile_keys[threadIdx.x] = threadIdx.x < key_count
+                ? p.local_keys[static_cast<size_t>(bh_vertical) * p.vertical_len + first_entry + threadIdx.x] : 0;
+        }
+        __syncthreads();
+    } else {
+        batch = blockIdx.z;
+        kv_head = blockIdx.y;
+        key_first = blockIdx.x * BS;
+        key_count = min(BS, p.seq_k - key_first);
+    }
+    auto key_row = [&](const T* base, int row) -> const T* {
+        if (row >= key_count) return nullptr;
+        const int key = kVertical ? tile_keys[row] : key_first + row;
+        return base + (static_cast<size_t>(batch) * p.seq_k + key) * kv_stride + kv_head * D;
+    };
+    load_tile_async<kKeyRows, D, kThreads>(key_tile, [&](int row) { return key_row(k, row); }, k);
+    load_tile_async<kKeyRows, D, kThreads>(value_tile, [&](int row) { return key_row(v, row); }, v);
+    cp_async_commit();
+
+    auto issue = [&](const QueryStep& step, int buffer) {
+        const size_t bh = static_cast<size_t>(batch) * p.heads + step.head;
+        auto query_row = [&](const T* base, int row) -> const T* {
+            const int t = step.first + row;
+            return t < p.seq_q ? base + (static_cast<size_t>(batch) * p.seq_q + t) * q_stride + step.head * D
+                               : nullptr;
+        };
+        load_tile_async<kQueryStep, D, kThreads>(query_tiles + buffer * Config::kStepElements,
+                                                 [&](int row) { return query_row(q, row); }, q);
+        load_tile_async<kQueryStep, D, kThreads>(dout_tiles + buffer * Config::kStepElements,
+                                                 [&](int row) { return query_row(dout, row); }, dout);
+        if (threadIdx.x < kQueryStep) {
+            const int t = step.first + threadIdx.x;
+            const bool valid = t < p.seq_q;
+            const size_t at = bh * p.seq_q + (valid ? t : 0);
+            cp_async_4(lse_tiles + buffer * kQueryStep + threadIdx.x, p.lse_in + at, valid);
+            cp_async_4(delta_tiles + buffer * kQueryStep + threadIdx.x, p.delta + at, valid);
+        }
+    };
+
+    const bool query_rank_after = p.q_rank > p.k_rank;
+    const float scale_log2 = p.scale * kLog2e;
+    float dk[1][D / 8][4];
+    float dv[1][D / 8][4];
+    zero_fill(dk);
+    zero_fill(dv);
+
+    auto compute = [&](const QueryStep& step, int buffer) {
+        const T* query_tile = query_tiles + buffer * Config::kStepElements;
+        const T* dout_tile = dout_tiles + buffer * Config::kStepElements;
+        const float* lse = lse_tiles + buffer * kQueryStep;
+        const float* delta = delta_tiles + buffer * kQueryStep;
+        bool row_reads[2] = {true, true};  // vertical pass: does this key row read step.block?
+        if constexpr (kVertical) {
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int row = row0 + fragment_row(2 * half);
+                row_reads[half] = row < key_count &&
+                                  reads_as_column(step.block, tile_keys[row] / BS, query_rank_after, bits);
+            }
+        }
+        float s[1][8][4];
+        float dp[1][8][4];
+        zero_fill(s);
+        zero_fill(dp);
+        gemm_abt<1, D>(s, key_tile, row0, query_tile);    // S^T = K Q^T
+        gemm_abt<1, D>(dp, value_tile, row0, dout_tile);  // dP^T = V dO^T
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                const int col = fragment_col(nt, c);
+                const int query = step.first + col;
+                bool visible = query < p.seq_q && row_reads[c >> 1];
+                if (!kVertical && step.causal) visible = visible && query >= key_first + row0 + fragment_row(c);
+                const float row_lse = lse[col];
+                const float lse_log2 = row_lse == -INFINITY ? INFINITY : row_lse * kLog2e;
+                const float prob = visible ? exp2f(s[0][nt][c] * scale_log2 - lse_log2) : 0.f;
+                s[0][nt][c] = prob;                                  // P^T
+                dp[0][nt][c] = prob * (dp[0][nt][c] - delta[col]);  // dS^T / scale
+            }
+        gemm_pb<1, D>(dv, s, dout_tile);   // dV += P^T dO
+        gemm_pb<1, D>(dk, dp, query_tile);  // dK += dS^T Q
+    };
+
+    if constexpr (kVertical) {
+        const int head = bh_vertical % p.heads;
+        build_offset_bits<kThreads>(bits, bit_words,
+                                    p.local_offsets + static_cast<size_t>(bh_vertical) * p.slash_len,
+                                    p.num_offsets[bh_vertical]);
+        VerticalStepSource<BS> source{tile_keys, key_count, bits, head, query_blocks, p.seq_q, query_rank_after};
+        source.query_block = tile_keys[0] / BS;
+        run_two_stage_pipeline<QueryStep>(source, issue, compute);
+        const size_t entry0 = static_cast<size_t>(bh_vertical) * p.vertical_len + first_entry;
+        auto scratch_row = [&](float* base, int row) -> float* {
+            return row < key_count ? base + (entry0 + row) * D : nullptr;
+        };
+        store_rows<1, D>(dk, row0, p.scale, [&](int row) { return scratch_row(p.vertical_dk, row); });
+        store_rows<1, D>(dv, row0, 1.f, [&](int row) { return scratch_row(p.vertical_dv, row); });
+    } else {
+        const size_t batch_heads = static_cast<size_t>(batch) * p.heads;
+        SlashStepSource<BS> source{p.local_offsets + batch_heads * p.slash_len, p.num_offsets + batch_heads,
+                                   p.slash_len, kv_head * group, group, static_cast<int>(blockIdx.x),
+                                   query_blocks, p.seq_q, p.q_rank == p.k_rank};
+        run_two_stage_pipeline<QueryStep>(source, issue, compute);
+        auto key_out_row = [&](float* base, int row) -> float* {
+            return row < key_count ? base + ((static_cast<size_t>(batch) * p.seq_k + key_first + row) * p.kv_heads + kv_head) * D
+                                   : nullptr;
+        };
+        store_rows<1, D>(dk, row0, p.scale, [&](int row) { return key_out_row(p.dk, row); });
+        store_rows<1, D>(dv, row0, 1.f, [&](int row) { return key_out_row(p.dv, row); });
+        __syncthreads();  // this CTA's dk/dv rows are visible to all its threads from here
+
+        // Add the vertical pass's per-head partials for the vertical keys of this block, head by head.
+        for (int head = kv_head * group; head < (kv_head + 1) * group; ++head) {
+            const size_t bh = batch_heads + head;
+            const int* keys = p.local_keys + bh * p.vertical_len;
+            const int num_keys = p.num_keys[bh];
+            int lo = 0, hi = num_keys;  // first key >= key_first
+            while (lo < hi) {
+                const int mid = (lo + hi) >> 1;
+                if (keys[mid] < key_first) lo = mid + 1; else hi = mid;
+            }
+            int end = lo;
+            while (end < num_keys && keys[end] < key_first + key_count) ++end;
+            for (int index = threadIdx.x; index < (end - lo) * D; index += kThreads) {
+                const int entry = lo + index / D;
+                const int d = index % D;
+                const size_t out = ((static_cast<size_t>(batch) * p.seq_k + keys[entry]) * p.kv_heads + kv_head) * D + d;
+                const size_t partial = (bh * p.vertical_len + entry) * D + d;
+                p.dk[out] += p.vertical_dk[partial];
+                p.dv[out] += p.vertical_dv[partial];
+            }
+            __syncthreads();  // the next head may hold the same keys
+        }
+    }
+}
+
+template <typename T, int D, int BS, bool kVertical>
+cudaError_t launch_key_kernel(const AttentionParams& p, cudaStream_t stream) {
+    using Config = KeyKernelConfig<T, D, BS, kVertical>;
+    const int query_blocks = (p.seq_q + BS - 1) / BS;
+    const int key_blocks = (p.seq_k + BS - 1) / BS;
+    const size_t smem = Config::smem_bytes((max(query_blocks, key_blocks) + 31) / 32);
+    auto kernel = key_kernel<T, D, BS, kVertical>;
+    cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+    if (status != cudaSuccess) return status;
+    dim3 grid;
+    if (kVertical) {
+        const long long ctas = static_cast<long long>((p.vertical_len + kKeyTile - 1) / kKeyTile) * p.batch * p.heads;
+        if (ctas == 0) return cudaSuccess;
+        grid = dim3(static_cast<unsigned>(ctas));
+    } else {
+        grid = dim3(key_blocks, p.kv_heads, p.batch);
+    }
+    kernel<<<grid, Config::kThreads, smem, stream>>>(p);
+    return cudaGetLastError();
+}
+
+}  // namespace mtr

@@ -1,0 +1,77 @@
+// Launch templates: run_forward / run_backward for one (dtype, head dim), dispatching on the
+// index block size. Each fwd_*/bwd_*.cu file instantiates one pair (FlashAttention style), so the
+// instantiations compile in parallel.
+#pragma once
+
+#include "key_kernel.cuh"
+#include "query_kernel.cuh"
+
+namespace mtr {
+
+// Rows of query tiles per warp in the forward (1: 16 rows, 2: 32 rows per warp).
+constexpr int kForwardRowAtoms = 1;
+constexpr int kDeltaThreads = 256;
+
+__device__ __forceinline__ float to_float(__nv_bfloat16 value) { return __bfloat162float(value); }
+__device__ __forceinline__ float to_float(__half value) { return __half2float(value); }
+
+// delta[b, h, t] = sum_d dout[b, t, h, d] * out[b, t, h, d]: one warp per (b, t, h) row.
+template <typename T, int D>
+__global__ void __launch_bounds__(kDeltaThreads) delta_kernel(const AttentionParams p) {
+    const long long row = static_cast<long long>(blockIdx.x) * (kDeltaThreads / 32) + (threadIdx.x >> 5);
+    const long long rows = static_cast<long long>(p.batch) * p.seq_q * p.heads;
+    if (row >= rows) return;
+    const int lane = threadIdx.x & 31;
+    const T* dout = static_cast<const T*>(p.dout) + row * D;
+    const float* out = p.out_in + row * D;
+    float sum = 0.f;
+#pragma unroll
+    for (int d = lane; d < D; d += 32) sum += to_float(dout[d]) * out[d];
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+    if (lane == 0) {
+        const int head = static_cast<int>(row % p.heads);
+        const long long token_row = row / p.heads;
+        const int t = static_cast<int>(token_row % p.seq_q);
+        const int batch = static_cast<int>(token_row / p.seq_q);
+        p.delta[(static_cast<size_t>(batch) * p.heads + head) * p.seq_q + t] = sum;
+    }
+}
+
+template <typename T, int D, int BS>
+cudaError_t forward_for_block(const AttentionParams& p, cudaStream_t stream) {
+    return launch_query_kernel<T, D, BS, kForwardRowAtoms, false>(p, stream);
+}
+
+template <typename T, int D, int BS>
+cudaError_t backward_for_block(const AttentionParams& p, cudaStream_t stream) {
+    const long long rows = static_cast<long long>(p.batch) * p.seq_q * p.heads;
+    const long long delta_blocks = (rows + kDeltaThreads / 32 - 1) / (kDeltaThreads / 32);
+    if (delta_blocks > 0) delta_kernel<T, D><<<static_cast<unsigned>(delta_blocks), kDeltaThreads, 0, stream>>>(p);
+    cudaError_t status = cudaGetLastError();
+    if (status != cudaSuccess) return status;
+    // The vertical pass writes the scratch partials the slash pass adds: it must run first.
+    status = launch_key_kernel<T, D, BS, true>(p, stream);
+    if (status != cudaSuccess) return status;
+    status = launch_key_kernel<T, D, BS, false>(p, stream);
+    if (status != cudaSuccess) return status;
+    return launch_query_kernel<T, D, BS, 1, true>(p, stream);
+}
+
+template <DType dtype, int kHeadDim>
+cudaError_t run_forward(const AttentionParams& p, cudaStream_t stream) {
+    using T = typename ElementOf<dtype>::type;
+    if (p.head_dim != kHeadDim) return cudaErrorInvalidValue;
+    return p.block_size == 64 ? forward_for_block<T, kHeadDim, 64>(p, stream)
+                              : forward_for_block<T, kHeadDim, 128>(p, stream);
+}
+
+template <DType dtype, int kHeadDim>
+cudaError_t run_backward(const AttentionParams& p, cudaStream_t stream) {
+    using T = typename ElementOf<dtype>::type;
+    if (p.head_dim != kHeadDim) return cudaErrorInvalidValue;
+    return p.block_size == 64 ? backward_for_block<T, kHeadDim, 64>(p, stream)
+                              : backward_for_block<T, kHeadDim, 128>(p, stream);
+}
+
+}  // namespace mtr

@@ -1,0 +1,69 @@
+// Plain-C++ interface between the torch binding (binding.cpp) and the CUDA kernels (*.cu).
+// It holds raw pointers and sizes only, so the kernels never see ATen and `nvcc -c` compiles them
+// on machines without torch's CUDA headers or a GPU.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+namespace mtr {
+
+enum class DType { kBF16, kFP16 };
+
+struct AttentionParams {
+    // Inputs: q [B, Sq, H, D], k/v [B, Sk, Hkv, D] (contiguous, bf16 or fp16).
+    const void* q = nullptr;
+    const void* k = nullptr;
+    const void* v = nullptr;
+    // Backward inputs: dout [B, Sq, H, D] (q's dtype), the final out (fp32) and lse [B, H, Sq].
+    const void* dout = nullptr;
+    const float* out_in = nullptr;
+    const float* lse_in = nullptr;
+
+    // Forward outputs: out fp32 [B, Sq, H, D], lse fp32 [B, H, Sq].
+    float* out = nullptr;
+    float* lse = nullptr;
+    // Backward outputs (fp32): dq [B, Sq, H, D], dk/dv [B, Sk, Hkv, D].
+    float* dq = nullptr;
+    float* dk = nullptr;
+    float* dv = nullptr;
+    // Backward scratch: delta [B, H, Sq]; vertical-column dK/dV per query head [B, H, Lv, D].
+    float* delta = nullptr;
+    float* vertical_dk = nullptr;
+    float* vertical_dv = nullptr;
+
+    // The compact index (see docs/KERNEL_CONTRACT.md): slash [B, H, Ls], vertical [B, H, Lv].
+    const int* slash = nullptr;
+    const int* slash_count = nullptr;
+    const int* vertical = nullptr;
+    const int* vertical_count = nullptr;
+
+    // Per-call lists derived on the GPU by build_step_index (scratch, [B, H, Ls] / [B, H, Lv]):
+    // local_offsets: sorted local block offsets o (query block i reads key block i - o);
+    // local_keys: sorted local key indices of this call's key rank that are vertical columns.
+    int* local_offsets = nullptr;
+    int* num_offsets = nullptr;
+    int* local_keys = nullptr;
+    int* num_keys = nullptr;
+
+    int batch = 0, heads = 0, kv_heads = 0, seq_q = 0, seq_k = 0, head_dim = 0, block_size = 0;
+    int slash_len = 0, vertical_len = 0;
+    float scale = 0.f;
+    int world = 1, q_rank = 0, k_rank = 0;
+};
+
+// Derives local_offsets/num_offsets and local_keys/num_keys from the compact index.
+cudaError_t build_step_index(const AttentionParams& params, cudaStream_t stream);
+
+// Forward: out, lse. Backward: dq, dk, dv (uses delta/vertical_dk/vertical_dv as scratch).
+// Both expect build_step_index to have run on the same stream with the same params.
+// Defined for DType in {kBF16, kFP16} and head_dim in {64, 128}, one instantiation file each.
+template <DType dtype, int kHeadDim>
+cudaError_t run_forward(const AttentionParams& params, cudaStream_t stream);
+
+template <DType dtype, int kHeadDim>
+cudaError_t run_backward(const AttentionParams& params, cudaStream_t stream);
+
+// Largest number of local key blocks the kernels' shared-memory bitmap of offsets supports.
+constexpr int kMaxLocalBlocks = 1 << 17;
+
+}  // namespace mtr

@@ -1,0 +1,232 @@
+// The query-side kernel: one CTA per (query block, head, batch) walks the key tiles its block reads
+// (KeyTileSource) with a two-stage cp.async pipeline. kBackward = false is the forward
+// (online softmax, out + lse); kBackward = true computes dQ from the saved lse and delta.
+#pragma once
+
+#include <math.h>
+
+#include "step_index.cuh"
+
+namespace mtr {
+
+template <typename T, int D, int BS, int MA, bool kBackward>
+struct QueryKernelConfig {
+    static constexpr int kWarps = BS / (16 * MA);
+    static constexpr int kThreads = kWarps * 32;
+    static constexpr int kListCapacity = 2048;
+    static constexpr int kKeyTileElements = kKeyTile * D;
+    static constexpr int kQueryTiles = kBackward ? 2 : 1;  // Q (and dO)
+    static_assert(BS % (16 * MA) == 0 && BS % kKeyTile == 0, "block size must split into warps and key tiles");
+
+    static size_t smem_bytes(int bit_words) {
+        return sizeof(T) * (static_cast<size_t>(kQueryTiles) * BS * D + 4 * kKeyTileElements) +
+               sizeof(int) * (kListCapacity + 32) + sizeof(uint32_t) * bit_words;
+    }
+};
+
+template <typename T, int D, int BS, int MA, bool kBackward>
+__global__ void __launch_bounds__(QueryKernelConfig<T, D, BS, MA, kBackward>::kThreads)
+    query_kernel(const AttentionParams p) {
+    using Config = QueryKernelConfig<T, D, BS, MA, kBackward>;
+    constexpr int kThreads = Config::kThreads;
+    extern __shared__ __align__(128) unsigned char smem[];
+    T* q_tile = reinterpret_cast<T*>(smem);
+    T* dout_tile = q_tile + BS * D;  // backward only
+    T* key_tiles = q_tile + Config::kQueryTiles * BS * D;
+    T* value_tiles = key_tiles + 2 * Config::kKeyTileElements;
+    int* key_list = reinterpret_cast<int*>(value_tiles + 2 * Config::kKeyTileElements);
+    int* warp_counts = key_list + Config::kListCapacity;
+    uint32_t* bits = reinterpret_cast<uint32_t*>(warp_counts + 32);
+
+    const int query_block = static_cast<int>(gridDim.x - 1 - blockIdx.x);  // late blocks read the most: start them first
+    const int head = blockIdx.y;
+    const int batch = blockIdx.z;
+    const int kv_head = head / (p.heads / p.kv_heads);
+    const int bh = batch * p.heads + head;
+    const int row0 = (threadIdx.x >> 5) * 16 * MA;  // this warp's first row in the block
+    const int query_first = query_block * BS;
+    const size_t q_stride = static_cast<size_t>(p.heads) * D;
+    const size_t kv_stride = static_cast<size_t>(p.kv_heads) * D;
+    const T* q = static_cast<const T*>(p.q);
+    const T* k = static_cast<const T*>(p.k);
+    const T* v = static_cast<const T*>(p.v);
+    const T* dout = static_cast<const T*>(p.dout);
+
+    auto query_row = [&](const T* base, int row) -> const T* {
+        const int t = query_first + row;
+        return t < p.seq_q ? base + (static_cast<size_t>(batch) * p.seq_q + t) * q_stride + head * D : nullptr;
+    };
+    load_tile_async<BS, D, kThreads>(q_tile, [&](int row) { return query_row(q, row); }, q);
+    if constexpr (kBackward) load_tile_async<BS, D, kThreads>(dout_tile, [&](int row) { return query_row(dout, row); }, dout);
+    cp_async_commit();
+
+    const int* offsets = p.local_offsets + static_cast<size_t>(bh) * p.slash_len;
+    const int num_offsets = p.num_offsets[bh];
+    const int num_blocks = max(static_cast<int>(gridDim.x), (p.seq_k + BS - 1) / BS);
+    build_offset_bits<kThreads>(bits, (num_blocks + 31) / 32, offsets, num_offsets);
+
+    KeyTileSource<BS, kThreads, Config::kListCapacity> source{
+        offsets, num_offsets, p.local_keys + static_cast<size_t>(bh) * p.vertical_len, p.num_keys[bh],
+        query_block, p.seq_k, p.q_rank == p.k_rank, p.q_rank > p.k_rank, bits, key_list, warp_counts};
+
+    auto issue = [&](const KeyTile& tile, int buffer) {
+        auto key_row = [&](const T* base, int row) -> const T* {
+            int key;
+            if (tile.gathered) {
+                if (row >= tile.count) return nullptr;
+                key = key_list[tile.first + row];
+            } else {
+                key = tile.first + row;
+                if (key >= p.seq_k) return nullptr;
+            }
+            return base + (static_cast<size_t>(batch) * p.seq_k + key) * kv_stride + kv_head * D;
+        };
+        load_tile_async<kKeyTile, D, kThreads>(key_tiles + buffer * Config::kKeyTileElements,
+                                               [&](int row) { return key_row(k, row); }, k);
+        load_tile_async<kKeyTile, D, kThreads>(value_tiles + buffer * Config::kKeyTileElements,
+                                               [&](int row) { return key_row(v, row); }, v);
+    };
+
+    const float scale_log2 = p.scale * kLog2e;
+    float acc[MA][D / 8][4];  // forward: unnormalised out; backward: dQ / scale
+    zero_fill(acc);
+    // Per owned row (ma, half): forward running max (log2 units) and partial sum; backward lse
+    // (log2 units, +inf for rows without keys so that P = 0) and delta.
+    float row_a[MA][2];
+    float row_b[MA][2];
+#pragma unroll
+    for (int ma = 0; ma < MA; ++ma)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            if constexpr (kBackward) {
+                const int t = query_first + row0 + ma * 16 + fragment_row(2 * half);
+                const float lse = t < p.seq_q ? p.lse_in[static_cast<size_t>(bh) * p.seq_q + t] : -INFINITY;
+                row_a[ma][half] = lse == -INFINITY ? INFINITY : lse * kLog2e;
+                row_b[ma][half] = t < p.seq_q ? p.delta[static_cast<size_t>(bh) * p.seq_q + t] : 0.f;
+            } else {
+                row_a[ma][half] = -INFINITY;
+                row_b[ma][half] = 0.f;
+            }
+        }
+
+    auto compute = [&](const KeyTile& tile, int buffer) {
+        const T* key_tile = key_tiles + buffer * Config::kKeyTileElements;
+        const T* value_tile = value_tiles + buffer * Config::kKeyTileElements;
+        float s[MA][8][4];
+        zero_fill(s);
+        gemm_abt<MA, D>(s, q_tile, row0, key_tile);
+#pragma unroll
+        for (int ma = 0; ma < MA; ++ma)
+#pragma unroll
+            for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+                for (int c = 0; c < 4; ++c) {
+                    const int col = fragment_col(nt, c);
+                    bool visible;
+                    if (tile.gathered) {
+                        visible = col < tile.count;
+                    } else {
+                        const int key = tile.first + col;
+                        const int query = query_first + row0 + ma * 16 + fragment_row(c);
+                        visible = key < p.seq_k && (!tile.causal || query >= key);
+                    }
+                    s[ma][nt][c] = visible ? s[ma][nt][c] * scale_log2 : -INFINITY;
+                }
+        if constexpr (!kBackward) {
+#pragma unroll
+            for (int ma = 0; ma < MA; ++ma)
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    float tile_max = -INFINITY;
+#pragma unroll
+                    for (int nt = 0; nt < 8; ++nt)
+                        tile_max = fmaxf(tile_max, fmaxf(s[ma][nt][2 * half], s[ma][nt][2 * half + 1]));
+                    tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
+                    tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
+                    const float new_max = fmaxf(row_a[ma][half], tile_max);
+                    const float reference = new_max == -INFINITY ? 0.f : new_max;  // no -inf - -inf
+                    const float rescale = exp2f(row_a[ma][half] - reference);
+                    row_a[ma][half] = new_max;
+                    float tile_sum = 0.f;
+#pragma unroll
+                    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+                        for (int c = 2 * half; c < 2 * half + 2; ++c) {
+                            const float prob = exp2f(s[ma][nt][c] - reference);
+                            s[ma][nt][c] = prob;
+                            tile_sum += prob;
+                        }
+                    row_b[ma][half] = row_b[ma][half] * rescale + tile_sum;
+#pragma unroll
+                    for (int nt = 0; nt < D / 8; ++nt) {
+                        acc[ma][nt][2 * half] *= rescale;
+                        acc[ma][nt][2 * half + 1] *= rescale;
+                    }
+                }
+            gemm_pb<MA, D>(acc, s, value_tile);
+        } else {
+            float dp[MA][8][4];
+            zero_fill(dp);
+            gemm_abt<MA, D>(dp, dout_tile, row0, value_tile);
+#pragma unroll
+            for (int ma = 0; ma < MA; ++ma)
+#pragma unroll
+                for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+                    for (int c = 0; c < 4; ++c) {
+                        const int half = c >> 1;
+                        const float prob = exp2f(s[ma][nt][c] - row_a[ma][half]);
+                        s[ma][nt][c] = prob * (dp[ma][nt][c] - row_b[ma][half]);  // dS / scale
+                    }
+            gemm_pb<MA, D>(acc, s, key_tile);
+        }
+    };
+
+    run_two_stage_pipeline<KeyTile>(source, issue, compute);
+
+    auto query_out_row = [&](float* base, int row) -> float* {
+        const int t = query_first + row;
+        return t < p.seq_q ? base + (static_cast<size_t>(batch) * p.seq_q + t) * q_stride + head * D : nullptr;
+    };
+    if constexpr (!kBackward) {
+#pragma unroll
+        for (int ma = 0; ma < MA; ++ma)
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                float sum = row_b[ma][half];
+                sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+                sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+                const float inverse = sum > 0.f ? 1.f / sum : 0.f;
+#pragma unroll
+                for (int nt = 0; nt < D / 8; ++nt) {
+                    acc[ma][nt][2 * half] *= inverse;
+                    acc[ma][nt][2 * half + 1] *= inverse;
+                }
+                const int t = query_first + row0 + ma * 16 + fragment_row(2 * half);
+                if ((threadIdx.x & 3) == 0 && t < p.seq_q)
+                    p.lse[static_cast<size_t>(bh) * p.seq_q + t] =
+                        sum > 0.f ? row_a[ma][half] * kLn2 + logf(sum) : -INFINITY;
+            }
+        store_rows<MA, D>(acc, row0, 1.f, [&](int row) { return query_out_row(p.out, row); });
+    } else {
+        store_rows<MA, D>(acc, row0, p.scale, [&](int row) { return query_out_row(p.dq, row); });
+    }
+}
+
+// Launches the query-side kernel for one (dtype, head dim, block size).
+template <typename T, int D, int BS, int MA, bool kBackward>
+cudaError_t launch_query_kernel(const AttentionParams& p, cudaStream_t stream) {
+    using Config = QueryKernelConfig<T, D, BS, MA, kBackward>;
+    const int query_blocks = (p.seq_q + BS - 1) / BS;
+    const int key_blocks = (p.seq_k + BS - 1) / BS;
+    const int bit_words = (max(query_blocks, key_blocks) + 31) / 32;
+    const size_t smem = Config::smem_bytes(bit_words);
+    auto kernel = query_kernel<T, D, BS, MA, kBackward>;
+    cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+    if (status != cudaSuccess) return status;
+    const dim3 grid(query_blocks, p.heads, p.batch);
+    kernel<<<grid, Config::kThreads, smem, stream>>>(p);
+    return cudaGetLastError();
+}
+
+}  // namespace mtr

@@ -1,0 +1,259 @@
+// Warp-level building blocks: cp.async tile loads into swizzled shared memory, ldmatrix fragment
+// loads, and the m16n8k16 tensor-core MMA (mma.sync, sm_80 and later, including sm_90).
+//
+// Shared-memory tiles are row-major [rows][D] of 16-bit elements with the 16-byte chunks of each
+// row XOR-swizzled by (row % 8), so that the 8 row addresses of one ldmatrix and the 16-byte
+// cp.async stores of a warp hit distinct banks.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "params.h"
+
+namespace mtr {
+
+template <DType dtype> struct ElementOf;
+template <> struct ElementOf<DType::kBF16> { using type = __nv_bfloat16; };
+template <> struct ElementOf<DType::kFP16> { using type = __half; };
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+__device__ __forceinline__ uint32_t smem_address(const void* pointer) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(pointer));
+}
+
+// Element offset of (row, 16-byte chunk) in a swizzled [rows][D] tile.
+template <int D>
+__device__ __forceinline__ int swizzled_offset(int row, int chunk) {
+    return row * D + ((chunk ^ (row & 7)) << 3);
+}
+
+// ---------------------------------------------------------------- cp.async
+// Copies 16 bytes, or writes 16 zero bytes when !valid (src is then not read).
+__device__ __forceinline__ void cp_async_16(void* smem, const void* src, bool valid) {
+    const int src_bytes = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_address(smem)), "l"(src),
+                 "r"(src_bytes)
+                 : "memory");
+}
+
+// Copies 4 bytes, or writes zero when !valid.
+__device__ __forceinline__ void cp_async_4(void* smem, const void* src, bool valid) {
+    const int src_bytes = valid ? 4 : 0;
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_address(smem)), "l"(src),
+                 "r"(src_bytes)
+                 : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+
+// Loads kRows rows of D elements into a swizzled tile; row_source(row) gives the global row or
+// nullptr for a row to zero-fill. All kThreads threads of the CTA take part.
+template <int kRows, int D, int kThreads, typename T, typename RowSource>
+__device__ __forceinline__ void load_tile_async(T* tile, RowSource row_source, const T* any_valid) {
+    constexpr int kChunks = D / 8;
+    constexpr int kTotal = kRows * kChunks;
+    static_assert(kTotal % kThreads == 0, "tile chunks must split evenly over the threads");
+#pragma unroll
+    for (int step = 0; step < kTotal / kThreads; ++step) {
+        const int linear = threadIdx.x + step * kThreads;
+        const int row = linear / kChunks;
+        const int chunk = linear % kChunks;
+        const T* src = row_source(row);
+        const bool valid = src != nullptr;
+        cp_async_16(tile + swizzled_offset<D>(row, chunk), valid ? src + chunk * 8 : any_valid, valid);
+    }
+}
+
+// ---------------------------------------------------------------- ldmatrix
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t address) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(address));
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t address) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(address));
+}
+
+// A operand (16 rows x 16 k) of rows row0.. and k-chunk kc of a [rows][D] tile.
+template <int D, typename T>
+__device__ __forceinline__ void load_a_fragment(uint32_t (&a)[4], const T* tile, int row0, int kc) {
+    const int lane = threadIdx.x & 31;
+    const int row = row0 + (lane & 15);
+    const int chunk = kc * 2 + (lane >> 4);
+    ldmatrix_x4(a, smem_address(tile + swizzled_offset<D>(row, chunk)));
+}
+
+// B operands of two n-tiles (n0..n0+15) for k-chunk kc, from a [n][D] tile (B = tile^T):
+// b[0], b[1] for n0..n0+7 and b[2], b[3] for n0+8..n0+15.
+template <int D, typename T>
+__device__ __forceinline__ void load_b_fragments(uint32_t (&b)[4], const T* tile, int n0, int kc) {
+    const int lane = threadIdx.x & 31;
+    const int row = n0 + (lane & 7) + ((lane >> 4) << 3);
+    const int chunk = kc * 2 + ((lane >> 3) & 1);
+    ldmatrix_x4(b, smem_address(tile + swizzled_offset<D>(row, chunk)));
+}
+
+// B operands of two n-tiles along D (columns 16*dp..16*dp+15) for k rows k0..k0+15 of a [k][D]
+// tile (B = tile itself), loaded transposed.
+template <int D, typename T>
+__device__ __forceinline__ void load_b_fragments_trans(uint32_t (&b)[4], const T* tile, int k0, int dp) {
+    const int lane = threadIdx.x & 31;
+    const int row = k0 + (lane & 7) + (((lane >> 3) & 1) << 3);
+    const int chunk = dp * 2 + (lane >> 4);
+    ldmatrix_x4_trans(b, smem_address(tile + swizzled_offset<D>(row, chunk)));
+}
+
+// ---------------------------------------------------------------- mma.sync m16n8k16
+template <typename T> struct Mma;
+
+template <> struct Mma<__nv_bfloat16> {
+    static __device__ __forceinline__ void run(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+            "{%8, %9}, {%0, %1, %2, %3};\n"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+    static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
+        __nv_bfloat162 value = __floats2bfloat162_rn(lo, hi);
+        return *reinterpret_cast<uint32_t*>(&value);
+    }
+};
+
+template <> struct Mma<__half> {
+    static __device__ __forceinline__ void run(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+            "{%8, %9}, {%0, %1, %2, %3};\n"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+    static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
+        __half2 value = __floats2half2_rn(lo, hi);
+        return *reinterpret_cast<uint32_t*>(&value);
+    }
+};
+
+// Accumulator element (ma, nt, c) of a warp's [16*MA rows] x [8*NT cols] fp32 tile sits at
+// row 16*ma + lane/4 + 8*(c/2) and column 8*nt + 2*(lane%4) + c%2.
+__device__ __forceinline__ int fragment_row(int c) { return ((threadIdx.x & 31) >> 2) + ((c >> 1) << 3); }
+__device__ __forceinline__ int fragment_col(int nt, int c) { return nt * 8 + ((threadIdx.x & 3) << 1) + (c & 1); }
+
+// acc[ma][nt] += A[row0 + 16 ma.., :] * B[8 nt.., :]^T over D, for a 64-column B tile:
+// S = Q K^T, dP = dO V^T (rows = queries) and S^T = K Q^T, dP^T = V dO^T (rows = keys).
+template <int MA, int D, typename T>
+__device__ __forceinline__ void gemm_abt(float (&acc)[MA][8][4], const T* a_tile, int row0, const T* b_tile) {
+#pragma unroll
+    for (int kc = 0; kc < D / 16; ++kc) {
+        uint32_t a[MA][4];
+#pragma unroll
+        for (int ma = 0; ma < MA; ++ma) load_a_fragment<D>(a[ma], a_tile, row0 + ma * 16, kc);
+#pragma unroll
+        for (int np = 0; np < 4; ++np) {
+            uint32_t b[4];
+            load_b_fragments<D>(b, b_tile, np * 16, kc);
+#pragma unroll
+            for (int ma = 0; ma < MA; ++ma) {
+                Mma<T>::run(acc[ma][2 * np], a[ma], b[0], b[1]);
+                Mma<T>::run(acc[ma][2 * np + 1], a[ma], b[2], b[3]);
+            }
+        }
+    }
+}
+
+// acc[ma] (16 rows x D) += P[ma] (16 rows x 64, fp32 accumulators rounded to T) * B (64 x D tile):
+// O += P V, dQ += dS K, dV += P^T dO, dK += dS^T Q.
+template <int MA, int D, typename T>
+__device__ __forceinline__ void gemm_pb(float (&acc)[MA][D / 8][4], const float (&p)[MA][8][4], const T* b_tile) {
+#pragma unroll
+    for (int kc = 0; kc < 4; ++kc) {
+        uint32_t a[MA][4];
+#pragma unroll
+        for (int ma = 0; ma < MA; ++ma) {
+            a[ma][0] = Mma<T>::pack(p[ma][2 * kc][0], p[ma][2 * kc][1]);
+            a[ma][1] = Mma<T>::pack(p[ma][2 * kc][2], p[ma][2 * kc][3]);
+            a[ma][2] = Mma<T>::pack(p[ma][2 * kc + 1][0], p[ma][2 * kc + 1][1]);
+            a[ma][3] = Mma<T>::pack(p[ma][2 * kc + 1][2], p[ma][2 * kc + 1][3]);
+        }
+#pragma unroll
+        for (int dp = 0; dp < D / 16; ++dp) {
+            uint32_t b[4];
+            load_b_fragments_trans<D>(b, b_tile, kc * 16, dp);
+#pragma unroll
+            for (int ma = 0; ma < MA; ++ma) {
+                Mma<T>::run(acc[ma][2 * dp], a[ma], b[0], b[1]);
+                Mma<T>::run(acc[ma][2 * dp + 1], a[ma], b[2], b[3]);
+            }
+        }
+    }
+}
+
+template <int MA, int NT>
+__device__ __forceinline__ void zero_fill(float (&acc)[MA][NT][4]) {
+#pragma unroll
+    for (int ma = 0; ma < MA; ++ma)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) acc[ma][nt][c] = 0.f;
+}
+
+// Writes a warp's fp32 accumulator rows (scaled) to global rows row_pointer(local_row) (nullptr: skip).
+template <int MA, int D, typename RowPointer>
+__device__ __forceinline__ void store_rows(const float (&acc)[MA][D / 8][4], int row0, float scale,
+                                           RowPointer row_pointer) {
+#pragma unroll
+    for (int ma = 0; ma < MA; ++ma)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            float* dst = row_pointer(row0 + ma * 16 + fragment_row(2 * half));
+            if (dst == nullptr) continue;
+#pragma unroll
+            for (int nt = 0; nt < D / 8; ++nt) {
+                const float2 value = make_float2(acc[ma][nt][2 * half] * scale, acc[ma][nt][2 * half + 1] * scale);
+                *reinterpret_cast<float2*>(dst + fragment_col(nt, 0)) = value;
+            }
+        }
+}
+
+// Two-stage cp.async pipeline over the items of `source` (next(item) -> bool, uniform over the
+// CTA): item n + 1 loads (issue(item, buffer)) while item n computes (compute(item, buffer)).
+// Groups are committed every iteration, possibly empty, so wait<1> always means "all but the
+// newest group"; groups committed before the call (e.g. a resident tile) complete by the first wait.
+template <typename Item, typename Source, typename Issue, typename Compute>
+__device__ __forceinline__ void run_two_stage_pipeline(Source& source, Issue&& issue, Compute&& compute) {
+    Item current, upcoming;
+    bool has_current = source.next(current);
+    if (has_current) issue(current, 0);
+    cp_async_commit();
+    bool has_upcoming = has_current && source.next(upcoming);
+    int buffer = 0;
+    while (has_current) {
+        if (has_upcoming) issue(upcoming, buffer ^ 1);
+        cp_async_commit();
+        cp_async_wait<1>();
+        __syncthreads();
+        compute(current, buffer);
+        __syncthreads();  // the buffer just read is the next one refilled
+        current = upcoming;
+        has_current = has_upcoming;
+        buffer ^= 1;
+        if (has_current) has_upcoming = source.next(upcoming);
+    }
+    cp_async_wait<0>();
+}
+
+}  // namespace mtr

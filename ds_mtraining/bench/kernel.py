@@ -1,0 +1,263 @@
+"""Kernel benchmark: our CUDA sparse attention vs FlexAttention on the identical mask vs dense flash.
+
+For each sequence length and target density, builds a vertical-slash index (sink tokens, clustered
+vertical columns, local and random slash diagonals), then times with CUDA events (median after
+warm-up) forward and forward+backward of
+
+* ``mtraining``: ``ds_mtraining.sparse_attention`` (the CUDA op, index derivation included);
+* ``flex``: ``torch.nn.attention.flex_attention`` (compiled) with a BlockMask from the same blocks
+  (``BlockMask.from_kv_blocks``: slash blocks full, diagonal and vertical-column blocks partial
+  with a mask_mod reading the same lists), so it computes exactly the same entries;
+* ``dense``: causal SDPA on the flash backend (once per length, density-independent);
+
+plus ``index``: the per-call list derivation on the GPU (``step_index``). Effective TFLOP/s =
+computed entries x 4 x D per forward (x 3.5 for forward+backward). Prints a table and writes JSON
+(date, device, command) that ``ds_mtraining.bench.comm --kernel-json`` reads.
+
+    python -m ds_mtraining.bench.kernel [--seq-lens 32768 65536 131072] [--densities 0.03 0.05 0.1]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+SINK_TOKENS = 64
+HOT_BLOCKS = 16           # key blocks holding clustered vertical columns, per head
+COLUMNS_PER_HOT_BLOCK = 16
+FWD_BWD_FLOP_FACTOR = 3.5
+
+
+def time_ms(fn, warmup: int = 3, repeats: int = 10) -> float:
+    """Median milliseconds of ``fn()`` over ``repeats`` runs after ``warmup`` runs (CUDA events)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def build_index(batch, heads, seq, block, n_slash, generator):
+    """A vertical-slash index: sinks + clustered columns, diagonals 0..1 + n_slash others
+    (half of them drawn near the diagonal, half anywhere)."""
+    from ds_mtraining.index import SparseIndex
+    blocks = seq // block
+    weight = torch.where(torch.arange(blocks) < 64, 8.0, 1.0)
+    scores = torch.rand(batch, heads, blocks, generator=generator) * weight
+    scores[..., :2] = -1.0  # diagonals 0 and 1 are added as local blocks
+    slash = scores.topk(min(n_slash, blocks - 2), dim=-1).indices
+    hot = torch.randint(1, blocks, (batch, heads, HOT_BLOCKS), generator=generator)
+    offsets = torch.randint(0, block, (batch, heads, HOT_BLOCKS, COLUMNS_PER_HOT_BLOCK), generator=generator)
+    columns = (hot[..., None] * block + offsets).flatten(2)
+    sinks = torch.arange(SINK_TOKENS).expand(batch, heads, SINK_TOKENS)
+    vertical = torch.cat([sinks, columns], -1)
+    return SparseIndex.from_blocks(slash, vertical, seq, block, local_blocks=2)
+
+
+def index_for_density(batch, heads, seq, block, target, seed):
+    """The index whose density is closest to ``target`` (bisection on the slash count)."""
+    low, high = 0, seq // block - 2
+    best = None
+    while low <= high:
+        middle = (low + high) // 2
+        index = build_index(batch, heads, seq, block, middle, torch.Generator().manual_seed(seed))
+        density = index.density()
+        if best is None or abs(density - target) < abs(best.density() - target):
+            best = index
+        if density < target:
+            low = middle + 1
+        else:
+            high = middle - 1
+    return best
+
+
+class FlexMask:
+    """BlockMasks with exactly an index's entries: full slash blocks, partial diagonal and
+    vertical-column blocks, mask_mod = causal & (slash diagonal | vertical column).
+
+    The mask_mod reads membership buffers that belong to this object and are refilled per index,
+    so the compiled flex_attention is not recompiled for each mask of one shape."""
+
+    def __init__(self, batch, heads, seq, block, device):
+        self.block, self.blocks = block, seq // block
+        self.seq_len = seq
+        self.in_slash = torch.zeros(batch, heads, self.blocks, dtype=torch.bool, device=device)
+        self.in_vertical = torch.zeros(batch, heads, seq, dtype=torch.bool, device=device)
+        in_slash, in_vertical = self.in_slash, self.in_vertical
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            diagonal = q_idx // block - kv_idx // block
+            return (q_idx >= kv_idx) & (in_slash[b, h, diagonal.clamp(min=0)] | in_vertical[b, h, kv_idx])
+
+        self.mask_mod = mask_mod
+
+    def for_index(self, index):
+        """(BlockMask, fraction of the causal blocks that flex computes)."""
+        from torch.nn.attention.flex_attention import BlockMask
+        from ds_mtraining.index import _membership
+        nb, device = self.blocks, self.in_slash.device
+        self.in_slash.copy_(_membership(index.slash, nb))
+        self.in_vertical.copy_(_membership(index.vertical, self.seq_len))
+        q_block = torch.arange(nb, device=device)[:, None]
+        k_block = torch.arange(nb, device=device)[None, :]
+        below = q_block > k_block
+        slash_blocks = self.in_slash[..., (q_block - k_block).clamp(min=0)] & below
+        column_blocks = self.in_vertical.view(*self.in_vertical.shape[:2], nb, self.block).any(-1)[..., None, :] & below
+        partial = (column_blocks & ~slash_blocks) | (q_block == k_block)
+
+        def to_lists(blocks):
+            order = torch.argsort((~blocks).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+            return blocks.sum(-1, dtype=torch.int32), order
+
+        mask = BlockMask.from_kv_blocks(*to_lists(partial), *to_lists(slash_blocks), BLOCK_SIZE=self.block,
+                                        mask_mod=self.mask_mod, seq_lengths=(self.seq_len, self.seq_len))
+        computed = float((partial | slash_blocks).double().mean())
+        return mask, computed / ((nb + 1) / (2 * nb))
+
+
+def run(args):
+    from rich.console import Console
+    from rich.table import Table
+
+    from ds_mtraining import ops
+    from ds_mtraining.attention import sparse_attention
+
+    device = torch.device("cuda")
+    dtype = torch.bfloat16
+    batch, heads, kv_heads, dim, block = 1, args.heads, args.kv_heads, args.head_dim, args.block_size
+    scale = 1.0 / math.sqrt(dim)
+    module = ops.op_module("cuda")
+    flex = None
+    if not args.skip_flex:
+        from torch.nn.attention.flex_attention import flex_attention
+        flex = torch.compile(flex_attention, dynamic=False)
+    rows = []
+    result = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                  device=torch.cuda.get_device_name(), torch=torch.__version__,
+                  command="python -m ds_mtraining.bench.kernel " + " ".join(sys.argv[1:]),
+                  shape=dict(batch=1, heads=heads, kv_heads=kv_heads, head_dim=dim, block_size=block, dtype="bf16"),
+                  flop_convention="effective = computed entries x 4 x D per forward, x3.5 for fwd+bwd",
+                  rows=rows)
+    out_path = Path(args.out)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+
+    def save():  # after every row, so that a cut-off run still leaves its numbers
+        out_path.write_text(json.dumps(result, indent=1))
+
+    for seq in args.seq_lens:
+        generator = torch.Generator(device=device).manual_seed(seq)
+        q, k, v, dout = (torch.randn(batch, seq, h, dim, device=device, dtype=dtype, generator=generator)
+                         for h in (heads, kv_heads, kv_heads, heads))
+        q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
+
+        def fwd_bwd(forward):
+            out = forward()
+            torch.autograd.grad(out, (q, k, v), dout)
+
+        if not args.skip_dense:
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+            qt, kt, vt, dt = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v, dout))
+
+            def dense():
+                with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                    return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True)
+
+            dense_repeats = 3 if seq > 65536 else 5
+            dense_fwd = time_ms(dense, warmup=1, repeats=dense_repeats)
+            dense_fwd_bwd = time_ms(lambda: torch.autograd.grad(dense(), (qt, kt, vt), dt), warmup=1,
+                                    repeats=dense_repeats)
+            causal_flops = 4.0 * batch * heads * dim * seq * (seq + 1) / 2
+            rows.append(dict(impl="dense", seq_len=seq, density=1.0, fwd_ms=dense_fwd, fwd_bwd_ms=dense_fwd_bwd,
+                             fwd_tflops=causal_flops / dense_fwd / 1e9,
+                             fwd_bwd_tflops=FWD_BWD_FLOP_FACTOR * causal_flops / dense_fwd_bwd / 1e9))
+            save()
+            del qt, kt, vt, dt
+        flex_masks = FlexMask(batch, heads, seq, block, device) if flex is not None else None
+        for target in args.densities:
+            index = index_for_density(batch, heads, seq, block, target, seed=seq + int(target * 1000)).to(device)
+            density = index.density()
+            flops = 4.0 * dim * float(index.num_entries().sum())
+            ours_fwd = time_ms(lambda: sparse_attention(q, k, v, index, scale), repeats=args.repeats)
+            ours_fwd_bwd = time_ms(lambda: fwd_bwd(lambda: sparse_attention(q, k, v, index, scale)),
+                                   repeats=args.repeats)
+            index_ms = time_ms(lambda: module.step_index(index.slash, index.slash_count, index.vertical,
+                                                         index.vertical_count, block, seq, 1, 0, 0),
+                               repeats=args.repeats)
+            row = dict(impl="mtraining", seq_len=seq, density=density, target_density=target,
+                       slash_per_head=int(index.slash_count.float().mean()),
+                       vertical_per_head=int(index.vertical_count.float().mean()),
+                       fwd_ms=ours_fwd, fwd_bwd_ms=ours_fwd_bwd, index_ms=index_ms,
+                       index_share_of_fwd_bwd=index_ms / ours_fwd_bwd,
+                       fwd_tflops=flops / ours_fwd / 1e9,
+                       fwd_bwd_tflops=FWD_BWD_FLOP_FACTOR * flops / ours_fwd_bwd / 1e9)
+            if flex is not None:
+                block_mask, flex_block_density = flex_masks.for_index(index)
+                qf, kf, vf, df = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v, dout))
+
+                def flex_forward():
+                    return flex(qf, kf, vf, block_mask=block_mask, scale=scale, enable_gqa=True)
+
+                flex_fwd = time_ms(flex_forward, repeats=args.repeats)
+                flex_fwd_bwd = time_ms(lambda: torch.autograd.grad(flex_forward(), (qf, kf, vf), df),
+                                       repeats=args.repeats)
+                rows.append(dict(impl="flex", seq_len=seq, density=density, target_density=target,
+                                 block_density=flex_block_density, fwd_ms=flex_fwd, fwd_bwd_ms=flex_fwd_bwd,
+                                 fwd_tflops=flops / flex_fwd / 1e9,
+                                 fwd_bwd_tflops=FWD_BWD_FLOP_FACTOR * flops / flex_fwd_bwd / 1e9))
+                row["speedup_vs_flex_fwd"] = flex_fwd / ours_fwd
+                row["speedup_vs_flex_fwd_bwd"] = flex_fwd_bwd / ours_fwd_bwd
+                del qf, kf, vf, df, block_mask
+            dense_rows = [r for r in rows if r["impl"] == "dense" and r["seq_len"] == seq]
+            if dense_rows:
+                row["speedup_vs_dense_fwd_bwd"] = dense_rows[0]["fwd_bwd_ms"] / ours_fwd_bwd
+            rows.append(row)
+            save()
+            print(json.dumps(row), flush=True)
+        del q, k, v, dout
+        torch.cuda.empty_cache()
+
+    table = Table(title=f"sparse attention, H={heads} HKV={kv_heads} D={dim} bf16, {result['device']}")
+    for column in ("S", "density", "impl", "fwd ms", "fwd TF/s", "fwd+bwd ms", "fwd+bwd TF/s", "vs flex", "vs dense"):
+        table.add_column(column, justify="right")
+    for r in rows:
+        table.add_row(f"{r['seq_len'] // 1024}K", f"{r['density']:.3f}", r["impl"], f"{r['fwd_ms']:.2f}",
+                      f"{r['fwd_tflops']:.0f}", f"{r['fwd_bwd_ms']:.2f}", f"{r['fwd_bwd_tflops']:.0f}",
+                      f"{r['speedup_vs_flex_fwd_bwd']:.2f}x" if "speedup_vs_flex_fwd_bwd" in r else "",
+                      f"{r['speedup_vs_dense_fwd_bwd']:.1f}x" if "speedup_vs_dense_fwd_bwd" in r else "")
+    Console(width=140).print(table)
+    return result
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description="CUDA sparse attention vs FlexAttention vs dense flash")
+    parser.add_argument("--seq-lens", type=int, nargs="+", default=[32768, 65536, 131072])
+    parser.add_argument("--densities", type=float, nargs="+", default=[0.03, 0.05, 0.10])
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--block-size", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--skip-flex", action="store_true")
+    parser.add_argument("--skip-dense", action="store_true")
+    parser.add_argument("--out", default="benchmarks/results/kernel_h200.json")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("the kernel benchmark needs a CUDA GPU")
+    run(args)
+
+
+if __name__ == "__main__":
+    main()
