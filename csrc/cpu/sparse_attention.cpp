@@ -14,6 +14,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -27,22 +28,92 @@ namespace {
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr const char* kOpName = "mtraining_cpu";
 
-// Inner loops over head_dim: contiguous, and `omp simd` lets the compiler vectorise the reduction.
-inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
+// Vector helpers over head_dim (contiguous; `omp simd` lets the compiler vectorise reductions).
+// Four rows per pass share each load of the other operand.
+
+inline float dot(const float* __restrict a, const float* __restrict b, int64_t dim) {
     float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
-    for (int64_t x = 0; x < n; ++x) acc += a[x] * b[x];
+    for (int64_t d = 0; d < dim; ++d) acc += a[d] * b[d];
     return acc;
 }
 
-inline void axpy(float* __restrict y, float alpha, const float* __restrict x, int64_t n) {
+// out[e] = a . rows[e] for e < n.
+inline void dots(const float* __restrict a, const float* const* rows, int64_t n, int64_t dim,
+                 float* __restrict out) {
+    int64_t e = 0;
+    for (; e + 4 <= n; e += 4) {
+        const float *__restrict r0 = rows[e], *__restrict r1 = rows[e + 1];
+        const float *__restrict r2 = rows[e + 2], *__restrict r3 = rows[e + 3];
+        float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+        for (int64_t d = 0; d < dim; ++d) {
+            s0 += a[d] * r0[d];
+            s1 += a[d] * r1[d];
+            s2 += a[d] * r2[d];
+            s3 += a[d] * r3[d];
+        }
+        out[e] = s0;
+        out[e + 1] = s1;
+        out[e + 2] = s2;
+        out[e + 3] = s3;
+    }
+    for (; e < n; ++e) out[e] = dot(a, rows[e], dim);
+}
+
+// y += sum over e < n of c[e] * rows[e].
+inline void accumulate(float* __restrict y, const float* c, const float* const* rows, int64_t n,
+                       int64_t dim) {
+    int64_t e = 0;
+    for (; e + 4 <= n; e += 4) {
+        const float c0 = c[e], c1 = c[e + 1], c2 = c[e + 2], c3 = c[e + 3];
+        const float *__restrict r0 = rows[e], *__restrict r1 = rows[e + 1];
+        const float *__restrict r2 = rows[e + 2], *__restrict r3 = rows[e + 3];
 #pragma omp simd
-    for (int64_t e = 0; e < n; ++e) y[e] += alpha * x[e];
+        for (int64_t d = 0; d < dim; ++d) y[d] += c0 * r0[d] + c1 * r1[d] + c2 * r2[d] + c3 * r3[d];
+    }
+    for (; e < n; ++e) {
+        const float c0 = c[e];
+        const float* __restrict r0 = rows[e];
+#pragma omp simd
+        for (int64_t d = 0; d < dim; ++d) y[d] += c0 * r0[d];
+    }
 }
 
 inline void scale_in_place(float* __restrict y, float alpha, int64_t n) {
 #pragma omp simd
     for (int64_t e = 0; e < n; ++e) y[e] *= alpha;
+}
+
+// exp(x) for x <= 0 (softmax probabilities), branch-free so that loops over it vectorise
+// (libm's expf does not without -ffast-math, which would break the -inf of empty rows).
+// Cephes' range reduction and polynomial: relative error ~1e-7; exp(-inf) = 0.
+inline float exp_nonpositive(float x) {
+    constexpr float kLow = -87.33654f, kLog2e = 1.44269504088896341f;
+    constexpr float kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
+    const float clamped = std::min(std::max(x, kLow), 0.f);
+    const float n = std::floor(clamped * kLog2e + 0.5f);
+    const float r = clamped - n * kLn2Hi - n * kLn2Lo;
+    float poly = 1.9875691500e-4f;
+    poly = poly * r + 1.3981999507e-3f;
+    poly = poly * r + 8.3334519073e-3f;
+    poly = poly * r + 4.1665795894e-2f;
+    poly = poly * r + 1.6666665459e-1f;
+    poly = poly * r + 5.0000001201e-1f;
+    poly = poly * r * r + r + 1.f;
+    const float two_to_n = std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
+    return x < kLow ? 0.f : poly * two_to_n;
+}
+
+// x[e] = exp(scale * x[e] - shift); returns the sum.
+inline float exp_shifted(float* __restrict x, int64_t n, float scale, float shift) {
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t e = 0; e < n; ++e) {
+        x[e] = exp_nonpositive(scale * x[e] - shift);
+        sum += x[e];
+    }
+    return sum;
 }
 
 // Read-only view of one call's fp32 inputs in layout [batch, seq, heads, head_dim].
@@ -78,6 +149,22 @@ struct Inputs {
     int64_t vertical_len(int64_t b, int64_t h) const { return vertical_count[b * heads + h]; }
 };
 
+// Per-thread working memory, sized once for tiles of up to `block` keys and rows.
+struct Scratch {
+    std::vector<int32_t> keys, columns;
+    std::vector<const float*> k_rows, v_rows, q_rows, dout_rows;
+    std::vector<int64_t> row_tokens;
+    std::vector<float> scores, dscores, running_max, running_sum;
+    std::vector<float> p_by_key, ds_by_key;  // [key][row] of one tile, for dK/dV
+
+    explicit Scratch(int64_t block)
+        : k_rows(block), v_rows(block), q_rows(block), dout_rows(block), row_tokens(block),
+          scores(block), dscores(block), running_max(block), running_sum(block) {
+        keys.reserve(block);
+        columns.reserve(block);
+    }
+};
+
 // Keys of a tile that query row t may see: all of them, or for the token-causal diagonal tile
 // (ascending keys of the query's own block) those <= t.
 inline int64_t visible_keys(const int32_t* keys, int64_t n, bool causal, int64_t t) {
@@ -88,6 +175,16 @@ inline int64_t visible_keys(const int32_t* keys, int64_t n, bool causal, int64_t
 inline void fill_block(std::vector<int32_t>& keys, int64_t first, int64_t n) {
     keys.resize(n);
     for (int64_t e = 0; e < n; ++e) keys[e] = static_cast<int32_t>(first + e);
+}
+
+// Points scratch.k_rows / v_rows at the K and V rows of a tile's keys.
+inline void gather_key_rows(const Inputs& in, int64_t b, int64_t kvh, const int32_t* keys,
+                            int64_t n, Scratch& scratch) {
+    for (int64_t e = 0; e < n; ++e) {
+        const int64_t offset = in.k_offset(b, keys[e], kvh);
+        scratch.k_rows[e] = in.k + offset;
+        scratch.v_rows[e] = in.v + offset;
+    }
 }
 
 // Calls visit(keys, n, causal) for every key tile local query block i of head h reads: the key
@@ -128,35 +225,30 @@ void for_each_key_tile(const Inputs& in, int64_t b, int64_t h, int64_t i,
 // Online-softmax update of the rows of query block i with one key tile; out rows accumulate
 // the unnormalised output, running_max/running_sum the softmax statistics of each row.
 void forward_tile(const Inputs& in, float* out, int64_t b, int64_t h, int64_t i,
-                  const int32_t* keys, int64_t n, bool causal, float* running_max,
-                  float* running_sum, float* scores) {
-    const int64_t kvh = h / in.group(), dim = in.head_dim;
+                  const int32_t* keys, int64_t n, bool causal, Scratch& scratch) {
+    const int64_t dim = in.head_dim;
+    gather_key_rows(in, b, h / in.group(), keys, n, scratch);
+    float* scores = scratch.scores.data();
     const int64_t first = i * in.geo.block, rows = in.geo.query_rows(i);
     for (int64_t r = 0; r < rows; ++r) {
         const int64_t t = first + r;
         const int64_t visible = visible_keys(keys, n, causal, t);
         if (visible == 0) continue;
-        const float* q_row = in.q + in.q_offset(b, t, h);
+        dots(in.q + in.q_offset(b, t, h), scratch.k_rows.data(), visible, dim, scores);
         float tile_max = kNegInf;
-        for (int64_t e = 0; e < visible; ++e) {
-            scores[e] = in.scale * dot(q_row, in.k + in.k_offset(b, keys[e], kvh), dim);
-            tile_max = std::max(tile_max, scores[e]);
-        }
-        const float new_max = std::max(running_max[r], tile_max);
+        for (int64_t e = 0; e < visible; ++e) tile_max = std::max(tile_max, in.scale * scores[e]);
+        float& running_max = scratch.running_max[r];
+        float& running_sum = scratch.running_sum[r];
+        const float new_max = std::max(running_max, tile_max);
         float* out_row = out + in.q_offset(b, t, h);
-        const float correction = std::exp(running_max[r] - new_max);  // 0 for the first tile
+        const float correction = exp_nonpositive(running_max - new_max);  // 0 for the first tile
         if (correction != 1.f) {
             scale_in_place(out_row, correction, dim);
-            running_sum[r] *= correction;
+            running_sum *= correction;
         }
-        float tile_sum = 0.f;
-        for (int64_t e = 0; e < visible; ++e) {
-            const float p = std::exp(scores[e] - new_max);
-            tile_sum += p;
-            axpy(out_row, p, in.v + in.k_offset(b, keys[e], kvh), dim);
-        }
-        running_sum[r] += tile_sum;
-        running_max[r] = new_max;
+        running_sum += exp_shifted(scores, visible, in.scale, new_max);
+        accumulate(out_row, scores, scratch.v_rows.data(), visible, dim);
+        running_max = new_max;
     }
 }
 
@@ -165,26 +257,25 @@ void forward_kernel(const Inputs& in, float* out, float* lse) {
     const int64_t tasks = in.batch * in.heads * geo.q_blocks;
 #pragma omp parallel num_threads(at::get_num_threads())
     {
-        std::vector<int32_t> keys;
-        keys.reserve(geo.block);
-        std::vector<float> running_max(geo.block), running_sum(geo.block), scores(geo.block);
+        Scratch scratch(geo.block);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < tasks; ++task) {
             // later query blocks read more vertical columns: hand them out first
             const int64_t i = geo.q_blocks - 1 - task % geo.q_blocks;
             const int64_t h = task / geo.q_blocks % in.heads, b = task / geo.q_blocks / in.heads;
-            std::fill(running_max.begin(), running_max.end(), kNegInf);
-            std::fill(running_sum.begin(), running_sum.end(), 0.f);
-            for_each_key_tile(in, b, h, i, keys, [&](const int32_t* tile, int64_t n, bool causal) {
-                forward_tile(in, out, b, h, i, tile, n, causal, running_max.data(),
-                             running_sum.data(), scores.data());
+            std::fill(scratch.running_max.begin(), scratch.running_max.end(), kNegInf);
+            std::fill(scratch.running_sum.begin(), scratch.running_sum.end(), 0.f);
+            for_each_key_tile(in, b, h, i, scratch.keys,
+                              [&](const int32_t* tile, int64_t n, bool causal) {
+                forward_tile(in, out, b, h, i, tile, n, causal, scratch);
             });
             const int64_t first = i * geo.block, rows = geo.query_rows(i);
             for (int64_t r = 0; r < rows; ++r) {
                 const int64_t t = first + r;
-                if (running_sum[r] > 0.f) {
-                    scale_in_place(out + in.q_offset(b, t, h), 1.f / running_sum[r], in.head_dim);
-                    lse[in.lse_offset(b, h, t)] = running_max[r] + std::log(running_sum[r]);
+                const float sum = scratch.running_sum[r];
+                if (sum > 0.f) {
+                    scale_in_place(out + in.q_offset(b, t, h), 1.f / sum, in.head_dim);
+                    lse[in.lse_offset(b, h, t)] = scratch.running_max[r] + std::log(sum);
                 } else {  // no visible key: out stays 0
                     lse[in.lse_offset(b, h, t)] = kNegInf;
                 }
@@ -200,28 +291,24 @@ struct GradInputs {
     const float* delta;  // rowsum(dout * out), layout of lse
 };
 
-// P and dS of one (query row, key) entry: P = exp(scale q.k - lse), dS = P (dout.v - delta).
-inline void probability_and_dscore(const Inputs& in, const float* q_row, const float* dout_row,
-                                   const float* k_row, const float* v_row, float lse_t,
-                                   float delta_t, float& p, float& ds) {
-    p = std::exp(in.scale * dot(q_row, k_row, in.head_dim) - lse_t);
-    ds = p * (dot(dout_row, v_row, in.head_dim) - delta_t);
+// For query row t of head h and the first `visible` keys of the gathered tile:
+// scratch.scores = P = exp(scale q.k - lse), scratch.dscores = scale * P * (dout.v - delta).
+inline void probabilities_and_dscores(const Inputs& in, const GradInputs& grad, int64_t b,
+                                      int64_t h, int64_t t, int64_t visible, Scratch& scratch) {
+    float* p = scratch.scores.data();
+    float* ds = scratch.dscores.data();
+    dots(in.q + in.q_offset(b, t, h), scratch.k_rows.data(), visible, in.head_dim, p);
+    exp_shifted(p, visible, in.scale, grad.lse[in.lse_offset(b, h, t)]);
+    dots(grad.dout + in.q_offset(b, t, h), scratch.v_rows.data(), visible, in.head_dim, ds);
+    const float delta = grad.delta[in.lse_offset(b, h, t)], scale = in.scale;
+#pragma omp simd
+    for (int64_t e = 0; e < visible; ++e) ds[e] = scale * p[e] * (ds[e] - delta);
 }
 
-// Calls visit(t, q_row, dout_row, lse_t, delta_t, visible) for each row of query block i of head
-// h that saw some key (rows with lse = -inf are skipped: they took no part in the forward).
-template <class Visit>
-void for_each_grad_row(const Inputs& in, const GradInputs& grad, int64_t b, int64_t h, int64_t i,
-                       const int32_t* keys, int64_t n, bool causal, Visit&& visit) {
-    const int64_t first = i * in.geo.block, rows = in.geo.query_rows(i);
-    for (int64_t r = 0; r < rows; ++r) {
-        const int64_t t = first + r;
-        const float lse_t = grad.lse[in.lse_offset(b, h, t)];
-        const int64_t visible = visible_keys(keys, n, causal, t);
-        if (lse_t == kNegInf || visible == 0) continue;
-        visit(t, in.q + in.q_offset(b, t, h), grad.dout + in.q_offset(b, t, h), lse_t,
-              grad.delta[in.lse_offset(b, h, t)], visible);
-    }
+// Rows with lse = -inf saw no key in the forward and take no part in the backward.
+inline bool row_saw_keys(const Inputs& in, const GradInputs& grad, int64_t b, int64_t h,
+                         int64_t t) {
+    return grad.lse[in.lse_offset(b, h, t)] != kNegInf;
 }
 
 void delta_kernel(const Inputs& in, const float* dout, const float* out, float* delta) {
@@ -240,48 +327,61 @@ void dq_kernel(const Inputs& in, const GradInputs& grad, float* dq) {
     const int64_t tasks = in.batch * in.heads * geo.q_blocks;
 #pragma omp parallel num_threads(at::get_num_threads())
     {
-        std::vector<int32_t> keys;
-        keys.reserve(geo.block);
+        Scratch scratch(geo.block);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < tasks; ++task) {
             const int64_t i = geo.q_blocks - 1 - task % geo.q_blocks;
             const int64_t h = task / geo.q_blocks % in.heads, b = task / geo.q_blocks / in.heads;
-            const int64_t kvh = h / in.group();
-            for_each_key_tile(in, b, h, i, keys, [&](const int32_t* tile, int64_t n, bool causal) {
-                for_each_grad_row(in, grad, b, h, i, tile, n, causal,
-                                  [&](int64_t t, const float* q_row, const float* dout_row,
-                                      float lse_t, float delta_t, int64_t visible) {
-                    float* dq_row = dq + in.q_offset(b, t, h);
-                    for (int64_t e = 0; e < visible; ++e) {
-                        const float* k_row = in.k + in.k_offset(b, tile[e], kvh);
-                        float p, ds;
-                        probability_and_dscore(in, q_row, dout_row, k_row,
-                                               in.v + in.k_offset(b, tile[e], kvh), lse_t, delta_t,
-                                               p, ds);
-                        axpy(dq_row, in.scale * ds, k_row, in.head_dim);
-                    }
-                });
+            const int64_t first = i * geo.block, rows = geo.query_rows(i);
+            for_each_key_tile(in, b, h, i, scratch.keys,
+                              [&](const int32_t* tile, int64_t n, bool causal) {
+                gather_key_rows(in, b, h / in.group(), tile, n, scratch);
+                for (int64_t t = first; t < first + rows; ++t) {
+                    const int64_t visible = visible_keys(tile, n, causal, t);
+                    if (visible == 0 || !row_saw_keys(in, grad, b, h, t)) continue;
+                    probabilities_and_dscores(in, grad, b, h, t, visible, scratch);
+                    accumulate(dq + in.q_offset(b, t, h), scratch.dscores.data(),
+                               scratch.k_rows.data(), visible, in.head_dim);
+                }
             });
         }
     }
 }
 
-// dK/dV of key tile `keys` from the rows of query block i of head h.
+// dK/dV of key tile `keys` from the rows of query block i of head h: P and dS of every
+// (row, key) first, then per key one pass over the rows that see it.
 void dkdv_tile(const Inputs& in, const GradInputs& grad, float* dk, float* dv, int64_t b,
-               int64_t h, int64_t i, const int32_t* keys, int64_t n, bool causal) {
-    const int64_t kvh = h / in.group(), dim = in.head_dim;
-    for_each_grad_row(in, grad, b, h, i, keys, n, causal,
-                      [&](int64_t, const float* q_row, const float* dout_row, float lse_t,
-                          float delta_t, int64_t visible) {
+               int64_t h, int64_t i, const int32_t* keys, int64_t n, bool causal,
+               Scratch& scratch) {
+    const int64_t kvh = h / in.group(), block = in.geo.block;
+    const int64_t first = i * block, rows = in.geo.query_rows(i);
+    gather_key_rows(in, b, kvh, keys, n, scratch);
+    int64_t active = 0;
+    for (int64_t t = first; t < first + rows; ++t) {
+        const int64_t visible = visible_keys(keys, n, causal, t);
+        if (visible == 0 || !row_saw_keys(in, grad, b, h, t)) continue;
+        probabilities_and_dscores(in, grad, b, h, t, visible, scratch);
         for (int64_t e = 0; e < visible; ++e) {
-            const int64_t offset = in.k_offset(b, keys[e], kvh);
-            float p, ds;
-            probability_and_dscore(in, q_row, dout_row, in.k + offset, in.v + offset, lse_t,
-                                   delta_t, p, ds);
-            axpy(dv + offset, p, dout_row, dim);
-            axpy(dk + offset, in.scale * ds, q_row, dim);
+            scratch.p_by_key[e * block + active] = scratch.scores[e];
+            scratch.ds_by_key[e * block + active] = scratch.dscores[e];
         }
-    });
+        scratch.q_rows[active] = in.q + in.q_offset(b, t, h);
+        scratch.dout_rows[active] = grad.dout + in.q_offset(b, t, h);
+        scratch.row_tokens[active++] = t;
+    }
+    for (int64_t e = 0; e < n; ++e) {
+        // active rows ascend; on the causal tile key e is seen by the rows from its own token on
+        const int64_t from = causal ? std::lower_bound(scratch.row_tokens.begin(),
+                                                       scratch.row_tokens.begin() + active,
+                                                       static_cast<int64_t>(keys[e])) -
+                                          scratch.row_tokens.begin()
+                                    : 0;
+        const int64_t offset = in.k_offset(b, keys[e], kvh);
+        accumulate(dv + offset, scratch.p_by_key.data() + e * block + from,
+                   scratch.dout_rows.data() + from, active - from, in.head_dim);
+        accumulate(dk + offset, scratch.ds_by_key.data() + e * block + from,
+                   scratch.q_rows.data() + from, active - from, in.head_dim);
+    }
 }
 
 void dkdv_kernel(const Inputs& in, const GradInputs& grad, float* dk, float* dv) {
@@ -289,9 +389,10 @@ void dkdv_kernel(const Inputs& in, const GradInputs& grad, float* dk, float* dv)
     const int64_t tasks = in.batch * in.kv_heads * geo.k_blocks;
 #pragma omp parallel num_threads(at::get_num_threads())
     {
-        std::vector<int32_t> keys, columns;
-        keys.reserve(geo.block);
-        columns.reserve(geo.block);
+        Scratch scratch(geo.block);
+        scratch.p_by_key.resize(geo.block * geo.block);
+        scratch.ds_by_key.resize(geo.block * geo.block);
+        std::vector<int32_t>& columns = scratch.columns;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < tasks; ++task) {
             // earlier key blocks are read by more query blocks: they come first
@@ -302,12 +403,12 @@ void dkdv_kernel(const Inputs& in, const GradInputs& grad, float* dk, float* dv)
             for (int64_t h = kvh * in.group(); h < (kvh + 1) * in.group(); ++h) {
                 const int32_t* slash = in.slash_of(b, h);
                 const int64_t slash_len = in.slash_len(b, h);
-                fill_block(keys, j * geo.block, geo.key_rows(j));
+                fill_block(scratch.keys, j * geo.block, geo.key_rows(j));
                 for (int64_t e = 0; e < slash_len; ++e) {
                     const int64_t i = geo.query_block_of(j, slash[e]);
                     if (i < 0) continue;
-                    dkdv_tile(in, grad, dk, dv, b, h, i, keys.data(),
-                              static_cast<int64_t>(keys.size()), slash[e] == 0);
+                    dkdv_tile(in, grad, dk, dv, b, h, i, scratch.keys.data(),
+                              static_cast<int64_t>(scratch.keys.size()), slash[e] == 0, scratch);
                 }
                 // this block's vertical columns, read alone by the later query blocks that no
                 // slash diagonal connects to it (all columns of one block share that set)
@@ -324,7 +425,7 @@ void dkdv_kernel(const Inputs& in, const GradInputs& grad, float* dk, float* dv)
                     if (!column_read_alone(slash, slash_len, key_global, geo.query_block_global(i)))
                         continue;
                     dkdv_tile(in, grad, dk, dv, b, h, i, columns.data(),
-                              static_cast<int64_t>(columns.size()), false);
+                              static_cast<int64_t>(columns.size()), false, scratch);
                 }
             }
         }
