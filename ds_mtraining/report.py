@@ -76,7 +76,7 @@ def environment_rows() -> list[tuple[str, str, str]]:
         ("nvcc", *_tool(os.path.join(CUDA_HOME, "bin", "nvcc") if CUDA_HOME else "nvcc", "release")),
         ("CUDA_HOME (torch)", "", CUDA_HOME or "none (torch is a CPU build or no toolkit found)"),
         ("CUTLASS/CuTe headers", "[green]found[/]" if cutlass else "[red]missing[/]",
-         cutlass or "pip install nvidia-cutlass --no-deps"),
+         cutlass or "pip install nvidia-cutlass --no-deps (needed when CUDA sources include them)"),
         ("C++/CUDA sources", "", str(csrc_root())),
         ("TORCH_EXTENSIONS_DIR", "", extensions if extensions else f"unset; JIT builds go to {extension_root()}"),
         (NO_JIT_VAR, "", os.environ.get(NO_JIT_VAR, "unset (JIT allowed)")),

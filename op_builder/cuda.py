@@ -1,15 +1,17 @@
 """Builder of the CUDA sparse attention kernels (csrc/cuda: *.cu plus binding.cpp).
 
 JIT builds compile only for the visible devices' architectures (sm_90a for compute capability
-9.0, whose kernels use wgmma/TMA; sm_80 for 8.x); a prebuild (``DS_BUILD_MTRAINING=1 pip
+9.0, so Hopper-only instructions such as wgmma/TMA are allowed; sm_80 for 8.x); a prebuild (``DS_BUILD_MTRAINING=1 pip
 install``) compiles for TORCH_CUDA_ARCH_LIST, else the visible devices, else both. CUTLASS/CuTe
-headers come from the ``nvidia-cutlass`` pip package (``pip install .[cuda]``).
+headers come from the ``nvidia-cutlass`` pip package (``pip install .[cuda]``); they are required
+only when a CUDA source includes them.
 """
 from __future__ import annotations
 
 import importlib.util
 import os
 import re
+from pathlib import Path
 
 from deepspeed.ops.op_builder.builder import CUDAOpBuilder, assert_no_cuda_mismatch
 
@@ -50,6 +52,13 @@ class MTrainingCUDABuilder(MTrainingBuilderMixin, CUDAOpBuilder):
         kernels = self._sorted_glob(str(cuda / "*.cu"))
         binding = cuda / "binding.cpp"
         return kernels + [str(binding)] if kernels and binding.is_file() else []
+
+    def sources_use_cutlass(self) -> bool:
+        """Whether any CUDA source or header includes CUTLASS or CuTe headers."""
+        include = re.compile(r'#\s*include\s*[<"](cutlass|cute)/')
+        files = self._sorted_glob(*(str(csrc_root() / "cuda" / f"*.{ext}")
+                                    for ext in ("cu", "cuh", "h", "cpp")))
+        return any(include.search(Path(path).read_text(errors="replace")) for path in files)
 
     def include_paths(self) -> list[str]:
         cutlass = cutlass_include()
@@ -99,7 +108,7 @@ class MTrainingCUDABuilder(MTrainingBuilderMixin, CUDAOpBuilder):
                 assert_no_cuda_mismatch(self.NAME)
             except Exception as err:  # noqa: BLE001 - DeepSpeed raises several kinds
                 reasons.append(f"{err} (DS_SKIP_CUDA_CHECK=1 overrides)")
-        if cutlass_include() is None:
+        if cutlass_include() is None and self.sources_use_cutlass():
             reasons.append("CUTLASS/CuTe headers missing: pip install nvidia-cutlass --no-deps "
                            "(or pip install .[cuda])")
         capabilities = self.target_capabilities() if torch.version.cuda is not None else []
