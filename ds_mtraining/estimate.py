@@ -63,10 +63,12 @@ def column_and_diagonal_mass(probs: torch.Tensor, q_pos: torch.Tensor, k_pos: to
     return columns, diagonals / lq
 
 
-def top_p_count(sorted_mass: torch.Tensor, p: float, cap: int) -> torch.Tensor:
+def top_p_count(sorted_mass: torch.Tensor, p: float, cap: int,
+                total: torch.Tensor | None = None) -> torch.Tensor:
     """The fewest leading entries of a descending mass list [..., n] whose sum reaches p * total,
-    clamped to [1, min(cap, n)]."""
-    total = sorted_mass.sum(-1, keepdim=True)
+    clamped to [1, min(cap, n)]. ``total`` [...] defaults to the list's sum; the distributed
+    estimator passes the all-reduced total when the list holds only the leading candidates."""
+    total = sorted_mass.sum(-1, keepdim=True) if total is None else total[..., None]
     before = sorted_mass.cumsum(-1) - sorted_mass  # mass of the entries ahead of each one
     count = (before < p * total * (1 - 1e-6)).sum(-1)
     return count.clamp(min=1, max=min(cap, sorted_mass.shape[-1]))
