@@ -9,6 +9,7 @@ import os
 import socket
 import tempfile
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -22,12 +23,13 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _rank_main(rank, world_size, port, fn, args, result_dir):
+def _rank_main(rank, world_size, port, fn, args, result_dir, timeout):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)  # ranks usually outnumber this machine's cores
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    # collectives time out too, so a rank stuck in a mismatched collective errors instead of hanging
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout))
     try:
         result = fn(rank, world_size, *args)
         torch.save(result, os.path.join(result_dir, f"rank{rank}.pt"))
@@ -42,7 +44,7 @@ def run_on_ranks(fn, world_size: int, *args, timeout: float = 120.0) -> list:
     ``fn`` must be importable (a module-level function). Raises ``TimeoutError`` if the ranks do
     not finish within ``timeout`` seconds and re-raises the first rank failure."""
     with tempfile.TemporaryDirectory() as result_dir:
-        context = mp.start_processes(_rank_main, args=(world_size, free_port(), fn, args, result_dir),
+        context = mp.start_processes(_rank_main, args=(world_size, free_port(), fn, args, result_dir, timeout),
                                      nprocs=world_size, join=False, start_method="spawn")
         deadline = time.monotonic() + timeout
         try:

@@ -1,0 +1,129 @@
+"""Offline long-document data: sources, byte tokenizer, packing with the global shift, striping."""
+import json
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ds_mtraining.data import (ByteTokenizer, DataConfigError, PackedSequences, RankBatches,
+                               check_data_spec, load_documents, stdlib_documents, tokenize_documents)
+from ds_mtraining.ring.layout import StripedLayout
+
+TEXTS = ["def f():\n    return 1\n" * 40, "héllo wörld — ünïcode\n" * 30, "x = [i for i in range(9)]\n" * 50]
+EOS = ByteTokenizer.eos_token_id
+
+
+def stream_of(texts) -> np.ndarray:
+    """The expected token stream, built independently: UTF-8 bytes, EOS after each document."""
+    return np.concatenate([np.append(np.frombuffer(t.encode(), np.uint8), EOS) for t in texts]).astype(np.int64)
+
+
+def packed(texts, seq_len, tmp_path=None):
+    """Packed samples of ``texts``, read from a jsonl file under ``tmp_path`` if given."""
+    import datasets
+    if tmp_path is not None:
+        documents = load_documents({"files": [write_jsonl(tmp_path, texts)]})
+    else:
+        documents = datasets.Dataset.from_list([{"text": t} for t in texts])
+    return PackedSequences(tokenize_documents(documents, ByteTokenizer()), seq_len)
+
+
+def write_jsonl(directory: Path, texts) -> str:
+    path = directory / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    return str(path)
+
+
+def test_byte_tokenizer_round_trips_unicode():
+    tokenizer = ByteTokenizer()
+    ids = tokenizer.encode(TEXTS[1])
+    assert ids.max() < 256 and len(ids) == len(TEXTS[1].encode())
+    assert tokenizer.decode(list(ids) + [EOS]) == TEXTS[1]
+
+
+def test_stdlib_corpus_holds_every_stdlib_file_in_long_documents():
+    documents = stdlib_documents(document_chars=1 << 20)
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts)
+    lines = {line for doc in documents for line in doc["text"].splitlines() if line.startswith("# ")}
+    assert all(f"# {path.relative_to(root)}" in lines for path in files)
+    assert all(len(doc["text"]) >= 1 << 20 for doc in documents[:-1])
+    assert documents[0]["text"].startswith(f"# {files[0].relative_to(root)}\n")
+    assert stdlib_documents(document_chars=1 << 20)[5]["text"] == documents[5]["text"]  # deterministic
+
+
+@pytest.mark.parametrize("seq_len", [64, 100])
+def test_packing_shifts_labels_on_the_global_stream(seq_len):
+    samples = packed(TEXTS, seq_len)
+    stream = stream_of(TEXTS)
+    assert len(samples) == (len(stream) - 1) // seq_len
+    for i in (0, 1, len(samples) - 1):  # the middle one spans a document boundary
+        inputs, labels = samples[i]
+        assert inputs.tolist() == stream[i * seq_len:(i + 1) * seq_len].tolist()
+        assert labels.tolist() == stream[i * seq_len + 1:(i + 1) * seq_len + 1].tolist()
+    with pytest.raises(IndexError):
+        samples[len(samples)]
+
+
+def test_local_files_and_saved_dataset_give_the_same_stream(tmp_path):
+    import datasets
+    reference = packed(TEXTS, 64)
+    from_jsonl = packed(TEXTS, 64, tmp_path)
+    parquet = tmp_path / "docs.parquet"
+    datasets.Dataset.from_list([{"body": t} for t in TEXTS]).to_parquet(str(parquet))
+    from_parquet = load_documents({"files": [str(parquet)], "text_field": "body"})
+    datasets.Dataset.from_list([{"text": t} for t in TEXTS]).save_to_disk(str(tmp_path / "saved"))
+    from_saved = load_documents({"saved_dataset": str(tmp_path / "saved")})
+    for documents in (from_parquet, from_saved):
+        samples = PackedSequences(tokenize_documents(documents, ByteTokenizer()), 64)
+        assert [samples[i][0].tolist() for i in range(len(samples))] == \
+            [reference[i][0].tolist() for i in range(len(reference))]
+    assert from_jsonl[3][1].tolist() == reference[3][1].tolist()
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_rank_shards_are_stripes_of_the_global_sample(world):
+    samples = packed(TEXTS * 4, 256)
+    shards = [RankBatches(samples, micro_batch_size=2, sequence_rank=r, sequence_world=world,
+                          block_size=64, seed=3).batch(5) for r in range(world)]
+    layout = StripedLayout(world, 64)
+    ids = RankBatches(samples, 2, block_size=64, seed=3).sample_ids(5)
+    expected_inputs = torch.stack([samples[i][0] for i in ids])
+    expected_labels = torch.stack([samples[i][1] for i in ids])
+    assert torch.equal(layout.unshard([s["input_ids"] for s in shards]), expected_inputs)
+    assert torch.equal(layout.unshard([s["labels"] for s in shards]), expected_labels)
+    for rank, shard in enumerate(shards):
+        block = torch.arange(64)
+        assert shard["position_ids"].shape == (2, 256 // world)
+        assert torch.equal(shard["position_ids"][0, :64], rank * 64 + block)  # first local block = global block r
+
+
+def test_data_parallel_replicas_read_disjoint_samples_and_epochs_reshuffle():
+    samples = packed(TEXTS * 4, 64)
+    replicas = [RankBatches(samples, 2, data_rank=d, data_world=2, block_size=64, seed=0) for d in range(2)]
+    per_epoch = replicas[0].per_epoch
+    first_epoch = [i for d in range(2) for p in range(per_epoch) for i in replicas[d].sample_ids(p)]
+    assert len(set(first_epoch)) == len(first_epoch)
+    second = [replicas[0].sample_ids(p) for p in range(per_epoch, 2 * per_epoch)]
+    assert second != [replicas[0].sample_ids(p) for p in range(per_epoch)]
+    assert replicas[0].sample_ids(per_epoch + 1) == RankBatches(samples, 2, 0, 2, block_size=64).sample_ids(per_epoch + 1)
+
+
+def test_bad_data_specs_name_the_key_and_the_fix(tmp_path):
+    with pytest.raises(DataConfigError, match=r"mtraining.data.files: file\(s\) not found: \['/nope.jsonl'\]"):
+        check_data_spec({"files": ["/nope.jsonl"]})
+    with pytest.raises(DataConfigError, match="exactly one of"):
+        check_data_spec({"files": ["a"], "source": "stdlib"})
+    with pytest.raises(DataConfigError, match=r"unknown key\(s\) \['path'\]"):
+        check_data_spec({"path": "x"})
+    with pytest.raises(DataConfigError, match="set mtraining.data.format"):
+        (tmp_path / "docs.txt").write_text("x")
+        check_data_spec({"files": [str(tmp_path / "docs.txt")]})
+    with pytest.raises(DataConfigError, match="text_field='body' is not a column"):
+        load_documents({"files": [write_jsonl(tmp_path, TEXTS)], "text_field": "body"})
+    with pytest.raises(DataConfigError, match="fewer than one sample"):
+        packed(TEXTS[:1], 10_000)
+    with pytest.raises(DataConfigError, match="fewer than one global micro-batch"):
+        RankBatches(packed(TEXTS, 512), micro_batch_size=8, block_size=64)
