@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # One device call: build the CUDA op through the op builder, run the GPU tests, compute-sanitizer
-# (memcheck + racecheck) on a small case, then the kernel benchmark. Logs and JSON go to $OUT
-# (default ./gpu_check_out); a short summary table is printed last.
+# (memcheck + racecheck) on a small case, the kernel benchmark, a 16-rows-per-warp forward
+# comparison and an ncu profile of each kernel at 128K. Logs and JSON go to $OUT (default
+# ./gpu_check_out, at most 8 files); a short summary is printed last.
 #
 #   device run, carry .whl:  bash scripts/gpu_check.sh
 #   BENCH_ARGS="--seq-lens 131072" bash scripts/gpu_check.sh      # a shorter benchmark
-#   SKIP_TESTS=1 / SKIP_SANITIZER=1 / SKIP_BENCH=1                  # leave a stage out
+#   SKIP_TESTS=1 / SKIP_SANITIZER=1 / SKIP_BENCH=1 / SKIP_VARIANT=1 / SKIP_NCU=1
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_check_out}
@@ -18,36 +19,40 @@ else
   export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 fi
 summary=()
-stage() {  # stage NAME TIMEOUT_S LOG COMMAND...: runs, records status and seconds
+stage() {  # stage NAME TIMEOUT_S LOG COMMAND...: runs (appending to LOG), records status and seconds
   local name=$1 limit=$2 log=$3; shift 3
   local start=$SECONDS
-  timeout "$limit" "$@" >"$log" 2>&1
+  echo "=== $name: $*" >>"$log"
+  timeout "$limit" "$@" >>"$log" 2>&1
   local code=$?
-  summary+=("$(printf '%-10s %-6s %4ss  %s' "$name" "$([ $code -eq 0 ] && echo ok || echo FAIL:$code)" $((SECONDS - start)) "$(basename "$log")")")
+  summary+=("$(printf '%-10s %-8s %4ss  %s' "$name" "$([ $code -eq 0 ] && echo ok || echo FAIL:$code)" $((SECONDS - start)) "$(basename "$log")")")
   return $code
 }
-
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$OUT/device.txt"
-python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/device.txt"
+finish() {
+  { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
+    python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+    echo "=== gpu_check summary ($(date -u +%FT%TZ)) ==="; printf '%s\n' "${summary[@]}"; } | tee "$OUT/summary.txt"
+}
 
 stage build 400 "$OUT/build.log" python3 -c "
 import time; t = time.time()
 from ds_mtraining import ops
 ops.op_module('cuda')
 print(f'built and loaded in {time.time() - t:.1f} s')
-" || { printf '%s\n' "${summary[@]}"; tail -40 "$OUT/build.log"; exit 1; }
+" || { tail -40 "$OUT/build.log"; finish; exit 1; }
 
 if [ -z "${SKIP_TESTS:-}" ]; then
   per_test_limit=()  # a hung kernel fails its test instead of the whole call
   python3 -c "import pytest_timeout" 2>/dev/null && per_test_limit=(--timeout 150 -o timeout_method=thread)
   stage tests 300 "$OUT/tests.log" python3 -m pytest tests/test_cuda_attention.py -v --tb=short -p no:cacheprovider "${per_test_limit[@]}"
-  tail -25 "$OUT/tests.log"
+  grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/tests.log" | tail -20
 fi
 
 if [ -z "${SKIP_SANITIZER:-}" ]; then
-  cat >/tmp/sanitizer_case.py <<'EOF'
-# A small case for compute-sanitizer: every kernel (index, forward, delta, vertical and slash
-# dK/dV, dQ) for block 64 and 128, a partial last block, GQA, and two striped calls.
+  cat >/tmp/sanitizer_case.py <<'PY'
+# A small case for compute-sanitizer: every kernel (index, forward in both tilings, delta,
+# vertical and slash dK/dV, dQ) for block 64 and 128, a partial last block, GQA, two striped calls.
+import os
 import torch
 from ds_mtraining import ops
 from ds_mtraining.index import SparseIndex, Stripe
@@ -58,7 +63,9 @@ for block, seq, dim in ((64, 300, 64), (128, 512, 128)):
     blocks = -(-seq // block)
     index = SparseIndex.from_blocks(torch.randint(1, blocks, (1, 4, 2), generator=g),
                                     torch.randint(0, seq, (1, 4, 70), generator=g), seq, block).to("cuda")
-    out, lse = ops.attention_forward(q, k, v, index, 0.1)
+    for rows in ("16", "32"):
+        os.environ["DS_MTRAINING_CUDA_FORWARD_ROWS"] = rows
+        out, lse = ops.attention_forward(q, k, v, index, 0.1)
     ops.attention_backward(dout, q, k, v, out, lse, index, 0.1)
     if seq % (2 * block) == 0:
         half = seq // 2
@@ -68,18 +75,41 @@ for block, seq, dim in ((64, 300, 64), (128, 512, 128)):
             ops.attention_backward(dout[:, :half], q[:, :half], k[:, :half], v[:, :half], out, lse, index, 0.1, stripe)
 torch.cuda.synchronize()
 print("sanitizer case done")
-EOF
+PY
   for tool in memcheck racecheck; do
-    stage "$tool" 240 "$OUT/sanitizer_$tool.log" compute-sanitizer --tool "$tool" python3 /tmp/sanitizer_case.py
-    grep -E "ERROR SUMMARY|RACECHECK SUMMARY|sanitizer case done" "$OUT/sanitizer_$tool.log" | tail -3
+    stage "$tool" 240 "$OUT/sanitizer.log" compute-sanitizer --tool "$tool" python3 /tmp/sanitizer_case.py
   done
+  grep -E "ERROR SUMMARY|RACECHECK SUMMARY|sanitizer case done" "$OUT/sanitizer.log"
 fi
 
 if [ -z "${SKIP_BENCH:-}" ]; then
   # shellcheck disable=SC2086
   stage bench 420 "$OUT/bench.log" python3 -m ds_mtraining.bench.kernel --out "$OUT/kernel_h200.json" ${BENCH_ARGS:-}
-  tail -30 "$OUT/bench.log"
+  tail -27 "$OUT/bench.log"
 fi
 
-echo "=== gpu_check summary ($(date -u +%FT%TZ)) ==="
-printf '%s\n' "${summary[@]}" | tee "$OUT/summary.txt"
+if [ -z "${SKIP_VARIANT:-}" ]; then
+  DS_MTRAINING_CUDA_FORWARD_ROWS=16 stage rows16 120 "$OUT/bench.log" python3 -m ds_mtraining.bench.kernel \
+    --seq-lens 131072 --skip-flex --skip-dense --repeats 5 --out "$OUT/kernel_h200_rows16.json"
+  tail -8 "$OUT/bench.log"
+fi
+
+if [ -z "${SKIP_NCU:-}" ]; then
+  cat >/tmp/ncu_case.py <<'PY'
+# One forward and one backward at 128K, 5% density: each kernel launches once.
+import torch
+from ds_mtraining import ops
+from ds_mtraining.bench.kernel import index_for_density
+index = index_for_density(1, 16, 131072, 128, 0.05, seed=1).to("cuda")
+q, dout = (torch.randn(1, 131072, 16, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+k, v = (torch.randn(1, 131072, 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+out, lse = ops.attention_forward(q, k, v, index, 0.088)
+ops.attention_backward(dout, q, k, v, out, lse, index, 0.088)
+torch.cuda.synchronize()
+PY
+  stage ncu 200 "$OUT/ncu.txt" ncu --clock-control none -k regex:"query_kernel|key_kernel|delta_kernel" \
+    --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+    --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis python3 /tmp/ncu_case.py
+  grep -E "query_kernel|key_kernel|delta_kernel|Duration|Compute \(SM\) Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Stall" "$OUT/ncu.txt" | head -60
+fi
+finish

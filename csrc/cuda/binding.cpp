@@ -7,6 +7,8 @@
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 
+#include <cstdlib>
+
 #include "mtraining/checks.h"
 #include "params.h"
 
@@ -77,6 +79,7 @@ mtr::AttentionParams make_params(const at::Tensor& q, const at::Tensor& k, const
     p.world = static_cast<int>(world);
     p.q_rank = static_cast<int>(q_rank);
     p.k_rank = static_cast<int>(k_rank);
+    if (const char* rows = std::getenv("DS_MTRAINING_CUDA_FORWARD_ROWS")) p.forward_rows_per_warp = std::atoi(rows);
     return p;
 }
 
@@ -132,7 +135,9 @@ std::vector<at::Tensor> backward(const at::Tensor& dout_in, const at::Tensor& q_
     at::Tensor dk = at::empty(k.sizes(), float_options);
     at::Tensor dv = at::empty(v.sizes(), float_options);
     at::Tensor delta = at::empty({q.size(0), q.size(2), q.size(1)}, float_options);
-    const std::vector<int64_t> partial_shape = {q.size(0), q.size(2), vertical.size(2), q.size(3)};
+    const int query_blocks = static_cast<int>((q.size(1) + block - 1) / block);
+    const std::vector<int64_t> partial_shape = {mtr::vertical_chunks(query_blocks), q.size(0), q.size(2),
+                                                vertical.size(2), q.size(3)};
     at::Tensor vertical_dk = at::empty(partial_shape, float_options);
     at::Tensor vertical_dv = at::empty(partial_shape, float_options);
     p.dout = dout.data_ptr();

@@ -3,12 +3,12 @@
 //  * Slash pass: one CTA per (local key block, kv head, batch) keeps its K/V block resident and
 //    loops over the query heads of its GQA group and, per head, over the query blocks that read
 //    the block through a slash offset (i = j + o), 64 queries at a time.
-//  * Vertical pass (runs first): one CTA per 64 consecutive vertical keys of one query head
-//    gathers their K/V and loops over every later query block that reads them as columns; it
-//    writes per-head partial dK/dV to scratch. CTAs are numbered tile-major, so the tiles of the
-//    earliest keys (the longest loops) start first.
-//  * The slash pass adds the scratch rows of its block's vertical keys head by head (a fixed
-//    order), after its own rows are written: deterministic, no atomics.
+//  * Vertical pass (runs first): one CTA per (64 consecutive vertical keys of one query head,
+//    chunk of kVerticalChunkBlocks query blocks) gathers their K/V and loops over the chunk's
+//    query blocks that read them as columns; it writes partial dK/dV per chunk to scratch.
+//    Chunking bounds the longest CTA (sink columns are read by every query block).
+//  * The slash pass adds the scratch rows of its block's vertical keys head by head and chunk by
+//    chunk (a fixed order), after its own rows are written: deterministic, no atomics.
 #pragma once
 
 #include <math.h>
@@ -87,25 +87,25 @@ struct SlashStepSource {
     }
 };
 
-// Vertical pass: every query block from the tile's first key block on that reads at least one
-// of the tile's keys as a column (a CTA-wide vote per block).
+// Vertical pass: every query block in [query_block, end_block) that reads at least one of the
+// tile's keys as a column (a CTA-wide vote per block).
 template <int BS>
 struct VerticalStepSource {
     const int* tile_keys;  // shared memory, ascending
     int key_count;
     const uint32_t* bits;
     int head;
-    int query_blocks;
+    int end_block;
     int seq_q;
     bool query_rank_after;
+    int query_block;
 
-    int query_block = 0;
     int sub_step = 0;
 
     __device__ __forceinline__ bool next(QueryStep& step) {
         while (true) {
             if (sub_step == 0) {
-                if (query_block >= query_blocks) return false;
+                if (query_block >= end_block) return false;
                 const bool reads = threadIdx.x < key_count &&
                                    reads_as_column(query_block, tile_keys[threadIdx.x] / BS, query_rank_after, bits);
                 if (!__syncthreads_or(reads)) {
@@ -152,11 +152,13 @@ __global__ void __launch_bounds__(KeyKernelConfig<T, D, BS, kVertical>::kThreads
     const T* dout = static_cast<const T*>(p.dout);
     const int row0 = (threadIdx.x >> 5) * 16;  // this warp's first key row
 
-    int batch, kv_head, key_count, key_first = 0, first_entry = 0, bh_vertical = 0;
+    int batch, kv_head, key_count, key_first = 0, first_entry = 0, bh_vertical = 0, chunk = 0;
     if constexpr (kVertical) {
         const int rows = p.batch * p.heads;
-        const int tile = blockIdx.x / rows;
-        bh_vertical = blockIdx.x % rows;
+        const int chunks = vertical_chunks(query_blocks);
+        chunk = blockIdx.x % chunks;
+        const int tile = blockIdx.x / chunks / rows;
+        bh_vertical = blockIdx.x / chunks % rows;
         batch = bh_vertical / p.heads;
         kv_head = (bh_vertical % p.heads) / group;
         first_entry = tile * kKeyTile;
@@ -230,20 +232,28 @@ __global__ void __launch_bounds__(KeyKernelConfig<T, D, BS, kVertical>::kThreads
         zero_fill(dp);
         gemm_abt<1, D>(s, key_tile, row0, query_tile);    // S^T = K Q^T
         gemm_abt<1, D>(dp, value_tile, row0, dout_tile);  // dP^T = V dO^T
+        const bool masked = kVertical || step.causal || step.first + kQueryStep > p.seq_q;
 #pragma unroll
-        for (int nt = 0; nt < 8; ++nt)
+        for (int nt = 0; nt < 8; ++nt) {
+            const int col0 = fragment_col(nt, 0);  // the thread's two columns col0, col0 + 1
+            const float2 lse_pair = *reinterpret_cast<const float2*>(lse + col0);
+            const float2 delta_pair = *reinterpret_cast<const float2*>(delta + col0);
+            const float lse_log2[2] = {lse_pair.x == -INFINITY ? INFINITY : lse_pair.x * kLog2e,
+                                       lse_pair.y == -INFINITY ? INFINITY : lse_pair.y * kLog2e};
+            const float delta_col[2] = {delta_pair.x, delta_pair.y};
 #pragma unroll
             for (int c = 0; c < 4; ++c) {
-                const int col = fragment_col(nt, c);
-                const int query = step.first + col;
-                bool visible = query < p.seq_q && row_reads[c >> 1];
-                if (!kVertical && step.causal) visible = visible && query >= key_first + row0 + fragment_row(c);
-                const float row_lse = lse[col];
-                const float lse_log2 = row_lse == -INFINITY ? INFINITY : row_lse * kLog2e;
-                const float prob = visible ? exp2f(s[0][nt][c] * scale_log2 - lse_log2) : 0.f;
-                s[0][nt][c] = prob;                                  // P^T
-                dp[0][nt][c] = prob * (dp[0][nt][c] - delta[col]);  // dS^T / scale
+                bool visible = true;
+                if (masked) {
+                    const int query = step.first + col0 + (c & 1);
+                    visible = query < p.seq_q && row_reads[c >> 1];
+                    if (!kVertical && step.causal) visible = visible && query >= key_first + row0 + fragment_row(c);
+                }
+                const float prob = visible ? exp2f(s[0][nt][c] * scale_log2 - lse_log2[c & 1]) : 0.f;
+                s[0][nt][c] = prob;                                           // P^T
+                dp[0][nt][c] = prob * (dp[0][nt][c] - delta_col[c & 1]);     // dS^T / scale
             }
+        }
         gemm_pb<1, D>(dv, s, dout_tile);   // dV += P^T dO
         gemm_pb<1, D>(dk, dp, query_tile);  // dK += dS^T Q
     };
@@ -253,10 +263,13 @@ __global__ void __launch_bounds__(KeyKernelConfig<T, D, BS, kVertical>::kThreads
         build_offset_bits<kThreads>(bits, bit_words,
                                     p.local_offsets + static_cast<size_t>(bh_vertical) * p.slash_len,
                                     p.num_offsets[bh_vertical]);
-        VerticalStepSource<BS> source{tile_keys, key_count, bits, head, query_blocks, p.seq_q, query_rank_after};
-        source.query_block = tile_keys[0] / BS;
-        run_two_stage_pipeline<QueryStep>(source, issue, compute);
-        const size_t entry0 = static_cast<size_t>(bh_vertical) * p.vertical_len + first_entry;
+        const int chunk_first = chunk * kVerticalChunkBlocks;
+        VerticalStepSource<BS> source{tile_keys, key_count, bits, head,
+                                      min(query_blocks, chunk_first + kVerticalChunkBlocks), p.seq_q,
+                                      query_rank_after, max(chunk_first, tile_keys[0] / BS)};
+        run_two_stage_pipeline<QueryStep>(source, issue, compute);  // no step: the partials are 0
+        const size_t entry0 =
+            (static_cast<size_t>(chunk) * p.batch * p.heads + bh_vertical) * p.vertical_len + first_entry;
         auto scratch_row = [&](float* base, int row) -> float* {
             return row < key_count ? base + (entry0 + row) * D : nullptr;
         };
@@ -276,7 +289,9 @@ __global__ void __launch_bounds__(KeyKernelConfig<T, D, BS, kVertical>::kThreads
         store_rows<1, D>(dv, row0, 1.f, [&](int row) { return key_out_row(p.dv, row); });
         __syncthreads();  // this CTA's dk/dv rows are visible to all its threads from here
 
-        // Add the vertical pass's per-head partials for the vertical keys of this block, head by head.
+        // Add the vertical pass's partials for the vertical keys of this block, head by head.
+        const int chunks = vertical_chunks(query_blocks);
+        const size_t chunk_stride = static_cast<size_t>(p.batch) * p.heads * p.vertical_len * D;
         for (int head = kv_head * group; head < (kv_head + 1) * group; ++head) {
             const size_t bh = batch_heads + head;
             const int* keys = p.local_keys + bh * p.vertical_len;
@@ -293,8 +308,13 @@ __global__ void __launch_bounds__(KeyKernelConfig<T, D, BS, kVertical>::kThreads
                 const int d = index % D;
                 const size_t out = ((static_cast<size_t>(batch) * p.seq_k + keys[entry]) * p.kv_heads + kv_head) * D + d;
                 const size_t partial = (bh * p.vertical_len + entry) * D + d;
-                p.dk[out] += p.vertical_dk[partial];
-                p.dv[out] += p.vertical_dv[partial];
+                float dk_sum = 0.f, dv_sum = 0.f;
+                for (int c = 0; c < chunks; ++c) {
+                    dk_sum += p.vertical_dk[partial + c * chunk_stride];
+                    dv_sum += p.vertical_dv[partial + c * chunk_stride];
+                }
+                p.dk[out] += dk_sum;
+                p.dv[out] += dv_sum;
             }
             __syncthreads();  // the next head may hold the same keys
         }
@@ -312,7 +332,8 @@ cudaError_t launch_key_kernel(const AttentionParams& p, cudaStream_t stream) {
     if (status != cudaSuccess) return status;
     dim3 grid;
     if (kVertical) {
-        const long long ctas = static_cast<long long>((p.vertical_len + kKeyTile - 1) / kKeyTile) * p.batch * p.heads;
+        const long long ctas = static_cast<long long>((p.vertical_len + kKeyTile - 1) / kKeyTile) * p.batch * p.heads *
+                               vertical_chunks(query_blocks);
         if (ctas == 0) return cudaSuccess;
         grid = dim3(static_cast<unsigned>(ctas));
     } else {

@@ -8,8 +8,9 @@
 
 namespace mtr {
 
-// Rows of query tiles per warp in the forward (1: 16 rows, 2: 32 rows per warp).
-constexpr int kForwardRowAtoms = 1;
+// Forward rows per warp: 32 rows (two 16-row MMA tiles) halve the shared-memory reads of K/V
+// fragments per MMA, as each fragment feeds both row tiles, at the price of registers. Block 64
+// keeps 16 rows per warp so that a CTA still has 4 warps.
 constexpr int kDeltaThreads = 256;
 
 __device__ __forceinline__ float to_float(__nv_bfloat16 value) { return __bfloat162float(value); }
@@ -40,7 +41,10 @@ __global__ void __launch_bounds__(kDeltaThreads) delta_kernel(const AttentionPar
 
 template <typename T, int D, int BS>
 cudaError_t forward_for_block(const AttentionParams& p, cudaStream_t stream) {
-    return launch_query_kernel<T, D, BS, kForwardRowAtoms, false>(p, stream);
+    if constexpr (BS == 128) {
+        if (p.forward_rows_per_warp != 16) return launch_query_kernel<T, D, BS, 2, false>(p, stream);
+    }
+    return launch_query_kernel<T, D, BS, 1, false>(p, stream);
 }
 
 template <typename T, int D, int BS>

@@ -5,6 +5,12 @@
 
 #include <cuda_runtime_api.h>
 
+#ifdef __CUDACC__
+#define MTR_HOST_DEVICE __host__ __device__
+#else
+#define MTR_HOST_DEVICE
+#endif
+
 namespace mtr {
 
 enum class DType { kBF16, kFP16 };
@@ -26,7 +32,8 @@ struct AttentionParams {
     float* dq = nullptr;
     float* dk = nullptr;
     float* dv = nullptr;
-    // Backward scratch: delta [B, H, Sq]; vertical-column dK/dV per query head [B, H, Lv, D].
+    // Backward scratch: delta [B, H, Sq]; vertical-column dK/dV per query-block chunk and query
+    // head [vertical_chunks(query blocks), B, H, Lv, D].
     float* delta = nullptr;
     float* vertical_dk = nullptr;
     float* vertical_dv = nullptr;
@@ -49,6 +56,9 @@ struct AttentionParams {
     int slash_len = 0, vertical_len = 0;
     float scale = 0.f;
     int world = 1, q_rank = 0, k_rank = 0;
+    // Forward query rows per warp for block 128 (16 or 32; 0 = the default, 32). A tuning knob
+    // the benchmark compares (env DS_MTRAINING_CUDA_FORWARD_ROWS); results are the same.
+    int forward_rows_per_warp = 0;
 };
 
 // Derives local_offsets/num_offsets and local_keys/num_keys from the compact index.
@@ -62,6 +72,11 @@ cudaError_t run_forward(const AttentionParams& params, cudaStream_t stream);
 
 template <DType dtype, int kHeadDim>
 cudaError_t run_backward(const AttentionParams& params, cudaStream_t stream);
+
+// The vertical dK/dV pass splits each column tile's query blocks into chunks of this many, so
+// that no CTA loops over the whole sequence (the tiles of sink columns would otherwise dominate).
+constexpr int kVerticalChunkBlocks = 64;
+MTR_HOST_DEVICE inline int vertical_chunks(int query_blocks) { return (query_blocks + kVerticalChunkBlocks - 1) / kVerticalChunkBlocks; }
 
 // Largest number of local key blocks the kernels' shared-memory bitmap of offsets supports.
 constexpr int kMaxLocalBlocks = 1 << 17;

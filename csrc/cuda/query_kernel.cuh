@@ -115,23 +115,34 @@ __global__ void __launch_bounds__(QueryKernelConfig<T, D, BS, MA, kBackward>::kT
         float s[MA][8][4];
         zero_fill(s);
         gemm_abt<MA, D>(s, q_tile, row0, key_tile);
+        // Only diagonal, partial-last and partly filled gathered tiles need a mask.
+        const bool masked = tile.gathered ? tile.count < kKeyTile : (tile.causal || tile.first + kKeyTile > p.seq_k);
+        if (masked) {
 #pragma unroll
-        for (int ma = 0; ma < MA; ++ma)
+            for (int ma = 0; ma < MA; ++ma)
 #pragma unroll
-            for (int nt = 0; nt < 8; ++nt)
+                for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
-                for (int c = 0; c < 4; ++c) {
-                    const int col = fragment_col(nt, c);
-                    bool visible;
-                    if (tile.gathered) {
-                        visible = col < tile.count;
-                    } else {
-                        const int key = tile.first + col;
-                        const int query = query_first + row0 + ma * 16 + fragment_row(c);
-                        visible = key < p.seq_k && (!tile.causal || query >= key);
+                    for (int c = 0; c < 4; ++c) {
+                        const int col = fragment_col(nt, c);
+                        bool visible;
+                        if (tile.gathered) {
+                            visible = col < tile.count;
+                        } else {
+                            const int key = tile.first + col;
+                            const int query = query_first + row0 + ma * 16 + fragment_row(c);
+                            visible = key < p.seq_k && (!tile.causal || query >= key);
+                        }
+                        s[ma][nt][c] = visible ? s[ma][nt][c] * scale_log2 : -INFINITY;
                     }
-                    s[ma][nt][c] = visible ? s[ma][nt][c] * scale_log2 : -INFINITY;
-                }
+        } else {
+#pragma unroll
+            for (int ma = 0; ma < MA; ++ma)
+#pragma unroll
+                for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+                    for (int c = 0; c < 4; ++c) s[ma][nt][c] *= scale_log2;
+        }
         if constexpr (!kBackward) {
 #pragma unroll
             for (int ma = 0; ma < MA; ++ma)

@@ -87,33 +87,53 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t add
                  : "r"(address));
 }
 
-// A operand (16 rows x 16 k) of rows row0.. and k-chunk kc of a [rows][D] tile.
+// Fragment addressing. A lane's ldmatrix row segment for 16-element k-chunk kc sits in 16-byte
+// chunk 2 kc + half, swizzled to (2 kc + half) ^ (row % 8). Since row % 8 is the same for every
+// fragment a lane loads (fragment rows start at multiples of 8), the swizzled chunk is
+// 8 (kc / 4) + ((2 (kc % 4)) ^ m) with the per-lane m = half ^ (row % 8): four base addresses
+// (kc % 4) per operand plus compile-time offsets, instead of one register per k-chunk.
+struct LaneAddresses {
+    uint32_t base[4];
+};
+
 template <int D, typename T>
-__device__ __forceinline__ void load_a_fragment(uint32_t (&a)[4], const T* tile, int row0, int kc) {
-    const int lane = threadIdx.x & 31;
-    const int row = row0 + (lane & 15);
-    const int chunk = kc * 2 + (lane >> 4);
-    ldmatrix_x4(a, smem_address(tile + swizzled_offset<D>(row, chunk)));
+__device__ __forceinline__ LaneAddresses lane_addresses(const T* tile, int row, int half) {
+    const int m = half ^ (row & 7);
+    const uint32_t row_address = smem_address(tile) + row * D * 2;
+    LaneAddresses addresses;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) addresses.base[j] = row_address + (((2 * j) ^ m) << 4);
+    return addresses;
 }
 
-// B operands of two n-tiles (n0..n0+15) for k-chunk kc, from a [n][D] tile (B = tile^T):
-// b[0], b[1] for n0..n0+7 and b[2], b[3] for n0+8..n0+15.
-template <int D, typename T>
-__device__ __forceinline__ void load_b_fragments(uint32_t (&b)[4], const T* tile, int n0, int kc) {
-    const int lane = threadIdx.x & 31;
-    const int row = n0 + (lane & 7) + ((lane >> 4) << 3);
-    const int chunk = kc * 2 + ((lane >> 3) & 1);
-    ldmatrix_x4(b, smem_address(tile + swizzled_offset<D>(row, chunk)));
+// Address of k-chunk kc (16 elements) at `row_offset` rows below the lane's row.
+template <int D>
+__device__ __forceinline__ uint32_t fragment_address(const LaneAddresses& addresses, int kc, int row_offset) {
+    return addresses.base[kc & 3] + (kc >> 2) * 128 + row_offset * D * 2;
 }
 
-// B operands of two n-tiles along D (columns 16*dp..16*dp+15) for k rows k0..k0+15 of a [k][D]
-// tile (B = tile itself), loaded transposed.
+// A operand (16 rows x 16 k) rows row0.. of a [rows][D] tile: lanes 0-15 address rows 0-15 of
+// chunk 2 kc, lanes 16-31 the same rows of chunk 2 kc + 1.
 template <int D, typename T>
-__device__ __forceinline__ void load_b_fragments_trans(uint32_t (&b)[4], const T* tile, int k0, int dp) {
+__device__ __forceinline__ LaneAddresses a_addresses(const T* tile, int row0) {
     const int lane = threadIdx.x & 31;
-    const int row = k0 + (lane & 7) + (((lane >> 3) & 1) << 3);
-    const int chunk = dp * 2 + (lane >> 4);
-    ldmatrix_x4_trans(b, smem_address(tile + swizzled_offset<D>(row, chunk)));
+    return lane_addresses<D>(tile, row0 + (lane & 15), lane >> 4);
+}
+
+// B operands of two n-tiles (16 rows of a [n][D] tile, B = tile^T): b[0], b[1] for rows 0-7 and
+// b[2], b[3] for rows 8-15.
+template <int D, typename T>
+__device__ __forceinline__ LaneAddresses b_addresses(const T* tile) {
+    const int lane = threadIdx.x & 31;
+    return lane_addresses<D>(tile, (lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1);
+}
+
+// B operands of two n-tiles along D (columns 16 dp..) for 16 k rows of a [k][D] tile (B = tile),
+// loaded transposed: b[0], b[1] for columns 16 dp.. 16 dp + 7, b[2], b[3] for the next 8.
+template <int D, typename T>
+__device__ __forceinline__ LaneAddresses b_trans_addresses(const T* tile) {
+    const int lane = threadIdx.x & 31;
+    return lane_addresses<D>(tile, (lane & 7) + (((lane >> 3) & 1) << 3), lane >> 4);
 }
 
 // ---------------------------------------------------------------- mma.sync m16n8k16
@@ -156,15 +176,17 @@ __device__ __forceinline__ int fragment_col(int nt, int c) { return nt * 8 + ((t
 // S = Q K^T, dP = dO V^T (rows = queries) and S^T = K Q^T, dP^T = V dO^T (rows = keys).
 template <int MA, int D, typename T>
 __device__ __forceinline__ void gemm_abt(float (&acc)[MA][8][4], const T* a_tile, int row0, const T* b_tile) {
+    const LaneAddresses a_lane = a_addresses<D>(a_tile, row0);
+    const LaneAddresses b_lane = b_addresses<D>(b_tile);
 #pragma unroll
     for (int kc = 0; kc < D / 16; ++kc) {
         uint32_t a[MA][4];
 #pragma unroll
-        for (int ma = 0; ma < MA; ++ma) load_a_fragment<D>(a[ma], a_tile, row0 + ma * 16, kc);
+        for (int ma = 0; ma < MA; ++ma) ldmatrix_x4(a[ma], fragment_address<D>(a_lane, kc, ma * 16));
 #pragma unroll
         for (int np = 0; np < 4; ++np) {
             uint32_t b[4];
-            load_b_fragments<D>(b, b_tile, np * 16, kc);
+            ldmatrix_x4(b, fragment_address<D>(b_lane, kc, np * 16));
 #pragma unroll
             for (int ma = 0; ma < MA; ++ma) {
                 Mma<T>::run(acc[ma][2 * np], a[ma], b[0], b[1]);
@@ -178,6 +200,7 @@ __device__ __forceinline__ void gemm_abt(float (&acc)[MA][8][4], const T* a_tile
 // O += P V, dQ += dS K, dV += P^T dO, dK += dS^T Q.
 template <int MA, int D, typename T>
 __device__ __forceinline__ void gemm_pb(float (&acc)[MA][D / 8][4], const float (&p)[MA][8][4], const T* b_tile) {
+    const LaneAddresses b_lane = b_trans_addresses<D>(b_tile);
 #pragma unroll
     for (int kc = 0; kc < 4; ++kc) {
         uint32_t a[MA][4];
@@ -191,7 +214,7 @@ __device__ __forceinline__ void gemm_pb(float (&acc)[MA][D / 8][4], const float 
 #pragma unroll
         for (int dp = 0; dp < D / 16; ++dp) {
             uint32_t b[4];
-            load_b_fragments_trans<D>(b, b_tile, kc * 16, dp);
+            ldmatrix_x4_trans(b, fragment_address<D>(b_lane, dp, kc * 16));
 #pragma unroll
             for (int ma = 0; ma < MA; ++ma) {
                 Mma<T>::run(acc[ma][2 * dp], a[ma], b[0], b[1]);

@@ -22,6 +22,7 @@ import argparse
 import datetime
 import json
 import math
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -197,6 +198,7 @@ def run(args):
                                                          index.vertical_count, block, seq, 1, 0, 0),
                                repeats=args.repeats)
             row = dict(impl="mtraining", seq_len=seq, density=density, target_density=target,
+                       forward_rows_per_warp=int(os.environ.get("DS_MTRAINING_CUDA_FORWARD_ROWS", "32")),
                        slash_per_head=int(index.slash_count.float().mean()),
                        vertical_per_head=int(index.vertical_count.float().mean()),
                        fwd_ms=ours_fwd, fwd_bwd_ms=ours_fwd_bwd, index_ms=index_ms,
