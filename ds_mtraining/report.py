@@ -78,7 +78,8 @@ def environment_rows() -> list[tuple[str, str, str]]:
         ("CUTLASS/CuTe headers", "[green]found[/]" if cutlass else "[red]missing[/]",
          cutlass or "pip install nvidia-cutlass --no-deps (needed when CUDA sources include them)"),
         ("C++/CUDA sources", "", str(csrc_root())),
-        ("TORCH_EXTENSIONS_DIR", "", extensions if extensions else f"unset; JIT builds go to {extension_root()}"),
+        ("TORCH_EXTENSIONS_DIR", "",
+         extensions if extensions else f"unset; JIT builds go to {extension_root()}"),
         (NO_JIT_VAR, "", os.environ.get(NO_JIT_VAR, "unset (JIT allowed)")),
     ]
     return rows

@@ -1,10 +1,10 @@
 """Builder of the CUDA sparse attention kernels (csrc/cuda: *.cu plus binding.cpp).
 
-JIT builds compile only for the visible devices' architectures (sm_90a for compute capability
-9.0, so Hopper-only instructions such as wgmma/TMA are allowed; sm_80 for 8.x); a prebuild (``DS_BUILD_MTRAINING=1 pip
-install``) compiles for TORCH_CUDA_ARCH_LIST, else the visible devices, else both. CUTLASS/CuTe
-headers come from the ``nvidia-cutlass`` pip package (``pip install .[cuda]``); they are required
-only when a CUDA source includes them.
+JIT builds compile only for the visible devices' architectures: sm_90a for compute capability
+9.0 (so Hopper-only instructions such as wgmma/TMA are allowed), sm_80 for 8.x. A prebuild
+(``DS_BUILD_MTRAINING=1 pip install``) compiles for TORCH_CUDA_ARCH_LIST, else the visible
+devices, else both. CUTLASS/CuTe headers come from the ``nvidia-cutlass`` pip package
+(``pip install .[cuda]``); they are required only when a CUDA source includes them.
 """
 from __future__ import annotations
 

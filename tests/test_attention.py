@@ -142,6 +142,14 @@ def _call_args(q, k, v, index, world=1, q_rank=0, k_rank=0, block=None):
             block or index.block_size, 0.125, world, q_rank, k_rank)
 
 
+def raw_lists(slash, vertical, heads, device="cpu"):
+    """The op's index arguments with the same slash and vertical list for every head."""
+    slash = torch.tensor(slash, dtype=torch.int32).expand(1, heads, -1).contiguous()
+    vertical = torch.tensor(vertical, dtype=torch.int32).expand(1, heads, -1).contiguous()
+    counts = [torch.full((1, heads), t.shape[-1], dtype=torch.int32) for t in (slash, vertical)]
+    return tuple(t.to(device) for t in (slash, counts[0], vertical, counts[1]))
+
+
 @pytest.fixture
 def small_problem(random_index):
     q = torch.randn(1, 128, 4, 32)
@@ -173,32 +181,31 @@ def test_op_rejects_bad_inputs(cpu_op, small_problem, random_index):
         (ValueError, "q must be a 4-d tensor", _call_args(q[0], k, v, index)),
         (TypeError, "q has dtype Long", _call_args(q.long(), k, v, index)),
         (TypeError, "q, k, v must share a dtype", _call_args(q, k.half(), v, index)),
-        (ValueError, "q is on meta but this op runs on CPU tensors", _call_args(q.to("meta"), k, v, index)),
+        (ValueError, "q is on meta but this op runs on CPU tensors",
+         _call_args(q.to("meta"), k, v, index)),
         (ValueError, r"query heads \(4\) must be a multiple of key/value heads \(3\)",
          _call_args(q, torch.randn(1, 128, 3, 32), torch.randn(1, 128, 3, 32), index)),
         (ValueError, "the index was built for another shape",
          _call_args(q, k, v, random_index(1, 2, 128, 64))),
         (ValueError, "the index was built for another length",
          _call_args(q, k, v, random_index(1, 4, 1024, 64, n_vertical=4, n_slash=8, seed=3))),
-        (ValueError, "must be a multiple of block_size=64", _call_args(q[:, :100], k[:, :100], v[:, :100], index, world=2)),
+        (ValueError, "must be a multiple of block_size=64",
+         _call_args(q[:, :100], k[:, :100], v[:, :100], index, world=2)),
         (ValueError, "0 <= q_rank, k_rank < world", _call_args(q, k, v, index, world=2, q_rank=2)),
-        (ValueError, "queries and keys must be the same length", _call_args(q, k[:, :64], v[:, :64], index)),
+        (ValueError, "queries and keys must be the same length",
+         _call_args(q, k[:, :64], v[:, :64], index)),
     ]
     for error, message, args in bad:
         with pytest.raises(error, match=message):
             cpu_op.forward(*args)
 
-    def lists(slash, vertical):
-        as_list = lambda values: torch.tensor(values, dtype=torch.int32).expand(1, 4, -1).contiguous()
-        slash, vertical = as_list(slash), as_list(vertical)
-        counts = lambda t: torch.full((1, 4), t.shape[-1], dtype=torch.int32)
-        return slash, counts(slash), vertical, counts(vertical)
-
     for slash, vertical, message in (([1, 0], [5], "must start with diagonal 0"),
                                      ([0, 1, 1], [5], "is not strictly ascending"),
                                      ([0], [9, 5], "must be strictly ascending key positions")):
         with pytest.raises(ValueError, match=message):
-            cpu_op.forward(q, k, v, *lists(slash, vertical), 64, 0.125, 1, 0, 0)
+            cpu_op.forward(q, k, v, *raw_lists(slash, vertical, heads=4), 64, 0.125, 1, 0, 0)
+    with pytest.raises(ValueError, match="slash is on meta but q is on cpu"):
+        cpu_op.forward(q, k, v, *raw_lists([0], [5], heads=4, device="meta"), 64, 0.125, 1, 0, 0)
 
     out, lse = cpu_op.forward(*_call_args(q, k, v, index))
     call = _call_args(q, k, v, index)
