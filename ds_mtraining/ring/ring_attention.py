@@ -22,53 +22,107 @@ from ..attention import SUPPORTED_DTYPES, check_attention_inputs, sparse_attenti
 from ..config import SparseConfig
 from ..estimate import estimate_vertical_slash
 from ..index import SparseIndex, Stripe
-from .comm import RingComm
+from .comm import PendingRotation, RingComm
 from .estimate import estimate_vertical_slash_distributed
 from .merge import merge_partial
+from .topology import HierarchicalGroups
 
 KV_TAG, GRAD_TAG = 1, 2
 
 
-def _key_rank(comm: RingComm, step: int) -> int:
-    """The rank whose K/V this rank holds at ``step``."""
-    return (comm.rank - step) % comm.world
+class RingSchedule:
+    """Who holds which keys at each step: an inner ring over the ranks of one node nested in an
+    outer ring over the nodes (the paper's Algorithm 2). The flat ring is one node (no outer ring).
+
+    Ring position ``p = node * G + local`` is the stripe rank. At outer step ``o`` and inner step
+    ``i`` position (n, l) holds the K/V of position ((n - o) mod N, (l - i) mod G), so over the
+    N x G steps every (query rank, key rank) pair meets exactly once::
+
+        2 nodes x 2, position 0:  o=0: keys of 0, 1 (inner ring)   o=1: keys of 2, 3
+    """
+
+    def __init__(self, inner: RingComm, outer: RingComm | None = None):
+        self.inner, self.outer = inner, outer
+        self.per_node = inner.world
+        self.nodes = outer.world if outer is not None else 1
+        self.node = outer.rank if outer is not None else 0
+        self.world = self.nodes * self.per_node
+        self.position = self.node * self.per_node + inner.rank
+
+    def stripe(self, outer_step: int, inner_step: int) -> Stripe:
+        key_node = (self.node - outer_step) % self.nodes
+        key_local = (self.inner.rank - inner_step) % self.per_node
+        return Stripe(self.world, self.position, key_node * self.per_node + key_local)
 
 
-def ring_forward(comm: RingComm, q, k, v, index: SparseIndex, scale: float):
-    """(out float32 [B, S/W, H, D], lse float32 [B, H, S/W]) of this rank's queries over all keys."""
+def ring_forward(schedule: RingSchedule, q, k, v, index: SparseIndex, scale: float):
+    """(out float32 [B, S/W, H, D], lse float32 [B, H, S/W]) of this rank's queries over all keys.
+    The next node's K/V travel (outer ring) during the whole inner ring over this node's K/V."""
     out = lse = None
-    for step in range(comm.world):
-        pending = comm.rotate([k, v], KV_TAG) if step + 1 < comm.world else None
-        stripe = Stripe(comm.world, comm.rank, _key_rank(comm, step))
-        step_out, step_lse = ops.attention_forward(q, k, v, index, scale, stripe)
-        if out is None:
-            out, lse = step_out, step_lse
-        else:
-            out, lse = merge_partial(out, lse, step_out, step_lse)
-        if pending is not None:
-            k, v = pending.wait()
+    for outer_step in range(schedule.nodes):
+        next_node_kv = (schedule.outer.rotate([k, v], KV_TAG)
+                        if outer_step + 1 < schedule.nodes else None)
+        inner_k, inner_v = k, v
+        for inner_step in range(schedule.per_node):
+            pending = (schedule.inner.rotate([inner_k, inner_v], KV_TAG)
+                       if inner_step + 1 < schedule.per_node else None)
+            step_out, step_lse = ops.attention_forward(q, inner_k, inner_v, index, scale,
+                                                       schedule.stripe(outer_step, inner_step))
+            if out is None:
+                out, lse = step_out, step_lse
+            else:
+                out, lse = merge_partial(out, lse, step_out, step_lse)
+            if pending is not None:
+                inner_k, inner_v = pending.wait()
+        if next_node_kv is not None:
+            k, v = next_node_kv.wait()
     return out, lse
 
 
-def ring_backward(comm: RingComm, dout, q, k, v, out, lse, index: SparseIndex, scale: float):
-    """(dq, dk, dv) float32 for this rank's shards; ``out``/``lse`` are the merged forward ones."""
+def _accumulate_and_pass(comm: RingComm | None, in_flight, dk, dv) -> PendingRotation:
+    """Adds this rank's (dk, dv) share to the travelling accumulators (this rank starts them when
+    none are in flight) and sends them on; on a one-rank ring (``comm`` None) they stay here."""
+    if in_flight is None:
+        dk_sum, dv_sum = dk.float(), dv.float()
+    else:
+        dk_sum, dv_sum = in_flight.wait()
+        dk_sum += dk
+        dv_sum += dv
+    if comm is None:
+        return PendingRotation([], [], [dk_sum, dv_sum])
+    return comm.rotate([dk_sum, dv_sum], GRAD_TAG)
+
+
+def ring_backward(schedule: RingSchedule, dout, q, k, v, out, lse, index: SparseIndex, scale: float):
+    """(dq, dk, dv) float32 for this rank's shards; ``out``/``lse`` are the merged forward ones.
+
+    dQ stays home. Inside a node, dK/dV accumulators travel with the K/V of the inner ring and
+    one more hop brings them back to the rank that held those K/V at the outer step's start;
+    that node share then joins the accumulator arriving over the outer ring (sent while the
+    previous inner ring ran) and travels on, and a last outer hop brings it home."""
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    grads_in_flight = None
-    for step in range(comm.world):
-        kv_in_flight = comm.rotate([k, v], KV_TAG) if step + 1 < comm.world else None
-        stripe = Stripe(comm.world, comm.rank, _key_rank(comm, step))
-        dq_step, dk_step, dv_step = ops.attention_backward(dout, q, k, v, out, lse, index, scale, stripe)
-        dq += dq_step
-        if grads_in_flight is None:  # step 0: this rank starts the accumulators of its own keys
-            dk_sum, dv_sum = dk_step.float(), dv_step.float()
-        else:  # the accumulators of the keys held now, carrying the previous ranks' shares
-            dk_sum, dv_sum = grads_in_flight.wait()
-            dk_sum += dk_step
-            dv_sum += dv_step
-        grads_in_flight = comm.rotate([dk_sum, dv_sum], GRAD_TAG)
-        if kv_in_flight is not None:
-            k, v = kv_in_flight.wait()
-    dk, dv = grads_in_flight.wait()  # the last hop brings every rank its own keys' gradients
+    inner_comm = schedule.inner if schedule.per_node > 1 else None
+    outer_comm = schedule.outer if schedule.nodes > 1 else None
+    outer_grads = None
+    for outer_step in range(schedule.nodes):
+        next_node_kv = (schedule.outer.rotate([k, v], KV_TAG)
+                        if outer_step + 1 < schedule.nodes else None)
+        inner_k, inner_v, inner_grads = k, v, None
+        for inner_step in range(schedule.per_node):
+            pending = (schedule.inner.rotate([inner_k, inner_v], KV_TAG)
+                       if inner_step + 1 < schedule.per_node else None)
+            dq_step, dk_step, dv_step = ops.attention_backward(
+                dout, q, inner_k, inner_v, out, lse, index, scale,
+                schedule.stripe(outer_step, inner_step))
+            dq += dq_step
+            inner_grads = _accumulate_and_pass(inner_comm, inner_grads, dk_step, dv_step)
+            if pending is not None:
+                inner_k, inner_v = pending.wait()
+        node_dk, node_dv = inner_grads.wait()
+        outer_grads = _accumulate_and_pass(outer_comm, outer_grads, node_dk, node_dv)
+        if next_node_kv is not None:
+            k, v = next_node_kv.wait()
+    dk, dv = outer_grads.wait()
     return dq, dk, dv
 
 
@@ -76,17 +130,17 @@ class RingSparseAttentionFunction(torch.autograd.Function):
     """Ring sparse attention on striped shards; returns (out in q's dtype, lse fp32 [B, H, S/W])."""
 
     @staticmethod
-    def forward(ctx, q, k, v, index: SparseIndex, scale: float, comm: RingComm):
-        out, lse = ring_forward(comm, q, k, v, index, scale)
+    def forward(ctx, q, k, v, index: SparseIndex, scale: float, schedule: RingSchedule):
+        out, lse = ring_forward(schedule, q, k, v, index, scale)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.index, ctx.scale, ctx.comm = index, scale, comm
+        ctx.index, ctx.scale, ctx.schedule = index, scale, schedule
         ctx.mark_non_differentiable(lse)
         return out.to(q.dtype), lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ring_backward(ctx.comm, dout.contiguous(), q, k, v, out, lse, ctx.index,
+        dq, dk, dv = ring_backward(ctx.schedule, dout.contiguous(), q, k, v, out, lse, ctx.index,
                                    ctx.scale)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
@@ -159,9 +213,25 @@ def _single_device(q, k, v, config: SparseConfig, softmax_scale, index: SparseIn
     return sparse_attention_with_lse(q, k, v, index, scale)
 
 
+def ring_schedule(group, hierarchy: HierarchicalGroups | None) -> RingSchedule:
+    """The flat ring over ``group``, or the hierarchical one over ``hierarchy``'s inner and outer
+    groups, checked to tile ``group`` with ring positions equal to the group ranks (the stripe)."""
+    comm = RingComm(group)
+    if hierarchy is None:
+        return RingSchedule(comm)
+    if (hierarchy.nodes * hierarchy.per_node, hierarchy.position) != (comm.world, comm.rank):
+        raise ValueError(
+            f"the hierarchical groups ({hierarchy.nodes} nodes x {hierarchy.per_node}, position "
+            f"{hierarchy.position}) do not tile the sequence-parallel group (size {comm.world}, "
+            f"this rank {comm.rank}); create them with create_hierarchical_groups from that group")
+    return RingSchedule(RingComm(hierarchy.inner),
+                        RingComm(hierarchy.outer) if hierarchy.nodes > 1 else None)
+
+
 def ring_sparse_attention_with_lse(q, k, v, config: SparseConfig, group=None,
                                    softmax_scale: float | None = None,
-                                   index: SparseIndex | None = None):
+                                   index: SparseIndex | None = None,
+                                   hierarchy: HierarchicalGroups | None = None):
     """Causal vertical-slash sparse attention over a sequence striped across ``group``.
 
     Args:
@@ -175,6 +245,9 @@ def ring_sparse_attention_with_lse(q, k, v, config: SparseConfig, group=None,
         softmax_scale: defaults to 1/sqrt(D).
         index: a global :class:`SparseIndex` for [B, S, H] to use instead of estimating one
             (distributedly, each call).
+        hierarchy: this rank's inner/outer groups of ``group``
+            (:func:`~ds_mtraining.ring.topology.create_hierarchical_groups`) to run the
+            hierarchical ring; ``None`` runs the flat ring.
     Returns:
         (out [B, S/W, H, D] in q's dtype, lse float32 [B, H, S/W]) for this rank's queries.
     """
@@ -202,10 +275,12 @@ def ring_sparse_attention_with_lse(q, k, v, config: SparseConfig, group=None,
             raise ValueError(f"index.block_size={index.block_size} differs from config.block_size="
                              f"{config.block_size}, the stripe width the data was sharded with")
         check_attention_inputs(q, k, v, index, local_index_len=local * comm.world)
-    return RingSparseAttentionFunction.apply(q, k, v, index, scale, comm)
+    schedule = ring_schedule(group, hierarchy)
+    return RingSparseAttentionFunction.apply(q, k, v, index, scale, schedule)
 
 
 def ring_sparse_attention(q, k, v, config: SparseConfig, group=None,
-                          softmax_scale: float | None = None, index: SparseIndex | None = None):
+                          softmax_scale: float | None = None, index: SparseIndex | None = None,
+                          hierarchy: HierarchicalGroups | None = None):
     """Like :func:`ring_sparse_attention_with_lse`, returning only this rank's output."""
-    return ring_sparse_attention_with_lse(q, k, v, config, group, softmax_scale, index)[0]
+    return ring_sparse_attention_with_lse(q, k, v, config, group, softmax_scale, index, hierarchy)[0]

@@ -1,0 +1,139 @@
+"""Hierarchical (inner x outer) sparse ring on CPU with gloo: spawned ranks against the flat ring
+and the single-process kernel, group membership, and topology errors."""
+import pytest
+import torch
+import torch.distributed as dist
+
+from ds_mtraining import SparseConfig, SparseIndex, sparse_attention
+from ds_mtraining.distributed.spawn import run_on_ranks
+from ds_mtraining.ring import StripedLayout, ring_sparse_attention
+from ds_mtraining.ring.topology import Topology, create_hierarchical_groups, read_hostfile
+
+BLOCK = 64
+TOL = dict(atol=2e-5, rtol=1e-4)  # fp32 kernels, different merge/accumulation order
+GRAD_TOL = dict(atol=1e-4, rtol=1e-3)
+
+
+def inputs(seq_len, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, seq_len, 4, 32, generator=g)
+    k, v = torch.randn(2, 1, seq_len, 2, 32, generator=g)
+    dout = torch.randn(1, seq_len, 4, 32, generator=g)
+    nb = seq_len // BLOCK
+    index = SparseIndex.from_blocks(torch.randint(-1, nb, (1, 4, 5), generator=g),
+                                    torch.randint(-1, seq_len, (1, 4, 6), generator=g), seq_len, BLOCK)
+    return q, k, v, dout, index
+
+
+def ring_grads(q, k, v, dout, index, layout, rank, **ring_kwargs):
+    """This rank's (out, dq, dk, dv) shards from the ring."""
+    shards = [layout.shard(t, rank).clone().requires_grad_() for t in (q, k, v)]
+    out = ring_sparse_attention(*shards, SparseConfig(block_size=BLOCK), index=index, **ring_kwargs)
+    out.backward(layout.shard(dout, rank))
+    return [out.detach()] + [t.grad for t in shards]
+
+
+def compare_topologies(rank, world, topologies):
+    """On every rank: hierarchical ring for each (nodes, per_node) vs flat ring vs one process."""
+    seq_len = world * BLOCK * 2
+    q, k, v, dout, index = inputs(seq_len)
+    layout = StripedLayout(world, BLOCK)
+    reference = [t.requires_grad_() for t in (q.clone(), k.clone(), v.clone())]
+    out = sparse_attention(*reference, index)
+    out.backward(dout)
+    expected = [layout.shard(t, rank) for t in (out.detach(), *(t.grad for t in reference))]
+    flat = ring_grads(q, k, v, dout, index, layout, rank)
+    for got, want in zip(flat, expected):
+        torch.testing.assert_close(got, want, **GRAD_TOL)
+    members = {}
+    for nodes, per_node in topologies:
+        hierarchy = create_hierarchical_groups(Topology(nodes, per_node), [list(range(world))])
+        assert hierarchy.position == rank
+        hier = ring_grads(q, k, v, dout, index, layout, rank, hierarchy=hierarchy)
+        for name, got, flat_value, want in zip("out dq dk dv".split(), hier, flat, expected):
+            torch.testing.assert_close(got, flat_value, **TOL, msg=lambda m: f"{nodes}x{per_node} {name}: {m}")
+            torch.testing.assert_close(got, want, **GRAD_TOL)
+        members[(nodes, per_node)] = (dist.get_process_group_ranks(hierarchy.inner),
+                                      dist.get_process_group_ranks(hierarchy.outer))
+        # a collective on the inner group sums its members only, one on the outer group its own
+        value = torch.tensor([float(rank + 1)])
+        inner_sum, outer_sum = value.clone(), value.clone()
+        dist.all_reduce(inner_sum, group=hierarchy.inner)
+        dist.all_reduce(outer_sum, group=hierarchy.outer)
+        members[(nodes, per_node)] += (inner_sum.item(), outer_sum.item())
+    return members
+
+
+@pytest.mark.parametrize("world,topologies", [(4, [(2, 2), (1, 4), (4, 1)]), (6, [(2, 3), (3, 2)])])
+def test_hierarchical_ring_equals_flat_ring_and_single_process(world, topologies):
+    results = run_on_ranks(compare_topologies, world, topologies, timeout=240)
+    for rank, members in enumerate(results):
+        for (nodes, per_node), (inner, outer, inner_sum, outer_sum) in members.items():
+            node, local = divmod(rank, per_node)
+            assert inner == [node * per_node + i for i in range(per_node)]
+            assert outer == [n * per_node + local for n in range(nodes)]
+            assert inner_sum == sum(r + 1 for r in inner) and outer_sum == sum(r + 1 for r in outer)
+
+
+def test_topology_from_launcher_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("LOCAL_SIZE", "4")  # what the deepspeed launcher exports
+    assert Topology.from_env() == Topology(2, 4)
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("# two nodes\nnode-a slots=4\nnode-b slots=4\n")
+    assert read_hostfile(str(hostfile)) == [("node-a", 4), ("node-b", 4)]
+    assert Topology.from_env(hostfile=str(hostfile)) == Topology(2, 4)
+
+
+def test_bad_topologies_fail_before_any_communication(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "6")
+    monkeypatch.setenv("LOCAL_SIZE", "4")
+    with pytest.raises(ValueError, match="world size 6 is not divisible by the 4 ranks per node"):
+        Topology.from_env()
+    with pytest.raises(ValueError, match="straddle nodes unevenly"):
+        Topology(2, 4).split([0, 1, 2, 4])
+    with pytest.raises(ValueError, match="not distinct ranks of a world of 8"):
+        Topology(2, 4).split([0, 9])
+    uneven = tmp_path / "hostfile"
+    uneven.write_text("a slots=4\nb slots=2\n")
+    with pytest.raises(ValueError, match="every node needs the same slots"):
+        Topology.from_env(hostfile=str(uneven))
+    uneven.write_text("a slots=four\n")
+    with pytest.raises(ValueError, match="expected 'HOST slots=N'"):
+        read_hostfile(str(uneven))
+    # dist is not initialised here: create_hierarchical_groups validates before touching it
+    with pytest.raises(ValueError, match="straddle nodes unevenly"):
+        create_hierarchical_groups(Topology(2, 2), [[0, 1, 2]])
+
+
+@pytest.mark.slow
+def test_deepspeed_launcher_two_fake_nodes_build_groups_and_match_flat_ring(tmp_path):
+    """Two `deepspeed --hostfile --no_ssh --node_rank N` commands on one machine = 2 nodes x 2."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from ds_mtraining.distributed.spawn import free_port
+
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node0 slots=2\nnode1 slots=2\n")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.getcwd())
+    port = str(free_port())
+    commands = [[sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", str(hostfile),
+                 "--no_ssh", "--node_rank", str(node), "--master_addr", "127.0.0.1",
+                 "--master_port", port, "--module", "ds_mtraining.ring.check",
+                 "--out", str(tmp_path / "out")] for node in (0, 1)]
+    nodes = [subprocess.Popen(c, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for c in commands]
+    try:
+        logs = [node.communicate(timeout=300)[0] for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    assert all(node.returncode == 0 for node in nodes), "\n".join(logs)[-3000:]
+    reports = [json.loads((tmp_path / "out" / f"rank{r}.json").read_text()) for r in range(4)]
+    for r, report in enumerate(reports):
+        assert (report["nodes"], report["per_node"], report["position"]) == (2, 2, r)
+        assert report["inner"] == [r // 2 * 2, r // 2 * 2 + 1] and report["outer"] == [r % 2, r % 2 + 2]
+        assert report["ok"] and report["max_rel_error_vs_flat"] <= 1e-4
