@@ -229,3 +229,11 @@ def test_rejects_float32_with_a_clear_error():
                                     128, 64).to("cuda")
     with pytest.raises(TypeError, match="bfloat16 or float16"):
         ops.attention_forward(q, q, q, index, 0.125)
+
+
+def test_rejects_a_nonpositive_scale():
+    q = torch.randn(1, 128, 2, 64, device="cuda", dtype=torch.bfloat16)
+    index = SparseIndex.from_blocks(torch.zeros(1, 2, 1, dtype=torch.long), torch.zeros(1, 2, 1, dtype=torch.long),
+                                    128, 64).to("cuda")
+    with pytest.raises(ValueError, match="scale must be positive"):
+        ops.attention_forward(q, q, q, index, -0.125)

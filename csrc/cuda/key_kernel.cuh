@@ -146,10 +146,6 @@ __global__ void __launch_bounds__(KeyKernelConfig<T, D, BS, kVertical>::kThreads
     const int bit_words = (max(query_blocks, (p.seq_k + BS - 1) / BS) + 31) / 32;
     const size_t q_stride = static_cast<size_t>(p.heads) * D;
     const size_t kv_stride = static_cast<size_t>(p.kv_heads) * D;
-    const T* q = static_cast<const T*>(p.q);
-    const T* k = static_cast<const T*>(p.k);
-    const T* v = static_cast<const T*>(p.v);
-    const T* dout = static_cast<const T*>(p.dout);
     const int row0 = (threadIdx.x >> 5) * 16;  // this warp's first key row
 
     int batch, kv_head, key_count, key_first = 0, first_entry = 0, bh_vertical = 0, chunk = 0;
@@ -176,30 +172,29 @@ __global__ void __launch_bounds__(KeyKernelConfig<T, D, BS, kVertical>::kThreads
         key_first = blockIdx.x * BS;
         key_count = min(BS, p.seq_k - key_first);
     }
-    auto key_row = [&](const T* base, int row) -> const T* {
-        if (row >= key_count) return nullptr;
-        const int key = kVertical ? tile_keys[row] : key_first + row;
-        return base + (static_cast<size_t>(batch) * p.seq_k + key) * kv_stride + kv_head * D;
-    };
-    load_tile_async<kKeyRows, D, kThreads>(key_tile, [&](int row) { return key_row(k, row); }, k);
-    load_tile_async<kKeyRows, D, kThreads>(value_tile, [&](int row) { return key_row(v, row); }, v);
+    // K/V rows of this CTA's kv head, and the query rows of the batch (heads vary per step).
+    const size_t kv_head_start = static_cast<size_t>(batch) * p.seq_k * kv_stride + kv_head * D;
+    const size_t batch_start = static_cast<size_t>(batch) * p.seq_q * q_stride;
+    load_rows_async<kKeyRows, D, kThreads, true>(
+        key_tile, value_tile, static_cast<const T*>(p.k) + kv_head_start, static_cast<const T*>(p.v) + kv_head_start,
+        [&](int row) -> long long {
+            if (row >= key_count) return -1;
+            return static_cast<long long>(kVertical ? tile_keys[row] : key_first + row) * kv_stride;
+        });
     cp_async_commit();
 
     auto issue = [&](const QueryStep& step, int buffer) {
-        const size_t bh = static_cast<size_t>(batch) * p.heads + step.head;
-        auto query_row = [&](const T* base, int row) -> const T* {
-            const int t = step.first + row;
-            return t < p.seq_q ? base + (static_cast<size_t>(batch) * p.seq_q + t) * q_stride + step.head * D
-                               : nullptr;
-        };
-        load_tile_async<kQueryStep, D, kThreads>(query_tiles + buffer * Config::kStepElements,
-                                                 [&](int row) { return query_row(q, row); }, q);
-        load_tile_async<kQueryStep, D, kThreads>(dout_tiles + buffer * Config::kStepElements,
-                                                 [&](int row) { return query_row(dout, row); }, dout);
+        const size_t head_start = batch_start + step.head * D;
+        const int query_rows = p.seq_q - step.first;
+        const long long first = static_cast<long long>(step.first) * q_stride;
+        load_rows_async<kQueryStep, D, kThreads, true>(
+            query_tiles + buffer * Config::kStepElements, dout_tiles + buffer * Config::kStepElements,
+            static_cast<const T*>(p.q) + head_start, static_cast<const T*>(p.dout) + head_start,
+            [&](int row) -> long long { return row < query_rows ? first + row * static_cast<long long>(q_stride) : -1; });
         if (threadIdx.x < kQueryStep) {
-            const int t = step.first + threadIdx.x;
-            const bool valid = t < p.seq_q;
-            const size_t at = bh * p.seq_q + (valid ? t : 0);
+            const size_t bh = static_cast<size_t>(batch) * p.heads + step.head;
+            const bool valid = threadIdx.x < query_rows;
+            const size_t at = bh * p.seq_q + (valid ? step.first + threadIdx.x : 0);
             cp_async_4(lse_tiles + buffer * kQueryStep + threadIdx.x, p.lse_in + at, valid);
             cp_async_4(delta_tiles + buffer * kQueryStep + threadIdx.x, p.delta + at, valid);
         }
@@ -249,7 +244,7 @@ __global__ void __launch_bounds__(KeyKernelConfig<T, D, BS, kVertical>::kThreads
                     visible = query < p.seq_q && row_reads[c >> 1];
                     if (!kVertical && step.causal) visible = visible && query >= key_first + row0 + fragment_row(c);
                 }
-                const float prob = visible ? exp2f(s[0][nt][c] * scale_log2 - lse_log2[c & 1]) : 0.f;
+                const float prob = visible ? exp2f(fmaf(s[0][nt][c], scale_log2, -lse_log2[c & 1])) : 0.f;
                 s[0][nt][c] = prob;                                           // P^T
                 dp[0][nt][c] = prob * (dp[0][nt][c] - delta_col[c & 1]);     // dS^T / scale
             }
@@ -267,7 +262,7 @@ __global__ void __launch_bounds__(KeyKernelConfig<T, D, BS, kVertical>::kThreads
         VerticalStepSource<BS> source{tile_keys, key_count, bits, head,
                                       min(query_blocks, chunk_first + kVerticalChunkBlocks), p.seq_q,
                                       query_rank_after, max(chunk_first, tile_keys[0] / BS)};
-        run_two_stage_pipeline<QueryStep>(source, issue, compute);  // no step: the partials are 0
+        run_two_stage_pipeline<QueryStep>([&](QueryStep& step) { return source.next(step); }, issue, compute);  // no step: the partials are 0
         const size_t entry0 =
             (static_cast<size_t>(chunk) * p.batch * p.heads + bh_vertical) * p.vertical_len + first_entry;
         auto scratch_row = [&](float* base, int row) -> float* {
@@ -280,7 +275,7 @@ __global__ void __launch_bounds__(KeyKernelConfig<T, D, BS, kVertical>::kThreads
         SlashStepSource<BS> source{p.local_offsets + batch_heads * p.slash_len, p.num_offsets + batch_heads,
                                    p.slash_len, kv_head * group, group, static_cast<int>(blockIdx.x),
                                    query_blocks, p.seq_q, p.q_rank == p.k_rank};
-        run_two_stage_pipeline<QueryStep>(source, issue, compute);
+        run_two_stage_pipeline<QueryStep>([&](QueryStep& step) { return source.next(step); }, issue, compute);
         auto key_out_row = [&](float* base, int row) -> float* {
             return row < key_count ? base + ((static_cast<size_t>(batch) * p.seq_k + key_first + row) * p.kv_heads + kv_head) * D
                                    : nullptr;

@@ -47,17 +47,19 @@ __global__ void __launch_bounds__(QueryKernelConfig<T, D, BS, MA, kBackward>::kT
     const int query_first = query_block * BS;
     const size_t q_stride = static_cast<size_t>(p.heads) * D;
     const size_t kv_stride = static_cast<size_t>(p.kv_heads) * D;
-    const T* q = static_cast<const T*>(p.q);
-    const T* k = static_cast<const T*>(p.k);
-    const T* v = static_cast<const T*>(p.v);
-    const T* dout = static_cast<const T*>(p.dout);
+    // This CTA's rows of q/dout and its kv head's rows of k/v start at these pointers.
+    const size_t q_head = static_cast<size_t>(batch) * p.seq_q * q_stride + head * D;
+    const size_t kv_head_start = static_cast<size_t>(batch) * p.seq_k * kv_stride + kv_head * D;
+    const T* q = static_cast<const T*>(p.q) + q_head;
+    const T* dout = kBackward ? static_cast<const T*>(p.dout) + q_head : nullptr;
+    const T* k = static_cast<const T*>(p.k) + kv_head_start;
+    const T* v = static_cast<const T*>(p.v) + kv_head_start;
 
-    auto query_row = [&](const T* base, int row) -> const T* {
-        const int t = query_first + row;
-        return t < p.seq_q ? base + (static_cast<size_t>(batch) * p.seq_q + t) * q_stride + head * D : nullptr;
+    const int query_rows = p.seq_q - query_first;
+    auto query_row = [&](int row) -> long long {
+        return row < query_rows ? static_cast<long long>(query_first + row) * q_stride : -1;
     };
-    load_tile_async<BS, D, kThreads>(q_tile, [&](int row) { return query_row(q, row); }, q);
-    if constexpr (kBackward) load_tile_async<BS, D, kThreads>(dout_tile, [&](int row) { return query_row(dout, row); }, dout);
+    load_rows_async<BS, D, kThreads, kBackward>(q_tile, dout_tile, q, dout, query_row);
     cp_async_commit();
 
     const int* offsets = p.local_offsets + static_cast<size_t>(bh) * p.slash_len;
@@ -65,32 +67,28 @@ __global__ void __launch_bounds__(QueryKernelConfig<T, D, BS, MA, kBackward>::kT
     const int num_blocks = max(static_cast<int>(gridDim.x), (p.seq_k + BS - 1) / BS);
     build_offset_bits<kThreads>(bits, (num_blocks + 31) / 32, offsets, num_offsets);
 
-    KeyTileSource<BS, kThreads, Config::kListCapacity> source{
-        offsets, num_offsets, p.local_keys + static_cast<size_t>(bh) * p.vertical_len, p.num_keys[bh],
-        query_block, p.seq_k, p.q_rank == p.k_rank, p.q_rank > p.k_rank, bits, key_list, warp_counts};
+    KeyTileSource<BS, kThreads, Config::kListCapacity> source{query_block, bh};
 
     auto issue = [&](const KeyTile& tile, int buffer) {
-        auto key_row = [&](const T* base, int row) -> const T* {
-            int key;
-            if (tile.gathered) {
-                if (row >= tile.count) return nullptr;
-                key = key_list[tile.first + row];
-            } else {
-                key = tile.first + row;
-                if (key >= p.seq_k) return nullptr;
-            }
-            return base + (static_cast<size_t>(batch) * p.seq_k + key) * kv_stride + kv_head * D;
-        };
-        load_tile_async<kKeyTile, D, kThreads>(key_tiles + buffer * Config::kKeyTileElements,
-                                               [&](int row) { return key_row(k, row); }, k);
-        load_tile_async<kKeyTile, D, kThreads>(value_tiles + buffer * Config::kKeyTileElements,
-                                               [&](int row) { return key_row(v, row); }, v);
+        T* key_tile = key_tiles + buffer * Config::kKeyTileElements;
+        T* value_tile = value_tiles + buffer * Config::kKeyTileElements;
+        if (tile.gathered) {
+            load_rows_async<kKeyTile, D, kThreads, true>(key_tile, value_tile, k, v, [&](int row) -> long long {
+                return row < tile.count ? static_cast<long long>(key_list[tile.first + row]) * kv_stride : -1;
+            });
+        } else {
+            const int key_rows = p.seq_k - tile.first;
+            const long long first = static_cast<long long>(tile.first) * kv_stride;
+            load_rows_async<kKeyTile, D, kThreads, true>(key_tile, value_tile, k, v, [&](int row) -> long long {
+                return row < key_rows ? first + row * static_cast<long long>(kv_stride) : -1;
+            });
+        }
     };
 
     const float scale_log2 = p.scale * kLog2e;
     float acc[MA][D / 8][4];  // forward: unnormalised out; backward: dQ / scale
     zero_fill(acc);
-    // Per owned row (ma, half): forward running max (log2 units) and partial sum; backward lse
+    // Per owned row (ma, half): forward running max (unscaled score) and partial sum; backward lse
     // (log2 units, +inf for rows without keys so that P = 0) and delta.
     float row_a[MA][2];
     float row_b[MA][2];
@@ -115,7 +113,8 @@ __global__ void __launch_bounds__(QueryKernelConfig<T, D, BS, MA, kBackward>::kT
         float s[MA][8][4];
         zero_fill(s);
         gemm_abt<MA, D>(s, q_tile, row0, key_tile);
-        // Only diagonal, partial-last and partly filled gathered tiles need a mask.
+        // Only diagonal, partial-last and partly filled gathered tiles need a mask. Scores stay
+        // unscaled: the scale (> 0) is folded into the exponent, exp2(s * scale * log2 e - m).
         const bool masked = tile.gathered ? tile.count < kKeyTile : (tile.causal || tile.first + kKeyTile > p.seq_k);
         if (masked) {
 #pragma unroll
@@ -133,15 +132,8 @@ __global__ void __launch_bounds__(QueryKernelConfig<T, D, BS, MA, kBackward>::kT
                             const int query = query_first + row0 + ma * 16 + fragment_row(c);
                             visible = key < p.seq_k && (!tile.causal || query >= key);
                         }
-                        s[ma][nt][c] = visible ? s[ma][nt][c] * scale_log2 : -INFINITY;
+                        if (!visible) s[ma][nt][c] = -INFINITY;
                     }
-        } else {
-#pragma unroll
-            for (int ma = 0; ma < MA; ++ma)
-#pragma unroll
-                for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-                    for (int c = 0; c < 4; ++c) s[ma][nt][c] *= scale_log2;
         }
         if constexpr (!kBackward) {
 #pragma unroll
@@ -154,24 +146,26 @@ __global__ void __launch_bounds__(QueryKernelConfig<T, D, BS, MA, kBackward>::kT
                         tile_max = fmaxf(tile_max, fmaxf(s[ma][nt][2 * half], s[ma][nt][2 * half + 1]));
                     tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
                     tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
-                    const float new_max = fmaxf(row_a[ma][half], tile_max);
-                    const float reference = new_max == -INFINITY ? 0.f : new_max;  // no -inf - -inf
-                    const float rescale = exp2f(row_a[ma][half] - reference);
+                    const float new_max = fmaxf(row_a[ma][half], tile_max);  // unscaled
+                    const float reference = new_max == -INFINITY ? 0.f : new_max * scale_log2;  // no -inf - -inf
+                    const float rescale = exp2f(row_a[ma][half] * scale_log2 - reference);
                     row_a[ma][half] = new_max;
                     float tile_sum = 0.f;
 #pragma unroll
                     for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
                         for (int c = 2 * half; c < 2 * half + 2; ++c) {
-                            const float prob = exp2f(s[ma][nt][c] - reference);
+                            const float prob = exp2f(fmaf(s[ma][nt][c], scale_log2, -reference));
                             s[ma][nt][c] = prob;
                             tile_sum += prob;
                         }
                     row_b[ma][half] = row_b[ma][half] * rescale + tile_sum;
+                    if (__any_sync(0xffffffffu, rescale != 1.f)) {  // most tiles leave every row max unchanged
 #pragma unroll
-                    for (int nt = 0; nt < D / 8; ++nt) {
-                        acc[ma][nt][2 * half] *= rescale;
-                        acc[ma][nt][2 * half + 1] *= rescale;
+                        for (int nt = 0; nt < D / 8; ++nt) {
+                            acc[ma][nt][2 * half] *= rescale;
+                            acc[ma][nt][2 * half + 1] *= rescale;
+                        }
                     }
                 }
             gemm_pb<MA, D>(acc, s, value_tile);
@@ -186,18 +180,18 @@ __global__ void __launch_bounds__(QueryKernelConfig<T, D, BS, MA, kBackward>::kT
 #pragma unroll
                     for (int c = 0; c < 4; ++c) {
                         const int half = c >> 1;
-                        const float prob = exp2f(s[ma][nt][c] - row_a[ma][half]);
+                        const float prob = exp2f(fmaf(s[ma][nt][c], scale_log2, -row_a[ma][half]));
                         s[ma][nt][c] = prob * (dp[ma][nt][c] - row_b[ma][half]);  // dS / scale
                     }
             gemm_pb<MA, D>(acc, s, key_tile);
         }
     };
 
-    run_two_stage_pipeline<KeyTile>(source, issue, compute);
+    run_two_stage_pipeline<KeyTile>(
+        [&](KeyTile& tile) { return source.next(tile, p, bits, key_list, warp_counts); }, issue, compute);
 
     auto query_out_row = [&](float* base, int row) -> float* {
-        const int t = query_first + row;
-        return t < p.seq_q ? base + (static_cast<size_t>(batch) * p.seq_q + t) * q_stride + head * D : nullptr;
+        return row < query_rows ? base + q_head + static_cast<size_t>(query_first + row) * q_stride : nullptr;
     };
     if constexpr (!kBackward) {
 #pragma unroll
@@ -216,7 +210,7 @@ __global__ void __launch_bounds__(QueryKernelConfig<T, D, BS, MA, kBackward>::kT
                 const int t = query_first + row0 + ma * 16 + fragment_row(2 * half);
                 if ((threadIdx.x & 3) == 0 && t < p.seq_q)
                     p.lse[static_cast<size_t>(bh) * p.seq_q + t] =
-                        sum > 0.f ? row_a[ma][half] * kLn2 + logf(sum) : -INFINITY;
+                        sum > 0.f ? row_a[ma][half] * p.scale + logf(sum) : -INFINITY;
             }
         store_rows<MA, D>(acc, row0, 1.f, [&](int row) { return query_out_row(p.out, row); });
     } else {

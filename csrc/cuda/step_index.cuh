@@ -92,19 +92,11 @@ struct KeyTile {
 // Yields, in a fixed order, the key tiles one query block reads: its slash blocks (ascending
 // offset), then its vertical columns gathered 64 at a time into key_list (compacted in windows of
 // up to kListCapacity). next() must be called by every thread of the CTA with the same state.
+// Only the cursor lives in registers; the lists and sizes are read from the params each call.
 template <int BS, int kThreads, int kListCapacity>
 struct KeyTileSource {
-    const int* offsets;
-    int num_offsets;
-    const int* keys;
-    int num_keys;
     int query_block;
-    int seq_k;
-    bool same_rank;
-    bool query_rank_after;
-    const uint32_t* bits;
-    int* key_list;
-    int* warp_counts;
+    int bh;
 
     int offset_index = 0;
     int sub_tile = 0;
@@ -116,40 +108,41 @@ struct KeyTileSource {
     int list_position = 0;
     bool keys_done = false;
 
-    __device__ __forceinline__ bool next(KeyTile& tile) {
+    __device__ __forceinline__ bool next(KeyTile& tile, const AttentionParams& p, const uint32_t* bits, int* key_list,
+                                         int* warp_counts) {
         while (in_slash) {
             if (sub_tile == 0) {
-                if (offset_index >= num_offsets) {
+                if (offset_index >= p.num_offsets[bh]) {
                     in_slash = false;
                     break;
                 }
-                const int o = offsets[offset_index];
+                const int o = p.local_offsets[static_cast<size_t>(bh) * p.slash_len + offset_index];
                 key_block = query_block - o;
                 if (key_block < 0) {  // offsets ascend, so every later one is negative too
                     in_slash = false;
                     break;
                 }
-                causal = same_rank && o == 0;
+                causal = p.q_rank == p.k_rank && o == 0;
             }
             const int first = key_block * BS + sub_tile * kKeyTile;
             if (++sub_tile == BS / kKeyTile) {
                 sub_tile = 0;
                 ++offset_index;
             }
-            if (first >= seq_k) continue;  // the empty half of a partial last block
+            if (first >= p.seq_k) continue;  // the empty half of a partial last block
             tile = KeyTile{first, kKeyTile, false, causal};
             return true;
         }
         if (list_position >= list_count) {
             if (keys_done) return false;
             const int block = query_block;
-            const bool after = query_rank_after;
-            const uint32_t* offset_bits = bits;
+            const bool after = p.q_rank > p.k_rank;
             list_count = compact_in_order<kThreads>(
-                keys, num_keys, key_cursor, key_list, kListCapacity, warp_counts, keys_done, [=](int key) {
+                p.local_keys + static_cast<size_t>(bh) * p.vertical_len, p.num_keys[bh], key_cursor, key_list,
+                kListCapacity, warp_counts, keys_done, [=](int key) {
                     const int kb = key / BS;
                     if (kb > block) return kStop;  // keys ascend
-                    return reads_as_column(block, kb, after, offset_bits) ? key : kSkip;
+                    return reads_as_column(block, kb, after, bits) ? key : kSkip;
                 });
             list_position = 0;
             if (list_count == 0) return false;  // empty windows only end with keys_done

@@ -56,21 +56,27 @@ __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
 }
 
-// Loads kRows rows of D elements into a swizzled tile; row_source(row) gives the global row or
-// nullptr for a row to zero-fill. All kThreads threads of the CTA take part.
-template <int kRows, int D, int kThreads, typename T, typename RowSource>
-__device__ __forceinline__ void load_tile_async(T* tile, RowSource row_source, const T* any_valid) {
+// Loads kRows rows of one or two [rows][D] tensors (e.g. K and V, which share row positions)
+// into swizzled tiles: row_offset(row) is the row's element offset from each base, or -1 for a
+// row to zero-fill. Each thread keeps one 16-byte chunk column, so the per-row work is one
+// offset per tensor pair. All kThreads threads of the CTA take part.
+template <int kRows, int D, int kThreads, bool kPair, typename T, typename RowOffset>
+__device__ __forceinline__ void load_rows_async(T* tile_a, T* tile_b, const T* base_a, const T* base_b,
+                                                RowOffset row_offset) {
     constexpr int kChunks = D / 8;
-    constexpr int kTotal = kRows * kChunks;
-    static_assert(kTotal % kThreads == 0, "tile chunks must split evenly over the threads");
+    constexpr int kRowsPerStep = kThreads / kChunks;
+    static_assert(kThreads % kChunks == 0 && kRows % kRowsPerStep == 0, "rows must split evenly over the threads");
+    const int chunk = threadIdx.x % kChunks;
+    const int row_first = threadIdx.x / kChunks;
 #pragma unroll
-    for (int step = 0; step < kTotal / kThreads; ++step) {
-        const int linear = threadIdx.x + step * kThreads;
-        const int row = linear / kChunks;
-        const int chunk = linear % kChunks;
-        const T* src = row_source(row);
-        const bool valid = src != nullptr;
-        cp_async_16(tile + swizzled_offset<D>(row, chunk), valid ? src + chunk * 8 : any_valid, valid);
+    for (int step = 0; step < kRows / kRowsPerStep; ++step) {
+        const int row = row_first + step * kRowsPerStep;
+        const long long offset = row_offset(row);
+        const bool valid = offset >= 0;
+        const long long element = valid ? offset + chunk * 8 : 0;
+        const int destination = swizzled_offset<D>(row, chunk);
+        cp_async_16(tile_a + destination, base_a + element, valid);
+        if constexpr (kPair) cp_async_16(tile_b + destination, base_b + element, valid);
     }
 }
 
@@ -252,17 +258,17 @@ __device__ __forceinline__ void store_rows(const float (&acc)[MA][D / 8][4], int
         }
 }
 
-// Two-stage cp.async pipeline over the items of `source` (next(item) -> bool, uniform over the
-// CTA): item n + 1 loads (issue(item, buffer)) while item n computes (compute(item, buffer)).
+// Two-stage cp.async pipeline over the items next(item) -> bool yields (uniform over the CTA):
+// item n + 1 loads (issue(item, buffer)) while item n computes (compute(item, buffer)).
 // Groups are committed every iteration, possibly empty, so wait<1> always means "all but the
 // newest group"; groups committed before the call (e.g. a resident tile) complete by the first wait.
-template <typename Item, typename Source, typename Issue, typename Compute>
-__device__ __forceinline__ void run_two_stage_pipeline(Source& source, Issue&& issue, Compute&& compute) {
+template <typename Item, typename Next, typename Issue, typename Compute>
+__device__ __forceinline__ void run_two_stage_pipeline(Next&& next, Issue&& issue, Compute&& compute) {
     Item current, upcoming;
-    bool has_current = source.next(current);
+    bool has_current = next(current);
     if (has_current) issue(current, 0);
     cp_async_commit();
-    bool has_upcoming = has_current && source.next(upcoming);
+    bool has_upcoming = has_current && next(upcoming);
     int buffer = 0;
     while (has_current) {
         if (has_upcoming) issue(upcoming, buffer ^ 1);
@@ -274,7 +280,7 @@ __device__ __forceinline__ void run_two_stage_pipeline(Source& source, Issue&& i
         current = upcoming;
         has_current = has_upcoming;
         buffer ^= 1;
-        if (has_current) has_upcoming = source.next(upcoming);
+        if (has_current) has_upcoming = next(upcoming);
     }
     cp_async_wait<0>();
 }
