@@ -78,7 +78,7 @@ class MTrainingAttentionSettings:
     Attributes:
         sparse: the vertical-slash budgets; ``sparse.block_size`` is the stripe width.
         group: the sequence-parallel process group (None: single device).
-        hierarchy: the hierarchical ring's groups for this rank (see
+        hierarchy: this rank's hierarchical ring groups (``ParallelGroups.hierarchy``, from
             :func:`ds_mtraining.distributed.initialize_groups`), or None for the flat ring.
         stats: where sparsity statistics go (None: not recorded).
     """
@@ -139,12 +139,10 @@ def check_striped(position_ids: torch.Tensor, settings: MTrainingAttentionSettin
 
 
 def _ring_attention(q, k, v, settings: MTrainingAttentionSettings, scale: float, index: SparseIndex):
-    if settings.hierarchy is not None:
-        from .ring.hierarchical import hierarchical_ring_sparse_attention
-        return hierarchical_ring_sparse_attention(q, k, v, settings.sparse, settings.hierarchy,
-                                                  softmax_scale=scale, index=index)
     from .ring import ring_sparse_attention
-    return ring_sparse_attention(q, k, v, settings.sparse, settings.group, softmax_scale=scale, index=index)
+    hierarchical = {"hierarchy": settings.hierarchy} if settings.hierarchy is not None else {}
+    return ring_sparse_attention(q, k, v, settings.sparse, settings.group, softmax_scale=scale,
+                                 index=index, **hierarchical)
 
 
 def estimate_index(q, k, settings: MTrainingAttentionSettings, scale: float) -> SparseIndex:

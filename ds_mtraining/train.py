@@ -256,7 +256,7 @@ class Progress:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn, \
             TimeRemainingColumn
         self.enabled = enabled
-        self.console = Console(stderr=False)
+        self.console = Console(soft_wrap=True)  # whole lines in launcher logs
         self.live = enabled and self.console.is_terminal
         self.bar = None
         if self.live:
@@ -372,6 +372,18 @@ def monitor_dir(ds_config: dict) -> str | None:
     return None
 
 
+def describe_run(run: RunConfig, groups) -> str:
+    """One line on how the run is laid out (printed by rank 0)."""
+    import torch.distributed as dist
+    sp, dp = run.sequence_parallel_size, groups.get_data_parallel_world_size()
+    ring = groups.ring
+    if groups.hierarchy is not None:
+        ring += f" ({groups.hierarchy.nodes} nodes x {groups.hierarchy.per_node})"
+    return (f"MTraining: {dist.get_world_size()} ranks = {dp} data-parallel x {sp} sequence-parallel, "
+            f"{ring} ring, seq_len {run.seq_len} ({run.seq_len // sp} tokens per rank, stripe block "
+            f"{run.sparse.block_size}), top-p {run.sparse.p_vertical}/{run.sparse.p_slash}")
+
+
 def train(args) -> dict:
     import deepspeed
     import torch.distributed as dist
@@ -407,6 +419,7 @@ def train(args) -> dict:
     if args.resume:
         step, position = resume_checkpoint(engine, args.save_dir, run)
     progress = Progress(args.steps, step, enabled=dist.get_rank() == 0 and not args.no_progress)
+    progress.print(describe_run(run, groups))
     if args.resume:
         progress.print(f"resumed from {args.save_dir} at step {step} (data position {position})")
     tokens_per_step = micro_batch * accumulation * groups.get_data_parallel_world_size() * run.seq_len

@@ -10,11 +10,14 @@ DeepSpeed's engine reduces gradients over the sequence-data-parallel group and d
 data-parallel size only, i.e. it *sums* over the ranks of a sequence-parallel group: each rank's
 loss must therefore be its share of the sequence's mean (see :mod:`ds_mtraining.loss`).
 
+For the hierarchical ring, the inner (per node) and outer (across nodes) groups of every
+sequence-parallel group are created by :func:`ds_mtraining.ring.topology.create_hierarchical_groups`
+from the launcher's nodes x ranks-per-node topology.
+
 Every rank creates every group, in the same order (``torch.distributed.new_group`` is collective).
 """
 from __future__ import annotations
 
-import importlib
 import os
 from dataclasses import dataclass, field
 
@@ -64,17 +67,6 @@ def resolve_ring_kind(ring: str, sequence_parallel_size: int, ranks_per_node: in
     return "hierarchical" if spans_nodes else "flat"
 
 
-def hierarchical_module():
-    """The hierarchical ring module (``ds_mtraining.ring.hierarchical``), or None if this install
-    has none."""
-    try:
-        return importlib.import_module("ds_mtraining.ring.hierarchical")
-    except ModuleNotFoundError as error:
-        if error.name not in ("ds_mtraining.ring.hierarchical", "ds_mtraining.ring"):
-            raise
-        return None
-
-
 @dataclass
 class ParallelGroups:
     """The run's process groups; pass it as ``deepspeed.initialize(..., mpu=groups)``.
@@ -85,8 +77,8 @@ class ParallelGroups:
         sequence_data_group: every rank holding a model replica (ZeRO partitions and reduces here).
         model_group: this rank alone (no tensor/pipeline model parallelism).
         ring: "flat" or "hierarchical".
-        hierarchy: what the hierarchical ring module built for this rank (its inner/outer groups),
-            or None for the flat ring.
+        hierarchy: this rank's :class:`~ds_mtraining.ring.topology.HierarchicalGroups` (inner and
+            outer ring groups) for the hierarchical ring, or None for the flat ring.
     """
 
     sequence_parallel_size: int
@@ -154,8 +146,8 @@ def initialize_groups(sequence_parallel_size: int, ring: str = "flat",
     """Creates the groups for ``sequence_parallel_size`` (a divisor of the world size).
 
     ``ring`` is "flat", "hierarchical" or "auto" (hierarchical when a sequence-parallel group
-    spans nodes of ``ranks_per_node`` ranks, default from the launcher's environment). The
-    hierarchical ring's inner/outer groups are built by ``ds_mtraining.ring.hierarchical``.
+    spans nodes of ``ranks_per_node`` ranks, default from the launcher's environment). A bad
+    topology raises :class:`ParallelConfigError` before any group is created.
     Call after ``deepspeed.init_distributed()``; every rank must call it with the same arguments.
     """
     if not dist.is_initialized():
@@ -165,10 +157,11 @@ def initialize_groups(sequence_parallel_size: int, ring: str = "flat",
     ranks_per_node = ranks_per_node if ranks_per_node is not None else local_world_size()
     ring = resolve_ring_kind(ring, sequence_parallel_size, ranks_per_node)
     sp = sequence_parallel_size
+    sequence_rank_lists = [list(range(first, first + sp)) for first in range(0, world, sp)]
+    topology = hierarchical_topology(world, ranks_per_node, sequence_rank_lists) if ring == "hierarchical" else None
 
     sequence_group = sequence_ranks = None
-    for first in range(0, world, sp):
-        ranks = list(range(first, first + sp))
+    for ranks in sequence_rank_lists:
         group = dist.new_group(ranks)
         if rank in ranks:
             sequence_group, sequence_ranks = group, ranks
@@ -186,18 +179,26 @@ def initialize_groups(sequence_parallel_size: int, ring: str = "flat",
     sequence_data_group = dist.new_group(list(range(world)))
 
     hierarchy = None
-    if ring == "hierarchical":
-        hierarchy = _build_hierarchy(sequence_parallel_size, ranks_per_node)
+    if topology is not None:
+        from ds_mtraining.ring.topology import create_hierarchical_groups
+        hierarchy = create_hierarchical_groups(topology, sequence_rank_lists)
     return ParallelGroups(sp, sequence_group, data_group, sequence_data_group, model_group, ring,
                           hierarchy, sequence_ranks, data_ranks)
 
 
-def _build_hierarchy(sequence_parallel_size: int, ranks_per_node: int | None):
-    """Asks the hierarchical ring module for this rank's inner/outer groups."""
-    module = hierarchical_module()
-    builder = getattr(module, "build_hierarchical_groups", None) if module is not None else None
-    if builder is None:
-        raise ParallelConfigError(
-            "mtraining.ring='hierarchical' needs ds_mtraining.ring.hierarchical.build_hierarchical_groups, "
-            "which this install lacks; set mtraining.ring to 'flat'")
-    return builder(sequence_parallel_size=sequence_parallel_size, ranks_per_node=ranks_per_node)
+def hierarchical_topology(world: int, ranks_per_node: int | None, sequence_rank_lists: list[list[int]]):
+    """The nodes x ranks-per-node topology for the hierarchical ring, validated against the
+    sequence-parallel groups before any group is created."""
+    from ds_mtraining.ring.topology import Topology
+    per_node = ranks_per_node or world
+    if world % per_node != 0:
+        raise ParallelConfigError(f"mtraining.ring='hierarchical': the world of {world} ranks is not whole "
+                                  f"nodes of {per_node} ranks (LOCAL_SIZE / hostfile slots); use equal "
+                                  f"slots per node or mtraining.ring='flat'")
+    topology = Topology(world // per_node, per_node)
+    for ranks in sequence_rank_lists:
+        try:
+            topology.split(ranks)
+        except ValueError as error:
+            raise ParallelConfigError(f"mtraining.ring='hierarchical': {error}") from None
+    return topology
