@@ -11,6 +11,8 @@ import sys
 COMMANDS = {
     "report": ("ds_mtraining.report", "which sparse attention ops are prebuilt, JIT-compilable "
                                       "or incompatible, and why"),
+    "balance": ("ds_mtraining.bench.balance", "striped vs zigzag ring work imbalance from the "
+                                              "sparse index (and kernel times on a GPU)"),
 }
 
 
