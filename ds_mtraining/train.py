@@ -14,9 +14,10 @@ precision, monitors), an ``"mtraining"`` section, removed before the JSON reache
       "stripe_block": 64,               # stripe width = kernel block (64 or 128)
       "sparse": {"p_vertical": 0.9, ...},   # ds_mtraining.SparseConfig fields
       "model": "tiny-qwen2",            # preset, local model dir, or {"name_or_path", "config_overrides"}
-      "tokenizer": "bytes",             # or a local tokenizer directory
+      "tokenizer": "bytes",             # "model" (the model directory's own) or a tokenizer directory
       "data": {"source": "stdlib"},     # or {"files": [...]} or {"saved_dataset": dir}
-      "loss_chunk_tokens": 1024         # rows per chunk of the LM-head cross-entropy
+      "loss_chunk_tokens": 1024,        # rows per chunk of the LM-head cross-entropy
+      "gradient_checkpointing": false   # recompute each decoder layer in backward (long sequences)
     }
 
 Everything is validated before any process group exists; a bad value is one error naming its key
@@ -68,6 +69,7 @@ class RunConfig:
     tokenizer: str = "bytes"
     data: dict = field(default_factory=lambda: {"source": "stdlib"})
     loss_chunk_tokens: int = 1024
+    gradient_checkpointing: bool = False
 
     def to_dict(self) -> dict:
         values = asdict(self)
@@ -135,7 +137,7 @@ def parse_run_config(section: dict, world_size: int) -> RunConfig:
     if not isinstance(section, dict):
         raise ConfigError(f"the DeepSpeed JSON needs a \"{MTRAINING_KEY}\" object, got {section!r}")
     known = {"seq_len", "sequence_parallel_size", "ring", "stripe_block", "sparse", "model", "tokenizer",
-             "data", "loss_chunk_tokens"}
+             "data", "loss_chunk_tokens", "gradient_checkpointing"}
     unknown = sorted(set(section) - known)
     if unknown:
         raise ConfigError(f"unknown key(s) {unknown} in '{MTRAINING_KEY}'; valid keys are {sorted(known)}")
@@ -166,11 +168,20 @@ def parse_run_config(section: dict, world_size: int) -> RunConfig:
         raise ConfigError(
             f"{MTRAINING_KEY}.seq_len={seq_len} is not divisible by stripe_block x sequence_parallel_size = "
             f"{sparse.block_size} x {sp} = {unit}; use a multiple of {unit} (e.g. {lower or upper} or {upper})")
-    return RunConfig(seq_len=seq_len, sequence_parallel_size=sp, ring=ring, sparse=sparse,
-                     model=_model_spec(section.get("model", "tiny-qwen2")),
-                     tokenizer=section.get("tokenizer", "bytes"),
-                     data=dict(section.get("data", {"source": "stdlib"})),
-                     loss_chunk_tokens=_positive_int(section, "loss_chunk_tokens", 1024))
+    checkpointing = section.get("gradient_checkpointing", False)
+    if not isinstance(checkpointing, bool):
+        raise ConfigError(f"{MTRAINING_KEY}.gradient_checkpointing={checkpointing!r} must be true or false")
+    model = _model_spec(section.get("model", "tiny-qwen2"))
+    tokenizer = section.get("tokenizer", "bytes")
+    if tokenizer == "model":
+        if model["name_or_path"] in PRESETS:
+            raise ConfigError(f"{MTRAINING_KEY}.tokenizer='model' needs a model directory, but the model is "
+                              f"the preset {model['name_or_path']!r}; use tokenizer 'bytes'")
+        tokenizer = model["name_or_path"]
+    return RunConfig(seq_len=seq_len, sequence_parallel_size=sp, ring=ring, sparse=sparse, model=model,
+                     tokenizer=tokenizer, data=dict(section.get("data", {"source": "stdlib"})),
+                     loss_chunk_tokens=_positive_int(section, "loss_chunk_tokens", 1024),
+                     gradient_checkpointing=checkpointing)
 
 
 def _data_override(value: str) -> dict:
@@ -402,7 +413,9 @@ def train(args) -> dict:
     model = build_model(run.model)
     stats = AttentionStats(enabled=False)
     use_mtraining_attention(model, MTrainingAttentionSettings.from_groups(run.sparse, groups, stats))
-    module = MTrainingCausalLM(model, groups.sequence_group, run.loss_chunk_tokens)
+    if run.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    module = MTrainingCausalLM(model, groups.sequence_group, run.loss_chunk_tokens).train()
 
     engine, _, _, _ = deepspeed.initialize(model=module, config=ds_config, mpu=groups,
                                            model_parameters=[p for p in module.parameters() if p.requires_grad])

@@ -17,7 +17,7 @@ from ds_mtraining.distributed import initialize_groups, run_on_ranks
 from ds_mtraining.layer import DistributedAttention, LayoutError
 from ds_mtraining.reference import dense_attention
 from ds_mtraining.ring.layout import StripedLayout
-from ds_mtraining.train import ConfigError, load_run_config
+from ds_mtraining.train import ConfigError, load_run_config, parse_run_config
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO_CONFIG = REPO / "ds_configs" / "cpu_demo.json"
@@ -67,6 +67,20 @@ def test_config_without_section_and_a_valid_one():
     del config["mtraining"]
     with pytest.raises(ConfigError, match="no \"mtraining\" section"):
         load_run_config(config, 2)
+
+
+@pytest.mark.parametrize("name", ["cpu_demo.json", "zero2_offload_bf16.json", "qwen2.5-3b_512k.json"])
+def test_shipped_configs_are_valid(name, tmp_path):
+    """Every shipped JSON's mtraining section validates for a world of its sequence-parallel size
+    (the GPU configs' model/data paths are placeholders, given with --model/--data)."""
+    section = json.loads((REPO / "ds_configs" / name).read_text())["mtraining"]
+    if section["model"] not in ("tiny-qwen2",):
+        section["model"] = str(tmp_path)  # a local model directory
+    run = parse_run_config(section, world_size=section["sequence_parallel_size"])
+    assert run.seq_len % (run.sparse.block_size * run.sequence_parallel_size) == 0
+    if name.startswith("qwen2.5-3b"):  # the paper's setting: 512K tokens over 32 GPUs, 16K per GPU
+        assert (run.seq_len, run.sequence_parallel_size, run.sparse.p_vertical, run.sparse.max_slash) == \
+            (524288, 32, 0.9, 4096)
 
 
 def test_cli_reports_config_errors_before_any_process_group(tmp_path):
