@@ -7,6 +7,7 @@
 #   device run, carry .whl:  bash scripts/gpu_check.sh
 #   BENCH_ARGS="--seq-lens 131072" bash scripts/gpu_check.sh      # a shorter benchmark
 #   SKIP_TESTS=1 / SKIP_SANITIZER=1 / SKIP_BENCH=1 / SKIP_VARIANT=1 / SKIP_NCU=1
+# (with the ncu stage the call returns 9 files; the device tool returns 8, so skip one stage)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_check_out}
@@ -47,6 +48,27 @@ if [ -z "${SKIP_TESTS:-}" ]; then
   stage tests 300 "$OUT/tests.log" python3 -m pytest tests/test_cuda_attention.py -v --tb=short -p no:cacheprovider "${per_test_limit[@]}"
   grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/tests.log" | tail -20
 fi
+
+# An input error raised from the CUDA module must reach Python as ValueError; on a crash, take a
+# native backtrace with cuda-gdb (the image has no gdb).
+cat >/tmp/value_error.py <<'PY'
+import torch
+from ds_mtraining import ops
+from ds_mtraining.index import SparseIndex
+q = torch.randn(1, 128, 4, 64, device="cuda", dtype=torch.bfloat16)
+kv = torch.randn(1, 128, 3, 64, device="cuda", dtype=torch.bfloat16)
+index = SparseIndex.from_blocks(torch.zeros(1, 4, 1, dtype=torch.long), torch.zeros(1, 4, 1, dtype=torch.long), 128, 64).to("cuda")
+try:
+    ops.op_module("cuda").forward(q, kv, kv, index.slash, index.slash_count, index.vertical, index.vertical_count,
+                                  64, 0.125, 1, 0, 0)
+except ValueError as err:
+    print("ValueError as expected:", str(err).splitlines()[0])
+PY
+if ! stage valueerror 60 "$OUT/diagnose.log" python3 /tmp/value_error.py; then
+  stage cuda-gdb 120 "$OUT/diagnose.log" cuda-gdb -batch -ex run -ex bt --args python3 /tmp/value_error.py
+  tail -30 "$OUT/diagnose.log"
+fi
+grep -h "ValueError as expected" "$OUT/diagnose.log"
 
 if [ -z "${SKIP_SANITIZER:-}" ]; then
   cat >/tmp/sanitizer_case.py <<'PY'

@@ -231,9 +231,22 @@ def test_rejects_float32_with_a_clear_error():
         ops.attention_forward(q, q, q, index, 0.125)
 
 
-def test_rejects_a_nonpositive_scale():
-    q = torch.randn(1, 128, 2, 64, device="cuda", dtype=torch.bfloat16)
-    index = SparseIndex.from_blocks(torch.zeros(1, 2, 1, dtype=torch.long), torch.zeros(1, 2, 1, dtype=torch.long),
+@pytest.mark.parametrize("scale", [-0.2, 0.0])
+def test_any_finite_scale(scale):
+    """A negative or zero softmax scale gives the reference result too (forward and gradients)."""
+    generator = torch.Generator().manual_seed(11)
+    q, k, v = random_qkv(1, 640, 2, 1, 64, torch.bfloat16, generator)
+    index = random_index(1, 2, 640, 64, 3, 20, generator)
+    dout = torch.randn(1, 640, 2, 64, generator=generator).to("cuda", torch.bfloat16)
+    reference = reference_with_grads(q, k, v, index.to_dense_mask().cuda(), dout, scale)
+    assert_matches(kernel_with_grads(q, k, v, index, dout, scale), reference, f"scale={scale}")
+
+
+def test_rejects_mismatched_heads_with_a_value_error():
+    q = torch.randn(1, 128, 4, 64, device="cuda", dtype=torch.bfloat16)
+    kv = torch.randn(1, 128, 3, 64, device="cuda", dtype=torch.bfloat16)
+    index = SparseIndex.from_blocks(torch.zeros(1, 4, 1, dtype=torch.long), torch.zeros(1, 4, 1, dtype=torch.long),
                                     128, 64).to("cuda")
-    with pytest.raises(ValueError, match="scale must be positive"):
-        ops.attention_forward(q, q, q, index, -0.125)
+    with pytest.raises(ValueError, match="multiple of key/value heads"):
+        ops.op_module("cuda").forward(q, kv, kv, index.slash, index.slash_count, index.vertical,
+                                      index.vertical_count, 64, 0.125, 1, 0, 0)

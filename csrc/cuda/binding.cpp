@@ -41,7 +41,6 @@ mtr::AttentionParams make_params(const at::Tensor& q, const at::Tensor& k, const
                       q.size(3));
     TORCH_CHECK_VALUE(block == 64 || block == 128, kOpName, ": block_size must be 64 or 128, got ", block);
     TORCH_CHECK_VALUE(q.size(1) >= 1, kOpName, ": the sequence is empty");
-    TORCH_CHECK_VALUE(scale > 0, kOpName, ": scale must be positive (the kernels fold it into exp2), got ", scale);
     TORCH_CHECK_VALUE(std::max(geo.q_blocks, geo.k_blocks) <= mtr::kMaxLocalBlocks, kOpName, ": ",
                       std::max(geo.q_blocks, geo.k_blocks), " local blocks exceed the kernels' limit of ",
                       mtr::kMaxLocalBlocks, "; use a larger block_size or more ranks");

@@ -201,7 +201,7 @@ __global__ void __launch_bounds__(KeyKernelConfig<T, D, BS, kVertical>::kThreads
     };
 
     const bool query_rank_after = p.q_rank > p.k_rank;
-    const float scale_log2 = p.scale * kLog2e;
+    const float scale_log2 = exponent_scale(p.scale);
     float dk[1][D / 8][4];
     float dv[1][D / 8][4];
     zero_fill(dk);
@@ -226,6 +226,7 @@ __global__ void __launch_bounds__(KeyKernelConfig<T, D, BS, kVertical>::kThreads
         zero_fill(s);
         zero_fill(dp);
         gemm_abt<1, D>(s, key_tile, row0, query_tile);    // S^T = K Q^T
+        orient_scores(s, p.scale < 0.f);
         gemm_abt<1, D>(dp, value_tile, row0, dout_tile);  // dP^T = V dO^T
         const bool masked = kVertical || step.causal || step.first + kQueryStep > p.seq_q;
 #pragma unroll

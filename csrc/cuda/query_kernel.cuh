@@ -85,7 +85,7 @@ __global__ void __launch_bounds__(QueryKernelConfig<T, D, BS, MA, kBackward>::kT
         }
     };
 
-    const float scale_log2 = p.scale * kLog2e;
+    const float scale_log2 = exponent_scale(p.scale);
     float acc[MA][D / 8][4];  // forward: unnormalised out; backward: dQ / scale
     zero_fill(acc);
     // Per owned row (ma, half): forward running max (unscaled score) and partial sum; backward lse
@@ -113,8 +113,9 @@ __global__ void __launch_bounds__(QueryKernelConfig<T, D, BS, MA, kBackward>::kT
         float s[MA][8][4];
         zero_fill(s);
         gemm_abt<MA, D>(s, q_tile, row0, key_tile);
+        orient_scores(s, p.scale < 0.f);
         // Only diagonal, partial-last and partly filled gathered tiles need a mask. Scores stay
-        // unscaled: the scale (> 0) is folded into the exponent, exp2(s * scale * log2 e - m).
+        // unscaled (orient_scores): |scale| is folded into the exponent.
         const bool masked = tile.gathered ? tile.count < kKeyTile : (tile.causal || tile.first + kKeyTile > p.seq_k);
         if (masked) {
 #pragma unroll
@@ -210,7 +211,7 @@ __global__ void __launch_bounds__(QueryKernelConfig<T, D, BS, MA, kBackward>::kT
                 const int t = query_first + row0 + ma * 16 + fragment_row(2 * half);
                 if ((threadIdx.x & 3) == 0 && t < p.seq_q)
                     p.lse[static_cast<size_t>(bh) * p.seq_q + t] =
-                        sum > 0.f ? row_a[ma][half] * p.scale + logf(sum) : -INFINITY;
+                        sum > 0.f ? row_a[ma][half] * fabsf(p.scale) + logf(sum) : -INFINITY;
             }
         store_rows<MA, D>(acc, row0, 1.f, [&](int row) { return query_out_row(p.out, row); });
     } else {

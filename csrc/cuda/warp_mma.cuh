@@ -230,6 +230,23 @@ __device__ __forceinline__ void gemm_pb(float (&acc)[MA][D / 8][4], const float 
     }
 }
 
+// Scores are kept as sign(scale) * q.k so that |scale| * log2(e) folds into the exponent
+// (exp2(s * |scale| log2 e - m)) and the running maximum is taken before scaling.
+// |scale| log2(e), kept >= the smallest normal float so that a masked score (-inf) times it stays
+// -inf for scale 0 (where every probability is then exp2(~0) = 1, as it should be).
+__device__ __forceinline__ float exponent_scale(float scale) { return fmaxf(fabsf(scale) * kLog2e, 1.17549435e-38f); }
+
+template <int MA>
+__device__ __forceinline__ void orient_scores(float (&s)[MA][8][4], bool negate) {
+    if (!negate) return;  // uniform: the sign of the scale
+#pragma unroll
+    for (int ma = 0; ma < MA; ++ma)
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) s[ma][nt][c] = -s[ma][nt][c];
+}
+
 template <int MA, int NT>
 __device__ __forceinline__ void zero_fill(float (&acc)[MA][NT][4]) {
 #pragma unroll
