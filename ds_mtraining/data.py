@@ -30,6 +30,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .ring.layout import StripedLayout
+
 DEFAULT_DOCUMENT_CHARS = 1 << 18
 FILE_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".arrow": "arrow",
                 ".csv": "csv"}
@@ -227,7 +229,6 @@ class RankBatches:
     seed: int = 0
 
     def __post_init__(self):
-        from .ring.layout import StripedLayout
         self.layout = StripedLayout(self.sequence_world, self.block_size)
         self.layout.check(self.samples.seq_len)
         self.per_epoch = len(self.samples) // (self.micro_batch_size * self.data_world)

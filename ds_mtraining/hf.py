@@ -56,8 +56,7 @@ def check_model_config(config, key: str = "mtraining.model") -> None:
             f"{key}: num_attention_heads={heads} is not divisible by num_key_value_heads={kv_heads} "
             f"(GQA needs whole groups of query heads per key/value head); choose num_key_value_heads "
             f"among {[d for d in range(1, heads + 1) if heads % d == 0]}")
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    if head_dim * heads != config.hidden_size and getattr(config, "head_dim", None) is None:
+    if getattr(config, "head_dim", None) is None and config.hidden_size % heads != 0:
         raise ValueError(f"{key}: hidden_size={config.hidden_size} is not divisible by "
                          f"num_attention_heads={heads}; choose a divisor or set head_dim")
     if getattr(config, "use_sliding_window", False):

@@ -31,6 +31,11 @@ import torch.distributed as dist
 from .config import SparseConfig
 from .estimate import estimate_vertical_slash
 from .index import SparseIndex
+from .ring import ring_sparse_attention
+from .ring.comm import RingComm
+from .ring.estimate import estimate_vertical_slash_distributed
+from .ring.layout import StripedLayout
+from .ring.work import imbalance, pair_work, step_work
 
 logger = logging.getLogger(__name__)
 
@@ -51,8 +56,6 @@ class AttentionStats:
     imbalances: list = field(default_factory=list)
 
     def record(self, index: SparseIndex, world: int):
-        from .ring.layout import StripedLayout
-        from .ring.work import imbalance, pair_work, step_work
         self.densities.append(index.density())
         if world > 1:
             pairs = pair_work(index, StripedLayout(world, index.block_size))
@@ -77,7 +80,8 @@ class MTrainingAttentionSettings:
 
     Attributes:
         sparse: the vertical-slash budgets; ``sparse.block_size`` is the stripe width.
-        group: the sequence-parallel process group (None: single device).
+        group: the sequence-parallel process group (None: the default group, or a single device
+            when torch.distributed is not initialised).
         hierarchy: this rank's hierarchical ring groups (``ParallelGroups.hierarchy``, from
             :func:`ds_mtraining.distributed.initialize_groups`), or None for the flat ring.
         stats: where sparsity statistics go (None: not recorded).
@@ -95,17 +99,12 @@ class MTrainingAttentionSettings:
 
     @property
     def world(self) -> int:
-        return dist.get_world_size(self.group) if self.group is not None else 1
+        """Ranks sharing the sequence (``group`` None: the default group, as in DeepSpeed)."""
+        return dist.get_world_size(self.group) if dist.is_initialized() else 1
 
     @property
     def rank(self) -> int:
-        return dist.get_rank(self.group) if self.group is not None else 0
-
-
-def striped_positions(seq_len: int, world: int, rank: int, block_size: int, device=None) -> torch.Tensor:
-    """Global positions of the ``seq_len / world`` tokens that ``rank`` holds under striping."""
-    from .ring.layout import StripedLayout
-    return StripedLayout(world, block_size).positions(seq_len, rank, device=device)
+        return dist.get_rank(self.group) if dist.is_initialized() else 0
 
 
 def check_striped(position_ids: torch.Tensor, settings: MTrainingAttentionSettings):
@@ -120,7 +119,7 @@ def check_striped(position_ids: torch.Tensor, settings: MTrainingAttentionSettin
             f"this rank holds {local} tokens, so the sequence has {seq_len} = {world} ranks x {local}; "
             f"it must be divisible by ranks x stripe block = {world} x {block} = {world * block}: "
             f"pad or cut the sequence (mtraining.seq_len) to a multiple of {world * block}")
-    expected = striped_positions(seq_len, world, rank, block, position_ids.device)
+    expected = StripedLayout(world, block).positions(seq_len, rank, position_ids.device)
     if bool((position_ids == expected).all()):
         return
     contiguous = torch.arange(rank * local, (rank + 1) * local, device=position_ids.device)
@@ -138,20 +137,11 @@ def check_striped(position_ids: torch.Tensor, settings: MTrainingAttentionSettin
         f"block {block}; stripe with ds_mtraining.ring.layout.StripedLayout({world}, {block})")
 
 
-def _ring_attention(q, k, v, settings: MTrainingAttentionSettings, scale: float, index: SparseIndex):
-    from .ring import ring_sparse_attention
-    hierarchical = {"hierarchy": settings.hierarchy} if settings.hierarchy is not None else {}
-    return ring_sparse_attention(q, k, v, settings.sparse, settings.group, softmax_scale=scale,
-                                 index=index, **hierarchical)
-
-
 def estimate_index(q, k, settings: MTrainingAttentionSettings, scale: float) -> SparseIndex:
     """This step's global vertical-slash index, estimated from the shards with small collectives
     over the sequence-parallel group (or on one device)."""
     if settings.world == 1:
         return estimate_vertical_slash(q, k, settings.sparse, scale)
-    from .ring.comm import RingComm
-    from .ring.estimate import estimate_vertical_slash_distributed
     return estimate_vertical_slash_distributed(q, k, settings.sparse, RingComm(settings.group), scale)
 
 
@@ -174,7 +164,8 @@ def striped_sparse_attention(q, k, v, settings: MTrainingAttentionSettings,
     index = estimate_index(q.detach(), k.detach(), settings, scale)
     if settings.stats is not None and settings.stats.enabled:
         settings.stats.record(index, settings.world)
-    return _ring_attention(q, k, v, settings, scale, index)
+    return ring_sparse_attention(q, k, v, settings.sparse, settings.group, softmax_scale=scale,
+                                 index=index, hierarchy=settings.hierarchy)
 
 
 # ----------------------------------------------------------------------------- Ulysses drop-in
@@ -281,8 +272,8 @@ class DistributedAttention(torch.nn.Module):
         if position_ids is not None:
             return position_ids.reshape(-1, local)[0].to(device)
         settings = self.settings
-        return striped_positions(local * settings.world, settings.world, settings.rank,
-                                 settings.sparse.block_size, device)
+        layout = StripedLayout(settings.world, settings.sparse.block_size)
+        return layout.positions(local * settings.world, settings.rank, device)
 
     def _local_rows(self, table: torch.Tensor, local: int, position_ids) -> torch.Tensor:
         """cos/sin rows [B|1, local, 1, D] of this rank's tokens from a local or global table."""

@@ -367,9 +367,10 @@ def parse_args(argv=None):
 
 
 def with_default_monitor(ds_config: dict, save_dir: str) -> dict:
-    """Enables DeepSpeed's csv monitor under ``save_dir/metrics`` unless a monitor is configured."""
+    """Enables DeepSpeed's csv monitor under ``save_dir/metrics`` unless the JSON has a monitor
+    section (enabled or explicitly disabled)."""
     monitors = ("csv_monitor", "tensorboard", "wandb", "comet")
-    if not any(ds_config.get(name, {}).get("enabled") for name in monitors):
+    if not any(name in ds_config for name in monitors):
         ds_config["csv_monitor"] = {"enabled": True, "output_path": str(Path(save_dir) / "metrics"),
                                     "job_name": "mtraining"}
     return ds_config
