@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from ds_mtraining import SparseConfig
 from ds_mtraining.distributed import initialize_groups, run_on_ranks
@@ -103,7 +102,7 @@ def _engine_worker(rank, world):
     """4 ranks = 2 data-parallel replicas x 2 sequence-parallel ranks, one ZeRO-2 SGD step."""
     import deepspeed
     from deepspeed.utils import groups as ds_groups
-    from test_hf import MODELS, SMALL, sequence, tiny_model
+    from test_hf import sequence, tiny_model
     from ds_mtraining.hf import use_mtraining_attention
     from ds_mtraining.layer import MTrainingAttentionSettings
     from ds_mtraining.train import MTrainingCausalLM
