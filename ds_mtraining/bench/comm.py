@@ -94,7 +94,7 @@ def main(argv=None):
         table.add_row(f"{r['density']:.1%}", r["pass_"], f"{r['step_compute_ms']:.3f}", f"{r['step_mb']:.1f}",
                       f"{r['intra_ms']:.3f}", f"{r['inter_ms']:.3f}", f"{r['flat_ms']:.2f}",
                       f"{r['hierarchical_ms']:.2f}", f"{r['speedup']:.2f}x")
-    console = Console()
+    console = Console(width=max(Console().width, 120))
     console.print(table)
     console.print(f"paper (A100s, forward): flat {PAPER_MS['flat']} ms, hierarchical {PAPER_MS['hierarchical']} ms")
     result = dict(date=datetime.date.today().isoformat(), command="python -m ds_mtraining.bench.comm " + " ".join(
