@@ -268,6 +268,7 @@ def main(argv=None) -> int:
                                                     / tables["striped"]["step_level_mean"])
                 if measure:
                     times = measure_pair_times(index, world, args.kv_heads, args.head_dim)
+                    # striped only: the kernel takes block-striped (query rank, key rank) pairs
                     row["measured_striped"] = {**imbalance(step_work(times)),
                                                "steps_ms": step_work(times).tolist()}
                 rows.append(row)
@@ -286,8 +287,8 @@ def main(argv=None) -> int:
     result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "device": (torch.cuda.get_device_name() if measure else
                          f"CPU ({platform.processor() or platform.machine()}); work from the index"),
-              "command": "python -m ds_mtraining.bench.balance " + " ".join(
-                  sys.argv[1:] if argv is None else argv),
+              "command": " ".join(["python -m ds_mtraining.bench.balance",
+                                   *(sys.argv[1:] if argv is None else argv)]),
               "torch": torch.__version__,
               "synthetic_pattern": {"mass_shares": MASS_SHARES, "local_blocks": LOCAL_BLOCKS,
                                     "columns": NUM_COLUMNS, "sinks": NUM_SINKS,
