@@ -5,7 +5,6 @@ compares its shard of the output and of dq/dk/dv with (a) the single-process ``s
 on the unstriped sequence with the same index and (b) float64 dense causal attention when the
 index selects everything. One spawned group per world size serves several checks.
 """
-import math
 import os
 import socket
 import time
