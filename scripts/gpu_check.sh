@@ -7,6 +7,7 @@
 #   device run, carry .whl:  bash scripts/gpu_check.sh
 #   BENCH_ARGS="--seq-lens 131072" bash scripts/gpu_check.sh      # a shorter benchmark
 #   SKIP_TESTS=1 / SKIP_SANITIZER=1 / SKIP_BENCH=1 / SKIP_VARIANT=1 / SKIP_NCU=1
+#   DIAGNOSE_OSTREAM=1: toolchain, libstdc++ linkage and a number-formatting probe (diagnose.log)
 # (with the ncu stage the call returns 9 files; the device tool returns 8, so skip one stage)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -35,6 +36,33 @@ finish() {
     echo "=== gpu_check summary ($(date -u +%FT%TZ)) ==="; printf '%s\n' "${summary[@]}"; } | tee "$OUT/summary.txt"
 }
 
+# The CPU op compiles alongside the CUDA op; its input-error path is checked below.
+python3 -c "from ds_mtraining import ops; ops.op_module('cpu')" >"$OUT/diagnose.log" 2>&1 &
+cpu_build=$!
+
+if [ -n "${DIAGNOSE_OSTREAM:-}" ]; then
+  # Does a minimal extension (plain C++, then linked like a CUDA one) survive a TORCH_CHECK that
+  # streams an int64? Each probe runs in its own process, so a crash is a result.
+  cat >/tmp/ostream_probe.py <<'PY'
+import subprocess, sys
+from torch.utils.cpp_extension import load_inline
+SOURCE = '#include <torch/extension.h>\nvoid fail(int64_t n) { TORCH_CHECK_VALUE(false, "n=", n); }\n'
+if len(sys.argv) == 2:  # one probe: build (cached) and call
+    probe = load_inline(f"ostream_probe_{sys.argv[1]}", SOURCE, functions=["fail"],
+                        with_cuda=sys.argv[1] == "cuda", extra_cflags=["-O3", "-g"])
+    try:
+        probe.fail(4)
+    except ValueError as err:
+        print(sys.argv[1], "probe: ValueError", str(err).splitlines()[0])
+else:
+    runs = {kind: subprocess.Popen([sys.executable, __file__, kind]) for kind in ("cpu", "cuda")}
+    for kind, run in runs.items():
+        print(kind, "probe exit code", run.wait())
+PY
+  python3 /tmp/ostream_probe.py >/tmp/ostream_probe.log 2>&1 &
+  probes=$!
+fi
+
 stage build 400 "$OUT/build.log" python3 -c "
 import time; t = time.time()
 from ds_mtraining import ops
@@ -49,26 +77,60 @@ if [ -z "${SKIP_TESTS:-}" ]; then
   grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/tests.log" | tail -20
 fi
 
-# An input error raised from the CUDA module must reach Python as ValueError; on a crash, take a
+# An input error whose message holds numbers must reach Python as ValueError from both ops
+# (docs/CUDA_NOTES.md: such messages once segfaulted in the CUDA module); on a crash, take a
 # native backtrace with cuda-gdb (the image has no gdb).
 cat >/tmp/value_error.py <<'PY'
 import torch
 from ds_mtraining import ops
 from ds_mtraining.index import SparseIndex
-q = torch.randn(1, 128, 4, 64, device="cuda", dtype=torch.bfloat16)
-kv = torch.randn(1, 128, 3, 64, device="cuda", dtype=torch.bfloat16)
-index = SparseIndex.from_blocks(torch.zeros(1, 4, 1, dtype=torch.long), torch.zeros(1, 4, 1, dtype=torch.long), 128, 64).to("cuda")
-try:
-    ops.op_module("cuda").forward(q, kv, kv, index.slash, index.slash_count, index.vertical, index.vertical_count,
-                                  64, 0.125, 1, 0, 0)
-except ValueError as err:
-    print("ValueError as expected:", str(err).splitlines()[0])
+for device, dtype in (("cuda", torch.bfloat16), ("cpu", torch.float32)):
+    q = torch.randn(1, 128, 4, 64, device=device, dtype=dtype)
+    kv = torch.randn(1, 128, 3, 64, device=device, dtype=dtype)
+    index = SparseIndex.from_blocks(torch.zeros(1, 4, 1, dtype=torch.long), torch.zeros(1, 4, 1, dtype=torch.long),
+                                    128, 64).to(device)
+    try:
+        ops.op_module(device).forward(q, kv, kv, index.slash, index.slash_count, index.vertical,
+                                      index.vertical_count, 64, 0.125, 1, 0, 0)
+        print(f"{device} op: no error raised")
+        raise SystemExit(1)
+    except ValueError as err:
+        print(f"{device} op: ValueError as expected:", str(err).splitlines()[0])
 PY
-if ! stage valueerror 60 "$OUT/diagnose.log" python3 /tmp/value_error.py; then
+wait "$cpu_build" || echo "CPU op build failed (see diagnose.log)"
+stage valueerror 60 "$OUT/diagnose.log" python3 /tmp/value_error.py
+if [ $? -gt 128 ]; then  # killed by a signal
   stage cuda-gdb 120 "$OUT/diagnose.log" cuda-gdb -batch -ex run -ex bt --args python3 /tmp/value_error.py
   tail -30 "$OUT/diagnose.log"
 fi
-grep -h "ValueError as expected" "$OUT/diagnose.log"
+grep -h "op: " "$OUT/diagnose.log"
+
+if [ -n "${DIAGNOSE_OSTREAM:-}" ]; then
+  # Where libstdc++'s number formatting comes from: the toolchain, what the CUDA op links and
+  # defines, which libstdc++ the process maps, and the probes started above.
+  diagnose() {
+    local so=$TORCH_EXTENSIONS_DIR/mtraining_cuda/mtraining_cuda.so
+    c++ --version | head -1; nvcc --version | tail -1
+    grep -E "^(cflags|post_cflags|cuda_cflags|cuda_post_cflags|ldflags) =" "$TORCH_EXTENSIONS_DIR/mtraining_cuda/build.ninja"
+    ldd "$so" | grep -E "stdc\+\+|gcc_s"
+    echo "libstdc++ stream/locale code defined in the CUDA op:"
+    nm -C "$so" | grep -E " [TtWw] std::(basic_ostream|locale|num_put|ios_base|__cxx11::basic_ostringstream)" | head -20
+    python3 -c "
+import torch
+from ds_mtraining import ops
+ops.op_module('cuda')
+print('libstdc++ mapped:', *sorted({l.split()[-1] for l in open('/proc/self/maps') if 'stdc++' in l}))
+try:
+    torch.zeros(2, 3).view(7)
+except RuntimeError as err:
+    print('torch formats numbers:', str(err).splitlines()[0])"
+    cat /tmp/ostream_probe.log
+  }
+  wait "$probes"
+  export -f diagnose
+  stage ostream 200 "$OUT/diagnose.log" bash -c diagnose
+  sed -n '/=== ostream/,$p' "$OUT/diagnose.log" | head -60
+fi
 
 if [ -z "${SKIP_SANITIZER:-}" ]; then
   cat >/tmp/sanitizer_case.py <<'PY'

@@ -35,15 +35,15 @@ mtr::AttentionParams make_params(const at::Tensor& q, const at::Tensor& k, const
     const Geometry geo = check_call(q, k, v, slash, slash_count, vertical, vertical_count, block, scale,
                                     world, q_rank, k_rank, c10::DeviceType::CUDA, kOpName);
     TORCH_CHECK_TYPE(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf, kOpName,
-                     ": the CUDA kernels take bfloat16 or float16 q/k/v, got ", q.scalar_type(),
+                     ": the CUDA kernels take bfloat16 or float16 q/k/v, got ", text(q.scalar_type()),
                      "; cast them (float32 runs on the CPU op)");
     TORCH_CHECK_VALUE(q.size(3) == 64 || q.size(3) == 128, kOpName, ": head_dim must be 64 or 128, got ",
-                      q.size(3));
-    TORCH_CHECK_VALUE(block == 64 || block == 128, kOpName, ": block_size must be 64 or 128, got ", block);
+                      text(q.size(3)));
+    TORCH_CHECK_VALUE(block == 64 || block == 128, kOpName, ": block_size must be 64 or 128, got ", text(block));
     TORCH_CHECK_VALUE(q.size(1) >= 1, kOpName, ": the sequence is empty");
     TORCH_CHECK_VALUE(std::max(geo.q_blocks, geo.k_blocks) <= mtr::kMaxLocalBlocks, kOpName, ": ",
-                      std::max(geo.q_blocks, geo.k_blocks), " local blocks exceed the kernels' limit of ",
-                      mtr::kMaxLocalBlocks, "; use a larger block_size or more ranks");
+                      text(std::max(geo.q_blocks, geo.k_blocks)), " local blocks exceed the kernels' limit of ",
+                      text(mtr::kMaxLocalBlocks), "; use a larger block_size or more ranks");
     TORCH_CHECK_VALUE(q.numel() < (int64_t{1} << 31) * 64, kOpName, ": q is too large");
     for (const at::Tensor* t : {&q, &k, &v, &slash, &slash_count, &vertical, &vertical_count})
         TORCH_CHECK_VALUE(t->is_contiguous(), kOpName, ": inputs must be contiguous (the caller makes them so)");

@@ -2,17 +2,59 @@
 //
 // Every failure raises one Python exception naming the problem and the fix: ValueError for
 // shapes, ranges and devices (TORCH_CHECK_VALUE), TypeError for dtypes (TORCH_CHECK_TYPE).
+// Messages are assembled from strings only: numbers, shapes and devices go through text() first.
 #pragma once
 
 #include <torch/extension.h>
 
+#include <charconv>
 #include <cmath>
 #include <initializer_list>
+#include <string>
+#include <type_traits>
 #include <utility>
 
 #include "mtraining/pattern.h"
 
 namespace mtraining {
+
+// Message text of a number, shape, device or dtype, made without std::ostream.
+//
+// TORCH_CHECK joins its message in an ostringstream (c10::str). On the H200 image, inserting a
+// number into that stream segfaulted inside libstdc++'s locale code while inserting strings
+// worked (docs/CUDA_NOTES.md), so numbers reach the stream already as text. std::to_chars uses
+// no locale; the output matches what the stream would print.
+template <typename Integer, typename = std::enable_if_t<std::is_integral_v<Integer> &&
+                                                        !std::is_same_v<Integer, bool>>>
+inline std::string text(Integer value) {
+    char digits[24];  // enough for any 64-bit integer with its sign
+    const auto end = std::to_chars(digits, digits + sizeof(digits), value).ptr;
+    return std::string(digits, end);
+}
+
+// As the stream prints a double by default: printf's %g (6 significant digits; nan, -inf).
+inline std::string text(double value) {
+    char digits[32];  // "-1.23457e+308" at most
+    const auto end =
+        std::to_chars(digits, digits + sizeof(digits), value, std::chars_format::general, 6).ptr;
+    return std::string(digits, end);
+}
+
+// A shape as c10 prints it: [1, 128, 4, 64].
+inline std::string text(at::IntArrayRef sizes) {
+    std::string out = "[";
+    for (size_t i = 0; i < sizes.size(); ++i) {
+        if (i > 0) out += ", ";
+        out += text(sizes[i]);
+    }
+    return out + "]";
+}
+
+// "cpu", "cuda:0" (Device::str() builds it with std::to_string).
+inline std::string text(const at::Device& device) { return device.str(); }
+
+// "Float", "BFloat16": the name c10 prints for a dtype.
+inline const char* text(at::ScalarType type) { return c10::toString(type); }
 
 inline bool is_supported_float(at::ScalarType t) {
     return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf;
@@ -23,30 +65,32 @@ inline void check_bshd(const at::Tensor& t, const char* name, c10::DeviceType de
                        const char* op_name) {
     TORCH_CHECK_VALUE(t.defined(), op_name, ": ", name, " is undefined");
     TORCH_CHECK_VALUE(t.dim() == 4, op_name, ": ", name,
-                      " must be a 4-d tensor [batch, seq, heads, head_dim], got shape ", t.sizes());
-    TORCH_CHECK_VALUE(t.device().type() == device_type, op_name, ": ", name, " is on ", t.device(),
-                      " but this op runs on ", c10::DeviceTypeName(device_type),
+                      " must be a 4-d tensor [batch, seq, heads, head_dim], got shape ",
+                      text(t.sizes()));
+    TORCH_CHECK_VALUE(t.device().type() == device_type, op_name, ": ", name, " is on ",
+                      text(t.device()), " but this op runs on ", c10::DeviceTypeName(device_type),
                       " tensors; put q, k, v and the index on one device");
     TORCH_CHECK_TYPE(is_supported_float(t.scalar_type()), op_name, ": ", name, " has dtype ",
-                     t.scalar_type(), "; use float32, bfloat16 or float16");
+                     text(t.scalar_type()), "; use float32, bfloat16 or float16");
 }
 
 // Checks one index list: int32 [batch, heads, width] and its count int32 [batch, heads].
 inline void check_list(const at::Tensor& list, const at::Tensor& count, const char* name,
                        int64_t batch, int64_t heads, const at::Device& device, const char* op_name) {
     TORCH_CHECK_TYPE(list.scalar_type() == at::kInt && count.scalar_type() == at::kInt, op_name,
-                     ": ", name, " and ", name, "_count must be int32, got ", list.scalar_type(),
-                     " and ", count.scalar_type(), " (use SparseIndex, which stores int32)");
+                     ": ", name, " and ", name, "_count must be int32, got ",
+                     text(list.scalar_type()), " and ", text(count.scalar_type()),
+                     " (use SparseIndex, which stores int32)");
     TORCH_CHECK_VALUE(list.dim() == 3 && list.size(0) == batch && list.size(1) == heads &&
                           list.size(2) >= 1,
-                      op_name, ": ", name, " must be [batch=", batch, ", heads=", heads,
-                      ", n >= 1], got ", list.sizes(),
+                      op_name, ": ", name, " must be [batch=", text(batch),
+                      ", heads=", text(heads), ", n >= 1], got ", text(list.sizes()),
                       "; the index was built for another shape: rebuild it from these q/k");
     TORCH_CHECK_VALUE(count.dim() == 2 && count.size(0) == batch && count.size(1) == heads,
-                      op_name, ": ", name, "_count must be [batch=", batch, ", heads=", heads,
-                      "], got ", count.sizes());
+                      op_name, ": ", name, "_count must be [batch=", text(batch), ", heads=",
+                      text(heads), "], got ", text(count.sizes()));
     TORCH_CHECK_VALUE(list.device() == device && count.device() == device, op_name, ": ", name,
-                      " is on ", list.device(), " but q is on ", device,
+                      " is on ", text(list.device()), " but q is on ", text(device),
                       "; move the index with index.to(q.device)");
 }
 
@@ -61,30 +105,31 @@ inline Geometry check_call(const at::Tensor& q, const at::Tensor& k, const at::T
     check_bshd(k, "k", device_type, op_name);
     check_bshd(v, "v", device_type, op_name);
     TORCH_CHECK_VALUE(k.device() == q.device() && v.device() == q.device(), op_name,
-                      ": q, k, v must be on one device, got ", q.device(), ", ", k.device(), ", ",
-                      v.device());
+                      ": q, k, v must be on one device, got ", text(q.device()), ", ",
+                      text(k.device()), ", ", text(v.device()));
     TORCH_CHECK_TYPE(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
-                     op_name, ": q, k, v must share a dtype, got ", q.scalar_type(), ", ",
-                     k.scalar_type(), ", ", v.scalar_type());
-    TORCH_CHECK_VALUE(k.sizes() == v.sizes(), op_name, ": k ", k.sizes(), " and v ", v.sizes(),
-                      " must have the same shape");
-    TORCH_CHECK_VALUE(q.size(0) == k.size(0) && q.size(3) == k.size(3), op_name, ": q ", q.sizes(),
-                      " and k ", k.sizes(),
+                     op_name, ": q, k, v must share a dtype, got ", text(q.scalar_type()), ", ",
+                     text(k.scalar_type()), ", ", text(v.scalar_type()));
+    TORCH_CHECK_VALUE(k.sizes() == v.sizes(), op_name, ": k ", text(k.sizes()), " and v ",
+                      text(v.sizes()), " must have the same shape");
+    TORCH_CHECK_VALUE(q.size(0) == k.size(0) && q.size(3) == k.size(3), op_name, ": q ",
+                      text(q.sizes()), " and k ", text(k.sizes()),
                       " must share batch and head_dim (layout [batch, seq, heads, head_dim])");
     TORCH_CHECK_VALUE(k.size(2) >= 1 && q.size(2) % k.size(2) == 0, op_name, ": query heads (",
-                      q.size(2), ") must be a multiple of key/value heads (", k.size(2),
+                      text(q.size(2)), ") must be a multiple of key/value heads (", text(k.size(2)),
                       ") for GQA");
     TORCH_CHECK_VALUE(q.size(3) >= 1, op_name, ": head_dim must be >= 1");
-    TORCH_CHECK_VALUE(block >= 1, op_name, ": block_size must be >= 1, got ", block);
-    TORCH_CHECK_VALUE(std::isfinite(scale), op_name, ": scale must be finite, got ", scale);
+    TORCH_CHECK_VALUE(block >= 1, op_name, ": block_size must be >= 1, got ", text(block));
+    TORCH_CHECK_VALUE(std::isfinite(scale), op_name, ": scale must be finite, got ", text(scale));
     TORCH_CHECK_VALUE(world >= 1 && 0 <= q_rank && q_rank < world && 0 <= k_rank && k_rank < world,
                       op_name, ": need world >= 1 and 0 <= q_rank, k_rank < world, got world=",
-                      world, ", q_rank=", q_rank, ", k_rank=", k_rank);
-    TORCH_CHECK_VALUE(q.size(1) == k.size(1), op_name, ": q has ", q.size(1), " tokens but k has ",
-                      k.size(1), "; queries and keys must be the same length");
+                      text(world), ", q_rank=", text(q_rank), ", k_rank=", text(k_rank));
+    TORCH_CHECK_VALUE(q.size(1) == k.size(1), op_name, ": q has ", text(q.size(1)),
+                      " tokens but k has ", text(k.size(1)),
+                      "; queries and keys must be the same length");
     TORCH_CHECK_VALUE(world == 1 || q.size(1) % block == 0, op_name,
-                      ": with striping (world=", world, ") the local length ", q.size(1),
-                      " must be a multiple of block_size=", block,
+                      ": with striping (world=", text(world), ") the local length ",
+                      text(q.size(1)), " must be a multiple of block_size=", text(block),
                       "; pad the sequence to world * block_size tokens");
     const int64_t batch = q.size(0), heads = q.size(2);
     check_list(slash, slash_count, "slash", batch, heads, q.device(), op_name);
@@ -109,21 +154,24 @@ inline void check_backward_tensors(const at::Tensor& q, const at::Tensor& dout,
     for (const auto& [tensor, name] :
          {std::pair<const at::Tensor&, const char*>{dout, "dout"}, {out, "out"}}) {
         TORCH_CHECK_VALUE(tensor.defined() && tensor.sizes() == q.sizes(), op_name, ": ", name,
-                          " must have q's shape ", q.sizes(), ", got ",
-                          tensor.defined() ? tensor.sizes() : at::IntArrayRef{});
+                          " must have q's shape ", text(q.sizes()), ", got ",
+                          text(tensor.defined() ? tensor.sizes() : at::IntArrayRef{}));
         TORCH_CHECK_TYPE(is_supported_float(tensor.scalar_type()), op_name, ": ", name,
-                         " has dtype ", tensor.scalar_type(), "; use float32, bfloat16 or float16");
+                         " has dtype ", text(tensor.scalar_type()),
+                         "; use float32, bfloat16 or float16");
         TORCH_CHECK_VALUE(tensor.device() == q.device(), op_name, ": ", name, " is on ",
-                          tensor.device(), " but q is on ", q.device());
+                          text(tensor.device()), " but q is on ", text(q.device()));
     }
     TORCH_CHECK_VALUE(lse.defined() && lse.dim() == 3 && lse.size(0) == q.size(0) &&
                           lse.size(1) == q.size(2) && lse.size(2) == q.size(1),
-                      op_name, ": lse must be [batch, heads, seq] = [", q.size(0), ", ", q.size(2),
-                      ", ", q.size(1), "], got ", lse.defined() ? lse.sizes() : at::IntArrayRef{});
+                      op_name, ": lse must be [batch, heads, seq] = [", text(q.size(0)), ", ",
+                      text(q.size(2)), ", ", text(q.size(1)), "], got ",
+                      text(lse.defined() ? lse.sizes() : at::IntArrayRef{}));
     TORCH_CHECK_TYPE(lse.scalar_type() == at::kFloat, op_name,
-                     ": lse must be float32 (as forward returns it), got ", lse.scalar_type());
-    TORCH_CHECK_VALUE(lse.device() == q.device(), op_name, ": lse is on ", lse.device(),
-                      " but q is on ", q.device());
+                     ": lse must be float32 (as forward returns it), got ",
+                     text(lse.scalar_type()));
+    TORCH_CHECK_VALUE(lse.device() == q.device(), op_name, ": lse is on ", text(lse.device()),
+                      " but q is on ", text(q.device()));
 }
 
 // Validates the contents of host-resident index lists: counts in range, diagonal 0 present,
@@ -144,21 +192,24 @@ inline void check_list_contents(const Geometry& geo, const at::Tensor& slash,
     for (int64_t row = 0; row < rows; ++row) {
         const int32_t* list = s + row * slash_width;
         TORCH_CHECK_VALUE(sn[row] >= 1 && sn[row] <= slash_width && list[0] == 0, op_name,
-                          ": slash list ", row, " must start with diagonal 0 and hold 1..",
-                          slash_width, " entries (count ", sn[row], "); build it with SparseIndex");
+                          ": slash list ", text(row),
+                          " must start with diagonal 0 and hold 1..", text(slash_width),
+                          " entries (count ", text(sn[row]), "); build it with SparseIndex");
         for (int64_t e = 1; e < sn[row]; ++e)
-            TORCH_CHECK_VALUE(list[e] > list[e - 1], op_name, ": slash list ", row,
+            TORCH_CHECK_VALUE(list[e] > list[e - 1], op_name, ": slash list ", text(row),
                               " is not strictly ascending; build it with SparseIndex");
         TORCH_CHECK_VALUE(list[sn[row] - 1] < global_blocks, op_name, ": slash diagonal ",
-                          list[sn[row] - 1], " is beyond the ", global_blocks,
+                          text(list[sn[row] - 1]), " is beyond the ", text(global_blocks),
                           " blocks of the sequence; the index was built for another length");
         const int32_t* cols = vt + row * vertical_width;
         TORCH_CHECK_VALUE(vn[row] >= 0 && vn[row] <= vertical_width, op_name,
-                          ": vertical_count ", vn[row], " is outside [0, ", vertical_width, "]");
+                          ": vertical_count ", text(vn[row]), " is outside [0, ",
+                          text(vertical_width), "]");
         for (int64_t e = 0; e < vn[row]; ++e)
             TORCH_CHECK_VALUE(cols[e] >= 0 && cols[e] < global_len && (e == 0 || cols[e] > cols[e - 1]),
-                              op_name, ": vertical list ", row,
-                              " must be strictly ascending key positions in [0, ", global_len,
+                              op_name, ": vertical list ", text(row),
+                              " must be strictly ascending key positions in [0, ",
+                              text(global_len),
                               "); the index was built for another length or is not sorted");
     }
 }
