@@ -114,13 +114,22 @@ class SparseIndex:
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_blocks(cls, slash_blocks, vertical, seq_len, block_size, local_blocks: int = 1):
-        """From block diagonals and key tokens (-1 = padding); adds diagonals 0..local_blocks-1."""
+        """From block diagonals and key tokens (-1 = padding); adds diagonals 0..local_blocks-1.
+
+        A column that every later query block already reads through the leading run of
+        diagonals 0..L-1 (it lies in the last L blocks) adds no entry, so it is dropped: the
+        kernels would otherwise still pay for visiting it."""
         local = torch.arange(local_blocks, device=slash_blocks.device)
         local = local.expand(*slash_blocks.shape[:2], local_blocks)
         nb = -(-seq_len // block_size)
         slash_blocks = torch.cat([slash_blocks.long(), local.long()], -1)
         slash_blocks = torch.where(slash_blocks < nb, slash_blocks, torch.full_like(slash_blocks, -1))
-        return cls(_sorted_unique(slash_blocks), _sorted_unique(vertical.long()), seq_len, block_size)
+        slash = _sorted_unique(slash_blocks)
+        leading_run = (slash == torch.arange(slash.shape[-1], device=slash.device)).int().cumprod(-1).sum(-1)
+        vertical = vertical.long()
+        redundant = vertical // block_size >= nb - leading_run[..., None]
+        vertical = torch.where(redundant, torch.full_like(vertical, -1), vertical)
+        return cls(slash, _sorted_unique(vertical), seq_len, block_size)
 
     @classmethod
     def from_vertical_slash(cls, vertical, slash, seq_len: int, block_size: int, local_blocks: int = 1):

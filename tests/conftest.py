@@ -11,9 +11,10 @@ def pytest_configure(config):
                    "deselect locally with -m 'not slow'")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="session", autouse=True)
 def cpu_op():
-    """The compiled CPU module (prebuilt or JIT-compiled on first use)."""
+    """The compiled CPU module (prebuilt or JIT-compiled on first use), built before any test so
+    that spawned ranks and launched processes load it from the cache instead of all compiling."""
     from ds_mtraining import ops
     return ops.op_module("cpu")
 

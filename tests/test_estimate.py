@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from ds_mtraining import SparseConfig, estimate_vertical_slash, synthetic
+from ds_mtraining.estimate import column_and_diagonal_mass, last_query_scores, select_top_p
 from ds_mtraining.reference import dense_attention_with_lse
 
 
@@ -46,16 +47,30 @@ def test_kept_mass_of_last_rows_reaches_p(p):
 
 
 def test_budgets_grow_with_p_and_are_at_least_one():
+    """Top-p budgets (selection counts) per head; the index then keeps the selected columns
+    except those its leading diagonals already cover."""
     q = torch.randn(1, 512, 4, 64)
     k = torch.randn(1, 512, 2, 64)
-    counts = []
+    pos = torch.arange(512)
+    probs = torch.softmax(last_query_scores(q[:, -64:], k, pos[-64:], pos, 1 / 8), -1)
+    columns, diagonals = column_and_diagonal_mass(probs, pos[-64:], pos, 512, 64)
+    budgets = []
     for p in (0.05, 0.3, 0.6, 0.9, 1.0):
-        index = estimate_vertical_slash(q, k, SparseConfig(block_size=64, p_vertical=p, p_slash=p,
-                                                           sink_tokens=0, local_blocks=1))
-        counts.append((index.vertical_count.sum().item(), index.slash_count.sum().item()))
-        assert (index.vertical_count >= 1).all() and (index.slash_count >= 1).all()
-    assert all(a[0] <= b[0] and a[1] <= b[1] for a, b in zip(counts, counts[1:]))
-    assert counts[-1][0] == 4 * 512, "p = 1 keeps every column"
+        vertical, slash = select_top_p(columns, p, 4096), select_top_p(diagonals, p, 4096)
+        budget = ((vertical >= 0).sum(-1), (slash >= 0).sum(-1))
+        assert (budget[0] >= 1).all() and (budget[1] >= 1).all()
+        budgets.append(budget)
+        config = SparseConfig(block_size=64, p_vertical=p, p_slash=p, sink_tokens=0)
+        index = estimate_vertical_slash(q, k, config)
+        mask = index.to_dense_mask()
+        for h in range(4):
+            chosen = vertical[0, h][vertical[0, h] >= 0]
+            assert all(mask[0, h, c:, c].all() for c in chosen.tolist())
+            assert index.vertical_count[0, h] <= budget[0][0, h]
+    for (v0, s0), (v1, s1) in zip(budgets, budgets[1:]):
+        assert (v0 <= v1).all() and (s0 <= s1).all()
+    assert (budgets[-1][0] == 512).all() and (budgets[-1][1] == 8).all(), "p = 1 selects everything"
+    assert (index.vertical_count == 0).all(), "under every diagonal each column is redundant"
 
 
 def test_caps_sinks_and_local_blocks():

@@ -112,3 +112,16 @@ def test_dense_mask_refuses_large_sizes():
                                             torch.zeros(1, 16, 1, dtype=torch.long), 1 << 17, 128)
     with pytest.raises(ValueError, match="too large"):
         index.to_dense_mask()
+
+
+def test_columns_under_the_leading_diagonals_are_dropped_without_changing_the_mask():
+    """A column in the last L blocks is read by every later query block through diagonals
+    0..L-1 already, so the index drops it; the computed entries stay the same."""
+    seq_len, block = 640, 64
+    slash = torch.tensor([[[0, 1, 2, 7]]])
+    vertical = torch.tensor([[[5, 400, 520, 639]]])  # blocks 0, 6, 8, 9: the last two are under 0..2
+    index = SparseIndex.from_blocks(slash, vertical, seq_len, block)
+    assert index.vertical[0, 0, :index.vertical_count[0, 0]].tolist() == [5, 400]
+    keep_all = SparseIndex(index.slash, torch.tensor([[[5, 400, 520, 639]]], dtype=torch.int32), seq_len, block)
+    assert torch.equal(index.to_dense_mask(), keep_all.to_dense_mask())
+    assert torch.equal(index.num_entries(), keep_all.num_entries())
