@@ -110,7 +110,8 @@ if [ -n "${DIAGNOSE_OSTREAM:-}" ]; then
   # defines, which libstdc++ the process maps, and the probes started above.
   diagnose() {
     local so=$TORCH_EXTENSIONS_DIR/mtraining_cuda/mtraining_cuda.so
-    c++ --version | head -1; nvcc --version | tail -1
+    echo "CXX=${CXX:-} CC=${CC:-}"; "${CXX:-c++}" --version | head -1; nvcc --version | tail -1
+    ls "$(dirname "$(dirname "$(command -v "${CXX:-c++}")")")"/lib*/libstdc++* 2>/dev/null
     grep -E "^(cflags|post_cflags|cuda_cflags|cuda_post_cflags|ldflags) =" "$TORCH_EXTENSIONS_DIR/mtraining_cuda/build.ninja"
     ldd "$so" | grep -E "stdc\+\+|gcc_s"
     echo "libstdc++ stream/locale code defined in the CUDA op:"
