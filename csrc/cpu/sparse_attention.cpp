@@ -14,8 +14,8 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <bit>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -101,7 +101,10 @@ inline float exp_nonpositive(float x) {
     poly = poly * r + 1.6666665459e-1f;
     poly = poly * r + 5.0000001201e-1f;
     poly = poly * r * r + r + 1.f;
-    const float two_to_n = std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
+    // 2^n from its exponent bits; memcpy rather than std::bit_cast so C++17 builds (torch < 2.12)
+    const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+    float two_to_n;
+    std::memcpy(&two_to_n, &bits, sizeof two_to_n);
     return x < kLow ? 0.f : poly * two_to_n;
 }
 
