@@ -73,6 +73,7 @@ setup(
         "transformers",
         "datasets",
         "numpy",
+        "matplotlib",  # the heatmap of `ds-mtraining balance`
     ],
     extras_require={
         # CUTLASS/CuTe headers for the CUDA kernels (`pip install nvidia-cutlass --no-deps` is
