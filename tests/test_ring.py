@@ -5,17 +5,13 @@ compares its shard of the output and of dq/dk/dv with (a) the single-process ``s
 on the unstriped sequence with the same index and (b) float64 dense causal attention when the
 index selects everything. One spawned group per world size serves several checks.
 """
-import os
-import socket
-import time
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from ds_mtraining import SparseConfig, SparseIndex, estimate_vertical_slash, sparse_attention, synthetic
+from ds_mtraining.distributed.spawn import run_on_ranks
 from ds_mtraining.reference import dense_attention
 from ds_mtraining.ring import RingComm, StripedLayout, merge_lse, merge_partial, ring_sparse_attention
 from ds_mtraining.ring.estimate import estimate_vertical_slash_distributed, select_top_p_across_ranks
@@ -26,37 +22,6 @@ HANG_TIMEOUT_S = 150
 OUT_TOL = dict(atol=2e-5, rtol=1e-4)    # fp32 kernel vs fp32 kernel, different merge order
 GRAD_TOL = dict(atol=1e-4, rtol=1e-3)
 DENSE_TOL = dict(atol=1e-4, rtol=1e-3)  # fp32 ring vs float64 dense
-
-
-# ---------------------------------------------------------------------------- process harness
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank_entry(rank, check, world, port):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=HANG_TIMEOUT_S))
-    try:
-        check(rank, world)
-    finally:
-        dist.destroy_process_group()
-
-
-def run_ranks(check, world):
-    """Runs ``check(rank, world)`` on ``world`` spawned gloo ranks; a hang fails the test."""
-    os.environ["OMP_NUM_THREADS"] = "1"
-    context = mp.start_processes(_rank_entry, args=(check, world, _free_port()), nprocs=world,
-                                 join=False, start_method="spawn")
-    deadline = time.monotonic() + HANG_TIMEOUT_S
-    while not context.join(timeout=5):  # raises (and ends the others) if a rank raised
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                if process.is_alive():
-                    process.kill()
-            pytest.fail(f"ranks still running after {HANG_TIMEOUT_S}s: the ring hangs")
 
 
 # ---------------------------------------------------------------------------- shared inputs
@@ -225,7 +190,7 @@ def world_4_and_sub_groups(rank, world):
 @pytest.mark.parametrize("world, check", [(2, world_2), (3, world_3), (4, world_4_and_sub_groups)],
                          ids=["world2", "world3", "world4-and-subgroups-0-1-2-3"])
 def test_ring_on_gloo(world, check):
-    run_ranks(check, world)
+    run_on_ranks(check, world, timeout=HANG_TIMEOUT_S)
 
 
 # ---------------------------------------------------------------------------- in-process
