@@ -165,8 +165,10 @@ def tokenize_documents(documents, tokenizer):
         ids = [np.append(tokenizer.encode(text), tokenizer.eos_token_id).astype(np.int32)
                for text in batch["text"]]
         return {"input_ids": ids, "length": [len(x) for x in ids]}
+    # arrow format, not "numpy": datasets' numpy formatter imports torchvision when it is installed
+    # and breaks with some torchvision builds (seen on the GPU machine); arrow reads zero-copy anyway
     return documents.map(encode, batched=True, remove_columns=documents.column_names,
-                         desc="tokenizing").with_format("numpy")
+                         desc="tokenizing").with_format("arrow")
 
 
 # ----------------------------------------------------------------------------- packing
@@ -178,7 +180,7 @@ class PackedSequences:
     def __init__(self, tokenized, seq_len: int):
         self.documents = tokenized
         self.seq_len = seq_len
-        lengths = np.asarray(tokenized["length"], dtype=np.int64)
+        lengths = tokenized["length"].to_numpy().astype(np.int64)
         self.starts = np.concatenate([[0], np.cumsum(lengths)])
         self.total_tokens = int(self.starts[-1])
         if self.total_tokens < seq_len + 1:
@@ -193,7 +195,7 @@ class PackedSequences:
         first = int(np.searchsorted(self.starts, start, side="right")) - 1
         pieces, position, doc = [], start, first
         while position < start + length:
-            ids = self.documents[doc]["input_ids"]
+            ids = self.documents[doc].column("input_ids")[0].values.to_numpy(zero_copy_only=False)
             offset = position - int(self.starts[doc])
             piece = ids[offset:offset + start + length - position]
             pieces.append(piece)
