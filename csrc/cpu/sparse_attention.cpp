@@ -255,7 +255,10 @@ void forward_tile(const Inputs& in, float* out, int64_t b, int64_t h, int64_t i,
     }
 }
 
-void forward_kernel(const Inputs& in, float* out, float* lse) {
+// Runs work(b, h, i, scratch) once per (batch, head, query block), in parallel, each thread with
+// its own scratch; later query blocks read more vertical columns, so they are handed out first.
+template <typename Work>
+void for_each_query_block(const Inputs& in, Work work) {
     const Geometry& geo = in.geo;
     const int64_t tasks = in.batch * in.heads * geo.q_blocks;
 #pragma omp parallel num_threads(at::get_num_threads())
@@ -263,28 +266,32 @@ void forward_kernel(const Inputs& in, float* out, float* lse) {
         Scratch scratch(geo.block);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < tasks; ++task) {
-            // later query blocks read more vertical columns: hand them out first
             const int64_t i = geo.q_blocks - 1 - task % geo.q_blocks;
             const int64_t h = task / geo.q_blocks % in.heads, b = task / geo.q_blocks / in.heads;
-            std::fill(scratch.running_max.begin(), scratch.running_max.end(), kNegInf);
-            std::fill(scratch.running_sum.begin(), scratch.running_sum.end(), 0.f);
-            for_each_key_tile(in, b, h, i, scratch.keys,
-                              [&](const int32_t* tile, int64_t n, bool causal) {
-                forward_tile(in, out, b, h, i, tile, n, causal, scratch);
-            });
-            const int64_t first = i * geo.block, rows = geo.query_rows(i);
-            for (int64_t r = 0; r < rows; ++r) {
-                const int64_t t = first + r;
-                const float sum = scratch.running_sum[r];
-                if (sum > 0.f) {
-                    scale_in_place(out + in.q_offset(b, t, h), 1.f / sum, in.head_dim);
-                    lse[in.lse_offset(b, h, t)] = scratch.running_max[r] + std::log(sum);
-                } else {  // no visible key: out stays 0
-                    lse[in.lse_offset(b, h, t)] = kNegInf;
-                }
-            }
+            work(b, h, i, scratch);
         }
     }
+}
+
+void forward_kernel(const Inputs& in, float* out, float* lse) {
+    for_each_query_block(in, [&](int64_t b, int64_t h, int64_t i, Scratch& scratch) {
+        std::fill(scratch.running_max.begin(), scratch.running_max.end(), kNegInf);
+        std::fill(scratch.running_sum.begin(), scratch.running_sum.end(), 0.f);
+        for_each_key_tile(in, b, h, i, scratch.keys, [&](const int32_t* tile, int64_t n, bool causal) {
+            forward_tile(in, out, b, h, i, tile, n, causal, scratch);
+        });
+        const int64_t first = i * in.geo.block, rows = in.geo.query_rows(i);
+        for (int64_t r = 0; r < rows; ++r) {
+            const int64_t t = first + r;
+            const float sum = scratch.running_sum[r];
+            if (sum > 0.f) {
+                scale_in_place(out + in.q_offset(b, t, h), 1.f / sum, in.head_dim);
+                lse[in.lse_offset(b, h, t)] = scratch.running_max[r] + std::log(sum);
+            } else {  // no visible key: out stays 0
+                lse[in.lse_offset(b, h, t)] = kNegInf;
+            }
+        }
+    });
 }
 
 // Read-only view of the extra backward inputs.
@@ -326,29 +333,19 @@ void delta_kernel(const Inputs& in, const float* dout, const float* out, float* 
 }
 
 void dq_kernel(const Inputs& in, const GradInputs& grad, float* dq) {
-    const Geometry& geo = in.geo;
-    const int64_t tasks = in.batch * in.heads * geo.q_blocks;
-#pragma omp parallel num_threads(at::get_num_threads())
-    {
-        Scratch scratch(geo.block);
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < tasks; ++task) {
-            const int64_t i = geo.q_blocks - 1 - task % geo.q_blocks;
-            const int64_t h = task / geo.q_blocks % in.heads, b = task / geo.q_blocks / in.heads;
-            const int64_t first = i * geo.block, rows = geo.query_rows(i);
-            for_each_key_tile(in, b, h, i, scratch.keys,
-                              [&](const int32_t* tile, int64_t n, bool causal) {
-                gather_key_rows(in, b, h / in.group(), tile, n, scratch);
-                for (int64_t t = first; t < first + rows; ++t) {
-                    const int64_t visible = visible_keys(tile, n, causal, t);
-                    if (visible == 0 || !row_saw_keys(in, grad, b, h, t)) continue;
-                    probabilities_and_dscores(in, grad, b, h, t, visible, scratch);
-                    accumulate(dq + in.q_offset(b, t, h), scratch.dscores.data(),
-                               scratch.k_rows.data(), visible, in.head_dim);
-                }
-            });
-        }
-    }
+    for_each_query_block(in, [&](int64_t b, int64_t h, int64_t i, Scratch& scratch) {
+        const int64_t first = i * in.geo.block, rows = in.geo.query_rows(i);
+        for_each_key_tile(in, b, h, i, scratch.keys, [&](const int32_t* tile, int64_t n, bool causal) {
+            gather_key_rows(in, b, h / in.group(), tile, n, scratch);
+            for (int64_t t = first; t < first + rows; ++t) {
+                const int64_t visible = visible_keys(tile, n, causal, t);
+                if (visible == 0 || !row_saw_keys(in, grad, b, h, t)) continue;
+                probabilities_and_dscores(in, grad, b, h, t, visible, scratch);
+                accumulate(dq + in.q_offset(b, t, h), scratch.dscores.data(),
+                           scratch.k_rows.data(), visible, in.head_dim);
+            }
+        });
+    });
 }
 
 // dK/dV of key tile `keys` from the rows of query block i of head h: P and dS of every
