@@ -82,7 +82,7 @@ def main(argv=None):
             step_ms = total_ms * scale
             flat, hier, intra, inter = ring_times(step_ms, bytes_per_pass[name], args.nodes,
                                                   args.per_node, args.intra_gbps, args.inter_gbps)
-            rows.append(dict(density=density, pass_=name, step_compute_ms=step_ms, step_mb=bytes_per_pass[name] / 2**20,
+            rows.append(dict(density=density, direction=name, step_compute_ms=step_ms, step_mb=bytes_per_pass[name] / 2**20,
                              intra_ms=intra, inter_ms=inter, flat_ms=flat, hierarchical_ms=hier,
                              speedup=flat / hier))
     table = Table(title=f"attention per layer, {args.seq_len // 1024}K tokens on {args.nodes} x "
@@ -91,7 +91,7 @@ def main(argv=None):
                 "flat ms", "hier. ms", "flat/hier"):
         table.add_column(col, justify="right")
     for r in rows:
-        table.add_row(f"{r['density']:.1%}", r["pass_"], f"{r['step_compute_ms']:.3f}", f"{r['step_mb']:.1f}",
+        table.add_row(f"{r['density']:.1%}", r["direction"], f"{r['step_compute_ms']:.3f}", f"{r['step_mb']:.1f}",
                       f"{r['intra_ms']:.3f}", f"{r['inter_ms']:.3f}", f"{r['flat_ms']:.2f}",
                       f"{r['hierarchical_ms']:.2f}", f"{r['speedup']:.2f}x")
     console = Console(width=max(Console().width, 120))
