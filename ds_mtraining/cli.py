@@ -13,6 +13,10 @@ COMMANDS = {
                                       "or incompatible, and why"),
     "balance": ("ds_mtraining.bench.balance", "striped vs zigzag ring work imbalance from the "
                                               "sparse index (and kernel times on a GPU)"),
+    "demo": ("ds_mtraining.demo", "estimate a pattern and run sparse attention on one device"),
+    "bench-kernel": ("ds_mtraining.bench.kernel", "sparse kernel vs FlexAttention and dense flash "
+                                                  "(GPU)"),
+    "bench-comm": ("ds_mtraining.bench.comm", "flat vs hierarchical ring cost model"),
 }
 
 
