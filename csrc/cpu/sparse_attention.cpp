@@ -28,9 +28,6 @@ namespace {
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr const char* kOpName = "mtraining_cpu";
 
-// Vector helpers over head_dim (contiguous; `omp simd` lets the compiler vectorise reductions).
-// Four rows per pass share each load of the other operand.
-
 inline float dot(const float* __restrict a, const float* __restrict b, int64_t dim) {
     float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
@@ -38,45 +35,186 @@ inline float dot(const float* __restrict a, const float* __restrict b, int64_t d
     return acc;
 }
 
-// out[e] = a . rows[e] for e < n.
-inline void dots(const float* __restrict a, const float* const* rows, int64_t n, int64_t dim,
-                 float* __restrict out) {
-    int64_t e = 0;
-    for (; e + 4 <= n; e += 4) {
-        const float *__restrict r0 = rows[e], *__restrict r1 = rows[e + 1];
-        const float *__restrict r2 = rows[e + 2], *__restrict r3 = rows[e + 3];
-        float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
-#pragma omp simd reduction(+ : s0, s1, s2, s3)
-        for (int64_t d = 0; d < dim; ++d) {
-            s0 += a[d] * r0[d];
-            s1 += a[d] * r1[d];
-            s2 += a[d] * r2[d];
-            s3 += a[d] * r3[d];
-        }
-        out[e] = s0;
-        out[e + 1] = s1;
-        out[e + 2] = s2;
-        out[e + 3] = s3;
-    }
-    for (; e < n; ++e) out[e] = dot(a, rows[e], dim);
+// Register-blocked micro-kernels. The tile products are small GEMMs (<= block rows x block keys
+// x head_dim); each inner iteration updates kRowBlock rows x 2 vectors of 16 fp32 lanes held in
+// registers, so every loaded vector feeds kRowBlock FMAs. GCC vector extensions make the
+// blocking explicit and portable (on CPUs without AVX-512 GCC splits a vector in two). The
+// summation order depends only on the tile, never on threads: results stay bit-identical.
+typedef float Vec __attribute__((vector_size(64)));
+constexpr int64_t kLanes = 16;
+constexpr int kRowBlock = 4;
+
+inline Vec load_vec(const float* p) {
+    Vec v;
+    std::memcpy(&v, p, sizeof v);
+    return v;
 }
 
-// y += sum over e < n of c[e] * rows[e].
-inline void accumulate(float* __restrict y, const float* c, const float* const* rows, int64_t n,
-                       int64_t dim) {
-    int64_t e = 0;
-    for (; e + 4 <= n; e += 4) {
-        const float c0 = c[e], c1 = c[e + 1], c2 = c[e + 2], c3 = c[e + 3];
-        const float *__restrict r0 = rows[e], *__restrict r1 = rows[e + 1];
-        const float *__restrict r2 = rows[e + 2], *__restrict r3 = rows[e + 3];
-#pragma omp simd
-        for (int64_t d = 0; d < dim; ++d) y[d] += c0 * r0[d] + c1 * r1[d] + c2 * r2[d] + c3 * r3[d];
+inline void store_vec(float* p, const Vec& v) { std::memcpy(p, &v, sizeof v); }
+
+// Keys per packed chunk: the score kernel's two vectors.
+constexpr int64_t kChunk = 2 * kLanes;
+
+inline int64_t padded_keys(int64_t n) { return (n + kChunk - 1) / kChunk * kChunk; }
+
+// A key tile transposed into chunks of kChunk keys, each [head_dim][kChunk] and contiguous:
+// packed[(e / kChunk) * dim * kChunk + d * kChunk + e % kChunk] = rows[e][d], zero for padding
+// keys. The score kernel then streams one 16 KB (D = 128) chunk sequentially, from L1.
+inline void pack_transposed(const float* const* rows, int64_t n, int64_t dim, float* packed) {
+    const int64_t n_pad = padded_keys(n);
+    for (int64_t e = 0; e < n; ++e) {
+        const float* __restrict row = rows[e];
+        float* __restrict column = packed + e / kChunk * dim * kChunk + e % kChunk;
+        for (int64_t d = 0; d < dim; ++d) column[d * kChunk] = row[d];
     }
-    for (; e < n; ++e) {
-        const float c0 = c[e];
-        const float* __restrict r0 = rows[e];
-#pragma omp simd
-        for (int64_t d = 0; d < dim; ++d) y[d] += c0 * r0[d];
+    for (int64_t e = n; e < n_pad; ++e) {
+        float* column = packed + e / kChunk * dim * kChunk + e % kChunk;
+        for (int64_t d = 0; d < dim; ++d) column[d * kChunk] = 0.f;
+    }
+}
+
+// out[r * ld + e] = a[r] . key e for R rows and the kChunk keys of one packed chunk.
+template <int R>
+void row_block_products(const float* const* a, const float* __restrict chunk, int64_t dim,
+                        float* __restrict out, int64_t ld) {
+    Vec acc[R][2] = {};
+    for (int64_t d = 0; d < dim; ++d) {
+        const Vec k0 = load_vec(chunk + d * kChunk), k1 = load_vec(chunk + d * kChunk + kLanes);
+        for (int r = 0; r < R; ++r) {
+            const float x = a[r][d];
+            acc[r][0] += x * k0;
+            acc[r][1] += x * k1;
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+        store_vec(out + r * ld, acc[r][0]);
+        store_vec(out + r * ld + kLanes, acc[r][1]);
+    }
+}
+
+// Sum of the lanes of v, pairwise (a fixed order, so results stay bit-identical).
+inline float lane_sum(const Vec& v) {
+    typedef float Half __attribute__((vector_size(32)));
+    Half low, high;
+    std::memcpy(&low, &v, sizeof low);
+    std::memcpy(&high, reinterpret_cast<const char*>(&v) + sizeof low, sizeof high);
+    const Half sum = low + high;
+    return ((sum[0] + sum[4]) + (sum[1] + sum[5])) + ((sum[2] + sum[6]) + (sum[3] + sum[7]));
+}
+
+// out[r * ld + e] = a[r] . b[e] for R rows and n keys, as dot products over head_dim: for tiles
+// of few keys (a key block's vertical columns in dK/dV), which a padded chunk would mostly waste.
+template <int R>
+void row_block_dots(const float* const* a, const float* const* b, int64_t n, int64_t dim,
+                    float* __restrict out, int64_t ld) {
+    for (int64_t e = 0; e < n; ++e) {
+        const float* __restrict key = b[e];
+        Vec acc[R] = {};
+        int64_t d = 0;
+        for (; d + kLanes <= dim; d += kLanes) {
+            const Vec k0 = load_vec(key + d);
+            for (int r = 0; r < R; ++r) acc[r] += load_vec(a[r] + d) * k0;
+        }
+        for (int r = 0; r < R; ++r) {
+            float tail = 0.f;  // head_dim not a multiple of 16
+            for (int64_t t = d; t < dim; ++t) tail += a[r][t] * key[t];
+            out[r * ld + e] = lane_sum(acc[r]) + tail;
+        }
+    }
+}
+
+// Tiles of at most this many keys take the dot-product path (no packing).
+inline bool narrow_tile(int64_t n) { return n <= kLanes; }
+
+// out[r * n_pad + e] = a[r] . key e for `rows` rows (row pointers a) and the n keys of a tile
+// (rows `keys`, packed by pack_transposed unless narrow_tile(n)); padding keys give 0. Packed
+// tiles go chunk by chunk, so that each chunk serves all rows while it is in L1.
+inline void tile_products(const float* const* a, int64_t rows, const float* packed,
+                          const float* const* keys, int64_t n, int64_t dim, float* out) {
+    const int64_t n_pad = padded_keys(n);
+    if (narrow_tile(n)) {
+        int64_t r = 0;
+        for (; r + kRowBlock <= rows; r += kRowBlock)
+            row_block_dots<kRowBlock>(a + r, keys, n, dim, out + r * n_pad, n_pad);
+        float* rest = out + r * n_pad;
+        switch (rows - r) {
+            case 3: row_block_dots<3>(a + r, keys, n, dim, rest, n_pad); break;
+            case 2: row_block_dots<2>(a + r, keys, n, dim, rest, n_pad); break;
+            case 1: row_block_dots<1>(a + r, keys, n, dim, rest, n_pad); break;
+            default: break;
+        }
+        return;
+    }
+    for (int64_t e = 0; e < n_pad; e += kChunk) {
+        const float* chunk = packed + e * dim;
+        int64_t r = 0;
+        for (; r + kRowBlock <= rows; r += kRowBlock)
+            row_block_products<kRowBlock>(a + r, chunk, dim, out + r * n_pad + e, n_pad);
+        float* rest = out + r * n_pad + e;
+        switch (rows - r) {
+            case 3: row_block_products<3>(a + r, chunk, dim, rest, n_pad); break;
+            case 2: row_block_products<2>(a + r, chunk, dim, rest, n_pad); break;
+            case 1: row_block_products<1>(a + r, chunk, dim, rest, n_pad); break;
+            default: break;
+        }
+    }
+}
+
+// y[o] += sum over i < n of c[o * out_stride + i * in_stride] * b[i], for R output rows y[o]:
+// P.V and dS.K (coefficients by row) as well as P^T.dO and dS^T.Q (coefficients by key).
+template <int R>
+void row_block_accumulate(float* const* y, const float* __restrict c, int64_t out_stride,
+                          int64_t in_stride, const float* const* b, int64_t n, int64_t dim) {
+    int64_t d = 0;
+    for (; d + 2 * kLanes <= dim; d += 2 * kLanes) {
+        Vec acc[R][2];
+        for (int o = 0; o < R; ++o) {
+            acc[o][0] = load_vec(y[o] + d);
+            acc[o][1] = load_vec(y[o] + d + kLanes);
+        }
+        for (int64_t i = 0; i < n; ++i) {
+            const Vec b0 = load_vec(b[i] + d), b1 = load_vec(b[i] + d + kLanes);
+            for (int o = 0; o < R; ++o) {
+                const float x = c[o * out_stride + i * in_stride];
+                acc[o][0] += x * b0;
+                acc[o][1] += x * b1;
+            }
+        }
+        for (int o = 0; o < R; ++o) {
+            store_vec(y[o] + d, acc[o][0]);
+            store_vec(y[o] + d + kLanes, acc[o][1]);
+        }
+    }
+    if (d + kLanes <= dim) {
+        Vec acc[R];
+        for (int o = 0; o < R; ++o) acc[o] = load_vec(y[o] + d);
+        for (int64_t i = 0; i < n; ++i) {
+            const Vec b0 = load_vec(b[i] + d);
+            for (int o = 0; o < R; ++o) acc[o] += c[o * out_stride + i * in_stride] * b0;
+        }
+        for (int o = 0; o < R; ++o) store_vec(y[o] + d, acc[o]);
+        d += kLanes;
+    }
+    for (; d < dim; ++d)  // head_dim not a multiple of 16
+        for (int o = 0; o < R; ++o) {
+            float acc = y[o][d];
+            for (int64_t i = 0; i < n; ++i) acc += c[o * out_stride + i * in_stride] * b[i][d];
+            y[o][d] = acc;
+        }
+}
+
+// row_block_accumulate over `rows` output rows.
+inline void tile_accumulate(float* const* y, int64_t rows, const float* c, int64_t out_stride,
+                            int64_t in_stride, const float* const* b, int64_t n, int64_t dim) {
+    int64_t o = 0;
+    for (; o + kRowBlock <= rows; o += kRowBlock)
+        row_block_accumulate<kRowBlock>(y + o, c + o * out_stride, out_stride, in_stride, b, n, dim);
+    const float* rest = c + o * out_stride;
+    switch (rows - o) {
+        case 3: row_block_accumulate<3>(y + o, rest, out_stride, in_stride, b, n, dim); break;
+        case 2: row_block_accumulate<2>(y + o, rest, out_stride, in_stride, b, n, dim); break;
+        case 1: row_block_accumulate<1>(y + o, rest, out_stride, in_stride, b, n, dim); break;
+        default: break;
     }
 }
 
@@ -155,14 +293,17 @@ struct Inputs {
 // Per-thread working memory, sized once for tiles of up to `block` keys and rows.
 struct Scratch {
     std::vector<int32_t> keys, columns;
-    std::vector<const float*> k_rows, v_rows, q_rows, dout_rows;
-    std::vector<int64_t> row_tokens;
-    std::vector<float> scores, dscores, running_max, running_sum;
-    std::vector<float> p_by_key, ds_by_key;  // [key][row] of one tile, for dK/dV
+    std::vector<const float*> k_rows, v_rows, q_rows, dout_rows;  // rows read by a tile product
+    std::vector<float*> query_out_rows, dk_rows, dv_rows;         // rows a tile accumulates into
+    std::vector<float> k_packed, v_packed;  // [head_dim][padded keys]: the tile transposed
+    std::vector<float> scores, dscores;     // [query row][padded keys]: S or P, and dP or dS
+    std::vector<float> running_max, running_sum;
 
-    explicit Scratch(int64_t block)
-        : k_rows(block), v_rows(block), q_rows(block), dout_rows(block), row_tokens(block),
-          scores(block), dscores(block), running_max(block), running_sum(block) {
+    Scratch(int64_t block, int64_t dim)
+        : k_rows(block), v_rows(block), q_rows(block), dout_rows(block), query_out_rows(block),
+          dk_rows(block), dv_rows(block), k_packed(dim * padded_keys(block)),
+          v_packed(dim * padded_keys(block)), scores(block * padded_keys(block)),
+          dscores(block * padded_keys(block)), running_max(block), running_sum(block) {
         keys.reserve(block);
         columns.reserve(block);
     }
@@ -180,14 +321,32 @@ inline void fill_block(std::vector<int32_t>& keys, int64_t first, int64_t n) {
     for (int64_t e = 0; e < n; ++e) keys[e] = static_cast<int32_t>(first + e);
 }
 
-// Points scratch.k_rows / v_rows at the K and V rows of a tile's keys.
-inline void gather_key_rows(const Inputs& in, int64_t b, int64_t kvh, const int32_t* keys,
-                            int64_t n, Scratch& scratch) {
+// Points scratch.k_rows / v_rows at the K and V rows of a tile's keys and packs K transposed
+// (and V too when `pack_values`: the backward's dP = dO.V^T) unless the tile is narrow.
+inline void load_key_tile(const Inputs& in, int64_t b, int64_t kvh, const int32_t* keys, int64_t n,
+                          bool pack_values, Scratch& scratch) {
     for (int64_t e = 0; e < n; ++e) {
         const int64_t offset = in.k_offset(b, keys[e], kvh);
         scratch.k_rows[e] = in.k + offset;
         scratch.v_rows[e] = in.v + offset;
     }
+    if (narrow_tile(n)) return;
+    pack_transposed(scratch.k_rows.data(), n, in.head_dim, scratch.k_packed.data());
+    if (pack_values) pack_transposed(scratch.v_rows.data(), n, in.head_dim, scratch.v_packed.data());
+}
+
+// Points scratch.q_rows and query_out_rows (rows of `query_out`, and dout_rows when `dout` is
+// given) at the rows of local query block i of head h; returns the row count.
+inline int64_t load_query_rows(const Inputs& in, const float* dout, float* query_out, int64_t b,
+                               int64_t h, int64_t i, Scratch& scratch) {
+    const int64_t first = i * in.geo.block, rows = in.geo.query_rows(i);
+    for (int64_t r = 0; r < rows; ++r) {
+        const int64_t offset = in.q_offset(b, first + r, h);
+        scratch.q_rows[r] = in.q + offset;
+        if (dout != nullptr) scratch.dout_rows[r] = dout + offset;
+        if (query_out != nullptr) scratch.query_out_rows[r] = query_out + offset;
+    }
+    return rows;
 }
 
 // Calls visit(keys, n, causal) for every key tile local query block i of head h reads: the key
@@ -225,34 +384,37 @@ void for_each_key_tile(const Inputs& in, int64_t b, int64_t h, int64_t i,
     if (!keys.empty()) visit(keys.data(), static_cast<int64_t>(keys.size()), false);
 }
 
-// Online-softmax update of the rows of query block i with one key tile; out rows accumulate
-// the unnormalised output, running_max/running_sum the softmax statistics of each row.
-void forward_tile(const Inputs& in, float* out, int64_t b, int64_t h, int64_t i,
-                  const int32_t* keys, int64_t n, bool causal, Scratch& scratch) {
-    const int64_t dim = in.head_dim;
-    gather_key_rows(in, b, h / in.group(), keys, n, scratch);
-    float* scores = scratch.scores.data();
+// Online-softmax update of the rows of query block i (loaded by load_query_rows, outputs in
+// query_out_rows) with one key tile: S = Q.K^T for the whole tile, then per row the softmax
+// statistics, then out += P.V. Out rows accumulate the unnormalised output.
+void forward_tile(const Inputs& in, int64_t b, int64_t h, int64_t i, const int32_t* keys, int64_t n,
+                  bool causal, Scratch& scratch) {
+    const int64_t dim = in.head_dim, n_pad = padded_keys(n);
     const int64_t first = i * in.geo.block, rows = in.geo.query_rows(i);
+    load_key_tile(in, b, h / in.group(), keys, n, false, scratch);
+    float* scores = scratch.scores.data();
+    tile_products(scratch.q_rows.data(), rows, scratch.k_packed.data(), scratch.k_rows.data(), n, dim,
+                  scores);
     for (int64_t r = 0; r < rows; ++r) {
-        const int64_t t = first + r;
-        const int64_t visible = visible_keys(keys, n, causal, t);
+        float* row = scores + r * n_pad;
+        const int64_t visible = visible_keys(keys, n, causal, first + r);
+        std::fill(row + visible, row + n, 0.f);  // P of the keys this row may not see
         if (visible == 0) continue;
-        dots(in.q + in.q_offset(b, t, h), scratch.k_rows.data(), visible, dim, scores);
         float tile_max = kNegInf;
-        for (int64_t e = 0; e < visible; ++e) tile_max = std::max(tile_max, in.scale * scores[e]);
+        for (int64_t e = 0; e < visible; ++e) tile_max = std::max(tile_max, in.scale * row[e]);
         float& running_max = scratch.running_max[r];
         float& running_sum = scratch.running_sum[r];
         const float new_max = std::max(running_max, tile_max);
-        float* out_row = out + in.q_offset(b, t, h);
         const float correction = exp_nonpositive(running_max - new_max);  // 0 for the first tile
         if (correction != 1.f) {
-            scale_in_place(out_row, correction, dim);
+            scale_in_place(scratch.query_out_rows[r], correction, dim);
             running_sum *= correction;
         }
-        running_sum += exp_shifted(scores, visible, in.scale, new_max);
-        accumulate(out_row, scores, scratch.v_rows.data(), visible, dim);
+        running_sum += exp_shifted(row, visible, in.scale, new_max);
         running_max = new_max;
     }
+    tile_accumulate(scratch.query_out_rows.data(), rows, scores, n_pad, 1, scratch.v_rows.data(), n,
+                    dim);
 }
 
 // Runs work(b, h, i, scratch) once per (batch, head, query block), in parallel, each thread with
@@ -263,7 +425,7 @@ void for_each_query_block(const Inputs& in, Work work) {
     const int64_t tasks = in.batch * in.heads * geo.q_blocks;
 #pragma omp parallel num_threads(at::get_num_threads())
     {
-        Scratch scratch(geo.block);
+        Scratch scratch(geo.block, in.head_dim);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < tasks; ++task) {
             const int64_t i = geo.q_blocks - 1 - task % geo.q_blocks;
@@ -277,8 +439,9 @@ void forward_kernel(const Inputs& in, float* out, float* lse) {
     for_each_query_block(in, [&](int64_t b, int64_t h, int64_t i, Scratch& scratch) {
         std::fill(scratch.running_max.begin(), scratch.running_max.end(), kNegInf);
         std::fill(scratch.running_sum.begin(), scratch.running_sum.end(), 0.f);
+        load_query_rows(in, nullptr, out, b, h, i, scratch);
         for_each_key_tile(in, b, h, i, scratch.keys, [&](const int32_t* tile, int64_t n, bool causal) {
-            forward_tile(in, out, b, h, i, tile, n, causal, scratch);
+            forward_tile(in, b, h, i, tile, n, causal, scratch);
         });
         const int64_t first = i * in.geo.block, rows = in.geo.query_rows(i);
         for (int64_t r = 0; r < rows; ++r) {
@@ -301,24 +464,36 @@ struct GradInputs {
     const float* delta;  // rowsum(dout * out), layout of lse
 };
 
-// For query row t of head h and the first `visible` keys of the gathered tile:
-// scratch.scores = P = exp(scale q.k - lse), scratch.dscores = scale * P * (dout.v - delta).
-inline void probabilities_and_dscores(const Inputs& in, const GradInputs& grad, int64_t b,
-                                      int64_t h, int64_t t, int64_t visible, Scratch& scratch) {
+// For the rows of query block i (loaded by load_query_rows with dout) and a key tile loaded by
+// load_key_tile with values: scratch.scores = P = exp(scale q.k - lse) and scratch.dscores =
+// dS = scale * P * (dout.v - delta), [row][padded keys], zero where a row may not see a key and
+// on rows with lse = -inf (they saw no key in the forward and take no part in the backward).
+void probabilities_and_dscores(const Inputs& in, const GradInputs& grad, int64_t b, int64_t h,
+                               int64_t i, const int32_t* keys, int64_t n, bool causal,
+                               Scratch& scratch) {
+    const int64_t dim = in.head_dim, n_pad = padded_keys(n);
+    const int64_t first = i * in.geo.block, rows = in.geo.query_rows(i);
     float* p = scratch.scores.data();
     float* ds = scratch.dscores.data();
-    dots(in.q + in.q_offset(b, t, h), scratch.k_rows.data(), visible, in.head_dim, p);
-    exp_shifted(p, visible, in.scale, grad.lse[in.lse_offset(b, h, t)]);
-    dots(grad.dout + in.q_offset(b, t, h), scratch.v_rows.data(), visible, in.head_dim, ds);
-    const float delta = grad.delta[in.lse_offset(b, h, t)], scale = in.scale;
+    tile_products(scratch.q_rows.data(), rows, scratch.k_packed.data(), scratch.k_rows.data(), n,
+                  dim, p);
+    tile_products(scratch.dout_rows.data(), rows, scratch.v_packed.data(), scratch.v_rows.data(), n,
+                  dim, ds);
+    const float scale = in.scale;
+    for (int64_t r = 0; r < rows; ++r) {
+        float* __restrict p_row = p + r * n_pad;
+        float* __restrict ds_row = ds + r * n_pad;
+        const int64_t t = first + r;
+        const float lse = grad.lse[in.lse_offset(b, h, t)];
+        const int64_t visible = lse == kNegInf ? 0 : visible_keys(keys, n, causal, t);
+        std::fill(p_row + visible, p_row + n, 0.f);
+        std::fill(ds_row + visible, ds_row + n, 0.f);
+        if (visible == 0) continue;
+        exp_shifted(p_row, visible, scale, lse);
+        const float delta = grad.delta[in.lse_offset(b, h, t)];
 #pragma omp simd
-    for (int64_t e = 0; e < visible; ++e) ds[e] = scale * p[e] * (ds[e] - delta);
-}
-
-// Rows with lse = -inf saw no key in the forward and take no part in the backward.
-inline bool row_saw_keys(const Inputs& in, const GradInputs& grad, int64_t b, int64_t h,
-                         int64_t t) {
-    return grad.lse[in.lse_offset(b, h, t)] != kNegInf;
+        for (int64_t e = 0; e < visible; ++e) ds_row[e] = scale * p_row[e] * (ds_row[e] - delta);
+    }
 }
 
 void delta_kernel(const Inputs& in, const float* dout, const float* out, float* delta) {
@@ -334,54 +509,37 @@ void delta_kernel(const Inputs& in, const float* dout, const float* out, float* 
 
 void dq_kernel(const Inputs& in, const GradInputs& grad, float* dq) {
     for_each_query_block(in, [&](int64_t b, int64_t h, int64_t i, Scratch& scratch) {
-        const int64_t first = i * in.geo.block, rows = in.geo.query_rows(i);
+        const int64_t rows = load_query_rows(in, grad.dout, dq, b, h, i, scratch);
         for_each_key_tile(in, b, h, i, scratch.keys, [&](const int32_t* tile, int64_t n, bool causal) {
-            gather_key_rows(in, b, h / in.group(), tile, n, scratch);
-            for (int64_t t = first; t < first + rows; ++t) {
-                const int64_t visible = visible_keys(tile, n, causal, t);
-                if (visible == 0 || !row_saw_keys(in, grad, b, h, t)) continue;
-                probabilities_and_dscores(in, grad, b, h, t, visible, scratch);
-                accumulate(dq + in.q_offset(b, t, h), scratch.dscores.data(),
-                           scratch.k_rows.data(), visible, in.head_dim);
-            }
+            load_key_tile(in, b, h / in.group(), tile, n, true, scratch);
+            probabilities_and_dscores(in, grad, b, h, i, tile, n, causal, scratch);
+            tile_accumulate(scratch.query_out_rows.data(), rows, scratch.dscores.data(),
+                            padded_keys(n), 1, scratch.k_rows.data(), n, in.head_dim);
         });
     });
 }
 
-// dK/dV of key tile `keys` from the rows of query block i of head h: P and dS of every
-// (row, key) first, then per key one pass over the rows that see it.
-void dkdv_tile(const Inputs& in, const GradInputs& grad, float* dk, float* dv, int64_t b,
-               int64_t h, int64_t i, const int32_t* keys, int64_t n, bool causal,
-               Scratch& scratch) {
-    const int64_t kvh = h / in.group(), block = in.geo.block;
-    const int64_t first = i * block, rows = in.geo.query_rows(i);
-    gather_key_rows(in, b, kvh, keys, n, scratch);
-    int64_t active = 0;
-    for (int64_t t = first; t < first + rows; ++t) {
-        const int64_t visible = visible_keys(keys, n, causal, t);
-        if (visible == 0 || !row_saw_keys(in, grad, b, h, t)) continue;
-        probabilities_and_dscores(in, grad, b, h, t, visible, scratch);
-        for (int64_t e = 0; e < visible; ++e) {
-            scratch.p_by_key[e * block + active] = scratch.scores[e];
-            scratch.ds_by_key[e * block + active] = scratch.dscores[e];
-        }
-        scratch.q_rows[active] = in.q + in.q_offset(b, t, h);
-        scratch.dout_rows[active] = grad.dout + in.q_offset(b, t, h);
-        scratch.row_tokens[active++] = t;
-    }
+// Loads key tile `keys` of kv head kvh for dkdv_tile: K/V rows packed, dK/dV rows to write.
+void load_dkdv_tile(const Inputs& in, float* dk, float* dv, int64_t b, int64_t kvh,
+                    const int32_t* keys, int64_t n, Scratch& scratch) {
+    load_key_tile(in, b, kvh, keys, n, true, scratch);
     for (int64_t e = 0; e < n; ++e) {
-        // active rows ascend; on the causal tile key e is seen by the rows from its own token on
-        const int64_t from = causal ? std::lower_bound(scratch.row_tokens.begin(),
-                                                       scratch.row_tokens.begin() + active,
-                                                       static_cast<int64_t>(keys[e])) -
-                                          scratch.row_tokens.begin()
-                                    : 0;
         const int64_t offset = in.k_offset(b, keys[e], kvh);
-        accumulate(dv + offset, scratch.p_by_key.data() + e * block + from,
-                   scratch.dout_rows.data() + from, active - from, in.head_dim);
-        accumulate(dk + offset, scratch.ds_by_key.data() + e * block + from,
-                   scratch.q_rows.data() + from, active - from, in.head_dim);
+        scratch.dk_rows[e] = dk + offset;
+        scratch.dv_rows[e] = dv + offset;
     }
+}
+
+// dK += dS^T.Q and dV += P^T.dO of the loaded key tile from the rows of query block i of head h.
+void dkdv_tile(const Inputs& in, const GradInputs& grad, int64_t b, int64_t h, int64_t i,
+               const int32_t* keys, int64_t n, bool causal, Scratch& scratch) {
+    const int64_t rows = load_query_rows(in, grad.dout, nullptr, b, h, i, scratch);
+    probabilities_and_dscores(in, grad, b, h, i, keys, n, causal, scratch);
+    const int64_t n_pad = padded_keys(n);
+    tile_accumulate(scratch.dv_rows.data(), n, scratch.scores.data(), 1, n_pad,
+                    scratch.dout_rows.data(), rows, in.head_dim);
+    tile_accumulate(scratch.dk_rows.data(), n, scratch.dscores.data(), 1, n_pad,
+                    scratch.q_rows.data(), rows, in.head_dim);
 }
 
 void dkdv_kernel(const Inputs& in, const GradInputs& grad, float* dk, float* dv) {
@@ -389,9 +547,7 @@ void dkdv_kernel(const Inputs& in, const GradInputs& grad, float* dk, float* dv)
     const int64_t tasks = in.batch * in.kv_heads * geo.k_blocks;
 #pragma omp parallel num_threads(at::get_num_threads())
     {
-        Scratch scratch(geo.block);
-        scratch.p_by_key.resize(geo.block * geo.block);
-        scratch.ds_by_key.resize(geo.block * geo.block);
+        Scratch scratch(geo.block, in.head_dim);
         std::vector<int32_t>& columns = scratch.columns;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < tasks; ++task) {
@@ -404,11 +560,12 @@ void dkdv_kernel(const Inputs& in, const GradInputs& grad, float* dk, float* dv)
                 const int32_t* slash = in.slash_of(b, h);
                 const int64_t slash_len = in.slash_len(b, h);
                 fill_block(scratch.keys, j * geo.block, geo.key_rows(j));
+                const int64_t n = static_cast<int64_t>(scratch.keys.size());
+                load_dkdv_tile(in, dk, dv, b, kvh, scratch.keys.data(), n, scratch);
                 for (int64_t e = 0; e < slash_len; ++e) {
                     const int64_t i = geo.query_block_of(j, slash[e]);
                     if (i < 0) continue;
-                    dkdv_tile(in, grad, dk, dv, b, h, i, scratch.keys.data(),
-                              static_cast<int64_t>(scratch.keys.size()), slash[e] == 0, scratch);
+                    dkdv_tile(in, grad, b, h, i, scratch.keys.data(), n, slash[e] == 0, scratch);
                 }
                 // this block's vertical columns, read alone by the later query blocks that no
                 // slash diagonal connects to it (all columns of one block share that set)
@@ -421,11 +578,12 @@ void dkdv_kernel(const Inputs& in, const GradInputs& grad, float* dk, float* dv)
                 columns.clear();
                 for (int64_t e = lo; e < hi; ++e)
                     columns.push_back(static_cast<int32_t>(geo.local_key_token(vertical[e])));
+                const int64_t n_columns = static_cast<int64_t>(columns.size());
+                load_dkdv_tile(in, dk, dv, b, kvh, columns.data(), n_columns, scratch);
                 for (int64_t i = geo.first_query_block_after(key_global); i < geo.q_blocks; ++i) {
                     if (!column_read_alone(slash, slash_len, key_global, geo.query_block_global(i)))
                         continue;
-                    dkdv_tile(in, grad, dk, dv, b, h, i, columns.data(),
-                              static_cast<int64_t>(columns.size()), false, scratch);
+                    dkdv_tile(in, grad, b, h, i, columns.data(), n_columns, false, scratch);
                 }
             }
         }
