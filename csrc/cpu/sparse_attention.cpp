@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "mtraining/checks.h"
@@ -41,8 +42,26 @@ inline float dot(const float* __restrict a, const float* __restrict b, int64_t d
 // blocking explicit and portable (on CPUs without AVX-512 GCC splits a vector in two). The
 // summation order depends only on the tile, never on threads: results stay bit-identical.
 typedef float Vec __attribute__((vector_size(64)));
+typedef int32_t IntVec __attribute__((vector_size(64)));
 constexpr int64_t kLanes = 16;
-constexpr int kRowBlock = 4;
+constexpr int kRowBlock = 8;  // 8 rows x 2 vectors: 16 accumulators of the 32 AVX-512 registers
+
+// Calls block(std::integral_constant<int, R>(), r) for row blocks [r, r + R) covering `rows`
+// rows: R = kRowBlock, then 4, 2, 1 for the rest.
+template <class Block>
+inline void for_each_row_block(int64_t rows, Block&& block) {
+    int64_t r = 0;
+    for (; r + kRowBlock <= rows; r += kRowBlock) block(std::integral_constant<int, kRowBlock>(), r);
+    if (rows - r >= 4) {
+        block(std::integral_constant<int, 4>(), r);
+        r += 4;
+    }
+    if (rows - r >= 2) {
+        block(std::integral_constant<int, 2>(), r);
+        r += 2;
+    }
+    if (rows - r >= 1) block(std::integral_constant<int, 1>(), r);
+}
 
 inline Vec load_vec(const float* p) {
     Vec v;
@@ -133,30 +152,16 @@ inline void tile_products(const float* const* a, int64_t rows, const float* pack
                           const float* const* keys, int64_t n, int64_t dim, float* out) {
     const int64_t n_pad = padded_keys(n);
     if (narrow_tile(n)) {
-        int64_t r = 0;
-        for (; r + kRowBlock <= rows; r += kRowBlock)
-            row_block_dots<kRowBlock>(a + r, keys, n, dim, out + r * n_pad, n_pad);
-        float* rest = out + r * n_pad;
-        switch (rows - r) {
-            case 3: row_block_dots<3>(a + r, keys, n, dim, rest, n_pad); break;
-            case 2: row_block_dots<2>(a + r, keys, n, dim, rest, n_pad); break;
-            case 1: row_block_dots<1>(a + r, keys, n, dim, rest, n_pad); break;
-            default: break;
-        }
+        for_each_row_block(rows, [&](auto block, int64_t r) {
+            row_block_dots<decltype(block)::value>(a + r, keys, n, dim, out + r * n_pad, n_pad);
+        });
         return;
     }
     for (int64_t e = 0; e < n_pad; e += kChunk) {
         const float* chunk = packed + e * dim;
-        int64_t r = 0;
-        for (; r + kRowBlock <= rows; r += kRowBlock)
-            row_block_products<kRowBlock>(a + r, chunk, dim, out + r * n_pad + e, n_pad);
-        float* rest = out + r * n_pad + e;
-        switch (rows - r) {
-            case 3: row_block_products<3>(a + r, chunk, dim, rest, n_pad); break;
-            case 2: row_block_products<2>(a + r, chunk, dim, rest, n_pad); break;
-            case 1: row_block_products<1>(a + r, chunk, dim, rest, n_pad); break;
-            default: break;
-        }
+        for_each_row_block(rows, [&](auto block, int64_t r) {
+            row_block_products<decltype(block)::value>(a + r, chunk, dim, out + r * n_pad + e, n_pad);
+        });
     }
 }
 
@@ -206,16 +211,10 @@ void row_block_accumulate(float* const* y, const float* __restrict c, int64_t ou
 // row_block_accumulate over `rows` output rows.
 inline void tile_accumulate(float* const* y, int64_t rows, const float* c, int64_t out_stride,
                             int64_t in_stride, const float* const* b, int64_t n, int64_t dim) {
-    int64_t o = 0;
-    for (; o + kRowBlock <= rows; o += kRowBlock)
-        row_block_accumulate<kRowBlock>(y + o, c + o * out_stride, out_stride, in_stride, b, n, dim);
-    const float* rest = c + o * out_stride;
-    switch (rows - o) {
-        case 3: row_block_accumulate<3>(y + o, rest, out_stride, in_stride, b, n, dim); break;
-        case 2: row_block_accumulate<2>(y + o, rest, out_stride, in_stride, b, n, dim); break;
-        case 1: row_block_accumulate<1>(y + o, rest, out_stride, in_stride, b, n, dim); break;
-        default: break;
-    }
+    for_each_row_block(rows, [&](auto block, int64_t o) {
+        row_block_accumulate<decltype(block)::value>(y + o, c + o * out_stride, out_stride, in_stride,
+                                                     b, n, dim);
+    });
 }
 
 inline void scale_in_place(float* __restrict y, float alpha, int64_t n) {
@@ -223,38 +222,73 @@ inline void scale_in_place(float* __restrict y, float alpha, int64_t n) {
     for (int64_t e = 0; e < n; ++e) y[e] *= alpha;
 }
 
-// exp(x) for x <= 0 (softmax probabilities), branch-free so that loops over it vectorise
-// (libm's expf does not without -ffast-math, which would break the -inf of empty rows).
-// Cephes' range reduction and polynomial: relative error ~1e-7; exp(-inf) = 0.
-inline float exp_nonpositive(float x) {
+// exp(x) for x <= 0 (softmax probabilities), lane-wise on 16 lanes: libm's expf does not
+// vectorise without -ffast-math, which would break the -inf of empty rows. Cephes' range
+// reduction and polynomial: relative error ~1e-7; exp(-inf) = 0.
+inline Vec exp_nonpositive(const Vec& x) {
     constexpr float kLow = -87.33654f, kLog2e = 1.44269504088896341f;
     constexpr float kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
-    const float clamped = std::min(std::max(x, kLow), 0.f);
-    const float n = std::floor(clamped * kLog2e + 0.5f);
-    const float r = clamped - n * kLn2Hi - n * kLn2Lo;
-    float poly = 1.9875691500e-4f;
+    const Vec zero = {};
+    Vec clamped = x < kLow ? zero + kLow : x;
+    clamped = clamped > 0.f ? zero : clamped;
+    // n = floor(y): conversion truncates towards zero, i.e. rounds y <= 0.5 up when inexact
+    const Vec y = clamped * kLog2e + 0.5f;
+    const Vec truncated = __builtin_convertvector(__builtin_convertvector(y, IntVec), Vec);
+    const Vec n = truncated > y ? truncated - 1.f : truncated;
+    const Vec r = clamped - n * kLn2Hi - n * kLn2Lo;
+    Vec poly = zero + 1.9875691500e-4f;
     poly = poly * r + 1.3981999507e-3f;
     poly = poly * r + 8.3334519073e-3f;
     poly = poly * r + 4.1665795894e-2f;
     poly = poly * r + 1.6666665459e-1f;
     poly = poly * r + 5.0000001201e-1f;
     poly = poly * r * r + r + 1.f;
-    // 2^n from its exponent bits; memcpy rather than std::bit_cast so C++17 builds (torch < 2.12)
-    const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-    float two_to_n;
+    const IntVec bits = (__builtin_convertvector(n, IntVec) + 127) << 23;  // 2^n
+    Vec two_to_n;
     std::memcpy(&two_to_n, &bits, sizeof two_to_n);
-    return x < kLow ? 0.f : poly * two_to_n;
+    return x < kLow ? zero : poly * two_to_n;
 }
 
-// x[e] = exp(scale * x[e] - shift); returns the sum.
+inline float exp_nonpositive(float x) {
+    const Vec lanes = Vec{} + x;
+    return exp_nonpositive(lanes)[0];
+}
+
+// Up to kLanes floats of p (n of them), the other lanes `fill`.
+inline Vec load_partial(const float* p, int64_t n, float fill) {
+    Vec v = Vec{} + fill;
+    std::memcpy(&v, p, n * sizeof(float));
+    return v;
+}
+
+// x[e] = exp(scale * x[e] - shift) for e < n; returns the sum (lane-wise, then pairwise).
 inline float exp_shifted(float* __restrict x, int64_t n, float scale, float shift) {
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t e = 0; e < n; ++e) {
-        x[e] = exp_nonpositive(scale * x[e] - shift);
-        sum += x[e];
+    Vec sum = {};
+    int64_t e = 0;
+    for (; e + kLanes <= n; e += kLanes) {
+        const Vec p = exp_nonpositive(load_vec(x + e) * scale - shift);
+        store_vec(x + e, p);
+        sum += p;
     }
-    return sum;
+    if (e < n) {
+        const IntVec lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+        const Vec p = exp_nonpositive(load_partial(x + e, n - e, 0.f) * scale - shift);
+        std::memcpy(x + e, &p, (n - e) * sizeof(float));
+        sum += lane < static_cast<int32_t>(n - e) ? p : Vec{};  // padding lanes add nothing
+    }
+    return lane_sum(sum);
+}
+
+// max over e < n of scale * x[e] (-inf for n = 0).
+inline float max_scaled(const float* x, int64_t n, float scale) {
+    Vec best = Vec{} + kNegInf;
+    for (int64_t e = 0; e < n; e += kLanes) {
+        const Vec v = load_partial(x + e, std::min<int64_t>(kLanes, n - e), kNegInf) * scale;
+        best = v > best ? v : best;
+    }
+    float result = kNegInf;
+    for (int64_t lane = 0; lane < kLanes; ++lane) result = std::max(result, best[lane]);
+    return result;
 }
 
 // Read-only view of one call's fp32 inputs in layout [batch, seq, heads, head_dim].
@@ -400,8 +434,7 @@ void forward_tile(const Inputs& in, int64_t b, int64_t h, int64_t i, const int32
         const int64_t visible = visible_keys(keys, n, causal, first + r);
         std::fill(row + visible, row + n, 0.f);  // P of the keys this row may not see
         if (visible == 0) continue;
-        float tile_max = kNegInf;
-        for (int64_t e = 0; e < visible; ++e) tile_max = std::max(tile_max, in.scale * row[e]);
+        const float tile_max = max_scaled(row, visible, in.scale);
         float& running_max = scratch.running_max[r];
         float& running_sum = scratch.running_sum[r];
         const float new_max = std::max(running_max, tile_max);
