@@ -26,6 +26,7 @@ CASES = [
     (2, 8, 2, 64, 64, 300, "lists", torch.bfloat16),
     (1, 4, 4, 128, 128, 300, "estimate", torch.float16),
     (1, 8, 2, 128, 64, 256, "estimate", torch.bfloat16),
+    (1, 4, 2, 40, 64, 300, "lists", torch.float32),  # head_dim not a multiple of the CPU vector width
 ]
 
 
