@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from . import index_for_density
+
 FWD_BWD_FLOP_FACTOR = 3.5
 SINK_TOKENS = 64
 LOCAL_DIAGONALS = 128  # token diagonals 0..127: the local window
@@ -68,23 +70,6 @@ def build_index(heads: int, seq: int, block: int, n_columns: int, n_diagonals: i
     return SparseIndex.from_vertical_slash(vertical, slash, seq, block)
 
 
-def index_for_density(heads: int, seq: int, block: int, target: float, seed: int):
-    """The index whose density is closest to ``target`` (bisection on the random diagonals)."""
-    n_columns = seq // 64
-    low, high, best = 0, seq // block, None
-    while low <= high:
-        middle = (low + high) // 2
-        index = build_index(heads, seq, block, n_columns, middle, seed)
-        density = index.density()
-        if best is None or abs(density - target) < abs(best.density() - target):
-            best = index
-        if density < target:
-            low = middle + 1
-        else:
-            high = middle - 1
-    return best
-
-
 def measure(seq, heads, kv_heads, dim, block, target, repeats):
     """Timings of one configuration: (dense row, sparse row)."""
     from ds_mtraining.attention import sparse_attention
@@ -108,7 +93,8 @@ def measure(seq, heads, kv_heads, dim, block, target, repeats):
                      fwd_gflops=causal_flops / dense_fwd / 1e6,
                      fwd_bwd_gflops=FWD_BWD_FLOP_FACTOR * causal_flops / dense_fwd_bwd / 1e6)
 
-    index = index_for_density(heads, seq, block, target, seed=seq + heads)
+    index = index_for_density(lambda n: build_index(heads, seq, block, seq // 64, n, seq + heads),
+                              seq // block, target)
     flops = 4.0 * dim * float(index.num_entries().sum())
     sparse_fwd = time_ms(lambda: sparse_attention(q, k, v, index, scale).detach(), repeats)
     sparse_fwd_bwd = time_ms(lambda: torch.autograd.grad(sparse_attention(q, k, v, index, scale), (q, k, v), dout),

@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from . import index_for_density
+
 SINK_TOKENS = 64
 HOT_BLOCKS = 16           # key blocks holding clustered vertical columns, per head
 COLUMNS_PER_HOT_BLOCK = 16
@@ -66,23 +68,6 @@ def build_index(batch, heads, seq, block, n_slash, generator):
     sinks = torch.arange(SINK_TOKENS).expand(batch, heads, SINK_TOKENS)
     vertical = torch.cat([sinks, columns], -1)
     return SparseIndex.from_blocks(slash, vertical, seq, block, local_blocks=2)
-
-
-def index_for_density(batch, heads, seq, block, target, seed):
-    """The index whose density is closest to ``target`` (bisection on the slash count)."""
-    low, high = 0, seq // block - 2
-    best = None
-    while low <= high:
-        middle = (low + high) // 2
-        index = build_index(batch, heads, seq, block, middle, torch.Generator().manual_seed(seed))
-        density = index.density()
-        if best is None or abs(density - target) < abs(best.density() - target):
-            best = index
-        if density < target:
-            low = middle + 1
-        else:
-            high = middle - 1
-    return best
 
 
 class FlexMask:
@@ -188,7 +173,10 @@ def run(args):
             del qt, kt, vt, dt
         flex_masks = FlexMask(batch, heads, seq, block, device) if flex is not None else None
         for target in args.densities:
-            index = index_for_density(batch, heads, seq, block, target, seed=seq + int(target * 1000)).to(device)
+            seed = seq + int(target * 1000)
+            index = index_for_density(
+                lambda n: build_index(batch, heads, seq, block, n, torch.Generator().manual_seed(seed)),
+                seq // block - 2, target).to(device)
             density = index.density()
             flops = 4.0 * dim * float(index.num_entries().sum())
             ours_fwd = time_ms(lambda: sparse_attention(q, k, v, index, scale), repeats=args.repeats)
