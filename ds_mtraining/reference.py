@@ -26,3 +26,12 @@ def dense_attention_with_lse(q, k, v, mask, softmax_scale=None):
 
 def dense_attention(q, k, v, mask, softmax_scale=None):
     return dense_attention_with_lse(q, k, v, mask, softmax_scale)[0]
+
+
+def outputs_and_grads(attention, q, k, v, dout):
+    """``attention(q, k, v)``'s output and the gradients of ``(out * dout).sum()`` with respect to
+    fresh leaf copies of q, k, v: what the checks compare between implementations."""
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out = attention(q, k, v)
+    out.backward(dout.to(out.dtype))
+    return out.detach(), q.grad, k.grad, v.grad

@@ -6,6 +6,7 @@ import torch.distributed as dist
 
 from ds_mtraining import SparseConfig, SparseIndex, sparse_attention
 from ds_mtraining.distributed.spawn import run_on_ranks
+from ds_mtraining.reference import outputs_and_grads
 from ds_mtraining.ring import StripedLayout, ring_sparse_attention
 from ds_mtraining.ring.topology import Topology, create_hierarchical_groups, read_hostfile
 
@@ -27,10 +28,9 @@ def inputs(seq_len, seed=0):
 
 def ring_grads(q, k, v, dout, index, layout, rank, **ring_kwargs):
     """This rank's (out, dq, dk, dv) shards from the ring."""
-    shards = [layout.shard(t, rank).clone().requires_grad_() for t in (q, k, v)]
-    out = ring_sparse_attention(*shards, SparseConfig(block_size=BLOCK), index=index, **ring_kwargs)
-    out.backward(layout.shard(dout, rank))
-    return [out.detach()] + [t.grad for t in shards]
+    config = SparseConfig(block_size=BLOCK)
+    return outputs_and_grads(lambda a, b, c: ring_sparse_attention(a, b, c, config, index=index, **ring_kwargs),
+                             *(layout.shard(t, rank) for t in (q, k, v, dout)))
 
 
 def compare_topologies(rank, world, topologies):
@@ -38,10 +38,8 @@ def compare_topologies(rank, world, topologies):
     seq_len = world * BLOCK * 2
     q, k, v, dout, index = inputs(seq_len)
     layout = StripedLayout(world, BLOCK)
-    reference = [t.requires_grad_() for t in (q.clone(), k.clone(), v.clone())]
-    out = sparse_attention(*reference, index)
-    out.backward(dout)
-    expected = [layout.shard(t, rank) for t in (out.detach(), *(t.grad for t in reference))]
+    reference = outputs_and_grads(lambda a, b, c: sparse_attention(a, b, c, index), q, k, v, dout)
+    expected = [layout.shard(t, rank) for t in reference]
     flat = ring_grads(q, k, v, dout, index, layout, rank)
     for got, want in zip(flat, expected):
         torch.testing.assert_close(got, want, **GRAD_TOL)

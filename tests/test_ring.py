@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from ds_mtraining import SparseConfig, SparseIndex, estimate_vertical_slash, sparse_attention, synthetic
 from ds_mtraining.distributed.spawn import run_on_ranks
-from ds_mtraining.reference import dense_attention
+from ds_mtraining.reference import dense_attention, outputs_and_grads
 from ds_mtraining.ring import RingComm, StripedLayout, merge_lse, merge_partial, ring_sparse_attention
 from ds_mtraining.ring.estimate import estimate_vertical_slash_distributed, select_top_p_across_ranks
 from ds_mtraining.estimate import select_top_p
@@ -56,19 +56,11 @@ def diagonal_only_index(seq_len, heads=4):
                                    torch.full((1, heads, 1), -1), seq_len, BLOCK)
 
 
-def with_grads(fn, q, k, v, dout):
-    """fn's output and the gradients of (out * dout).sum() wrt q, k, v."""
-    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    out = fn(q, k, v)
-    out.backward(dout.to(out.dtype))
-    return out.detach(), q.grad, k.grad, v.grad
-
-
 def ring_on_shards(rank_in_group, world, group, config, q, k, v, dout, index=None):
     """The ring's results on this rank's shards, next to the same shards of the global tensors."""
     layout = StripedLayout(world, config.block_size)
     shard = lambda t: layout.shard(t, rank_in_group)  # noqa: E731
-    return with_grads(lambda a, b, c: ring_sparse_attention(a, b, c, config, group, index=index),
+    return outputs_and_grads(lambda a, b, c: ring_sparse_attention(a, b, c, config, group, index=index),
                       shard(q), shard(k), shard(v), shard(dout)), shard
 
 
@@ -89,12 +81,12 @@ def check_ring_equals_references(rank_in_group, world, group, seed):
     for what, index in (("random index", random_index(seq_len, seed=seed)),
                         ("diagonal-only index (rows without keys in most steps)",
                          diagonal_only_index(seq_len))):
-        expected = with_grads(lambda a, b, c: sparse_attention(a, b, c, index), q, k, v, dout)
+        expected = outputs_and_grads(lambda a, b, c: sparse_attention(a, b, c, index), q, k, v, dout)
         got, shard = ring_on_shards(rank_in_group, world, group, config, q, k, v, dout, index)
         assert_matches(got, expected, shard, f"{what} vs single-process sparse_attention")
 
     causal = torch.ones(seq_len, seq_len, dtype=torch.bool).tril().expand(1, 4, -1, -1)
-    expected = with_grads(lambda a, b, c: dense_attention(a, b, c, causal), q.double(), k.double(),
+    expected = outputs_and_grads(lambda a, b, c: dense_attention(a, b, c, causal), q.double(), k.double(),
                           v.double(), dout.double())
     got, shard = ring_on_shards(rank_in_group, world, group, config, q, k, v, dout,
                                 full_index(seq_len))
@@ -160,8 +152,8 @@ def check_group_of_one_is_single_device(rank, world):
     config = SparseConfig(block_size=BLOCK)
     q, k, v, dout = global_qkv(BLOCK * 3, seed=rank)
     index = estimate_vertical_slash(q, k, config)
-    expected = with_grads(lambda a, b, c: sparse_attention(a, b, c, index), q, k, v, dout)
-    got = with_grads(lambda a, b, c: ring_sparse_attention(a, b, c, config, singles[rank]), q, k, v, dout)
+    expected = outputs_and_grads(lambda a, b, c: sparse_attention(a, b, c, index), q, k, v, dout)
+    got = outputs_and_grads(lambda a, b, c: ring_sparse_attention(a, b, c, config, singles[rank]), q, k, v, dout)
     assert_matches(got, expected, lambda t: t, "group of one vs sparse_attention")
 
 

@@ -18,19 +18,12 @@ import torch.distributed as dist
 
 from ..config import SparseConfig
 from ..index import SparseIndex
+from ..reference import outputs_and_grads
 from .layout import StripedLayout
 from .ring_attention import ring_sparse_attention
 from .topology import Topology, create_hierarchical_groups
 
 TOLERANCE = 1e-4  # fp32 kernels; only the order of merges and accumulations differs
-
-
-def _ring_values(layout, rank, tensors, index, config, **ring_kwargs):
-    q, k, v, dout = (layout.shard(t, rank).clone() for t in tensors)
-    q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
-    out = ring_sparse_attention(q, k, v, config, index=index, **ring_kwargs)
-    out.backward(dout)
-    return [out.detach(), q.grad, k.grad, v.grad]
 
 
 def main(argv=None):
@@ -57,8 +50,10 @@ def main(argv=None):
     if device is not None:
         tensors, index = [t.to(device) for t in tensors], index.to(device)
     layout = StripedLayout(world, config.block_size)
-    flat = _ring_values(layout, rank, tensors, index, config)
-    hier = _ring_values(layout, rank, tensors, index, config, hierarchy=hierarchy)
+    shards = [layout.shard(t, rank) for t in tensors]
+    flat = outputs_and_grads(lambda q, k, v: ring_sparse_attention(q, k, v, config, index=index), *shards)
+    hier = outputs_and_grads(lambda q, k, v: ring_sparse_attention(q, k, v, config, index=index,
+                                                                   hierarchy=hierarchy), *shards)
     error = max(float((a - b).abs().max() / b.abs().max().clamp(min=1e-12)) for a, b in zip(hier, flat))
     report = dict(rank=rank, world=world, nodes=topology.nodes, per_node=topology.per_node,
                   position=hierarchy.position, inner=dist.get_process_group_ranks(hierarchy.inner),
