@@ -29,11 +29,9 @@ import torch
 import torch.distributed as dist
 
 from .config import SparseConfig
-from .estimate import estimate_vertical_slash
 from .index import SparseIndex
 from .ring import ring_sparse_attention
-from .ring.comm import RingComm
-from .ring.estimate import estimate_vertical_slash_distributed
+from .ring.ring_attention import estimate_index
 from .ring.layout import StripedLayout
 from .ring.work import imbalance, pair_work, step_work
 
@@ -137,14 +135,6 @@ def check_striped(position_ids: torch.Tensor, settings: MTrainingAttentionSettin
         f"block {block}; stripe with ds_mtraining.ring.layout.StripedLayout({world}, {block})")
 
 
-def estimate_index(q, k, settings: MTrainingAttentionSettings, scale: float) -> SparseIndex:
-    """This step's global vertical-slash index, estimated from the shards with small collectives
-    over the sequence-parallel group (or on one device)."""
-    if settings.world == 1:
-        return estimate_vertical_slash(q, k, settings.sparse, scale)
-    return estimate_vertical_slash_distributed(q, k, settings.sparse, RingComm(settings.group), scale)
-
-
 def striped_sparse_attention(q, k, v, settings: MTrainingAttentionSettings,
                              softmax_scale: float | None = None,
                              position_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -161,7 +151,7 @@ def striped_sparse_attention(q, k, v, settings: MTrainingAttentionSettings,
     if position_ids is not None:
         check_striped(position_ids, settings)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    index = estimate_index(q.detach(), k.detach(), settings, scale)
+    index = estimate_index(q.detach(), k.detach(), settings.sparse, settings.group, scale)
     if settings.stats is not None and settings.stats.enabled:
         settings.stats.record(index, settings.world)
     return ring_sparse_attention(q, k, v, settings.sparse, settings.group, softmax_scale=scale,

@@ -205,6 +205,15 @@ def _default_scale(q, softmax_scale: float | None) -> float:
     return softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
 
 
+def estimate_index(q, k, config: SparseConfig, group=None, scale: float | None = None) -> SparseIndex:
+    """This step's global vertical-slash index: from the striped shards of ``group`` with small
+    collectives, or on one device when there is no group of several ranks."""
+    scale = _default_scale(q, scale)
+    if (group is None and not dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return estimate_vertical_slash(q, k, config, scale)
+    return estimate_vertical_slash_distributed(q, k, config, RingComm(group), scale)
+
+
 def _single_device(q, k, v, config: SparseConfig, softmax_scale, index: SparseIndex | None):
     check_attention_inputs(q, k, v, index)
     scale = _default_scale(q, softmax_scale)
@@ -269,7 +278,7 @@ def ring_sparse_attention_with_lse(q, k, v, config: SparseConfig, group=None,
             f"{config.block_size}: the sequence length S={local * comm.world} must be divisible by "
             f"world x block_size = {comm.world} x {config.block_size}; pad the sequence")
     if index is None:
-        index = estimate_vertical_slash_distributed(q, k, config, comm, scale)
+        index = estimate_index(q, k, config, group, scale)
     else:
         if index.block_size != config.block_size:
             raise ValueError(f"index.block_size={index.block_size} differs from config.block_size="
