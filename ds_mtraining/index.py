@@ -57,6 +57,14 @@ class BlockCSR:
     indices: torch.Tensor
     shape: tuple
 
+    @classmethod
+    def from_selection(cls, keep: torch.Tensor, values: torch.Tensor) -> "BlockCSR":
+        """Rows of ``keep`` [B, H, nb, n] (bool) picking from ``values`` (same shape), in order."""
+        counts = keep.sum(-1).flatten()
+        ptr = torch.zeros(counts.numel() + 1, dtype=torch.int64, device=keep.device)
+        ptr[1:] = counts.cumsum(0)
+        return cls(ptr, values[keep].to(torch.int32), tuple(keep.shape[:3]))
+
     def row(self, b: int, h: int, i: int) -> torch.Tensor:
         flat = (b * self.shape[1] + h) * self.shape[2] + i
         return self.indices[self.ptr[flat]:self.ptr[flat + 1]]
@@ -237,27 +245,22 @@ class SparseIndex:
         return float(self.num_entries().double().mean() / causal)
 
     # ------------------------------------------------------------------ derived lists
-    def _csr(self, base: torch.Tensor, sign: int, limit: int) -> BlockCSR:
-        """Rows i of [B, H, nb]: values i + sign * d for d in slash that land in [0, limit)."""
+    def _slash_csr(self, sign: int) -> BlockCSR:
+        """Rows i of [B, H, nb]: blocks i + sign * d for d in slash that lie in [0, nb)."""
         nb = self.num_blocks
         d = self.slash.long()
         order = d.flip(-1) if sign < 0 else d  # keep each row's values ascending
-        values = base.view(1, 1, nb, 1) + sign * order[..., None, :]
-        keep = (order != PAD)[..., None, :] & (values >= 0) & (values < limit)
-        counts = keep.sum(-1).flatten()
-        ptr = torch.zeros(counts.numel() + 1, dtype=torch.int64, device=d.device)
-        ptr[1:] = counts.cumsum(0)
-        return BlockCSR(ptr, values[keep].to(torch.int32), (self.batch, self.heads, nb))
+        values = torch.arange(nb, device=d.device).view(1, 1, nb, 1) + sign * order[..., None, :]
+        keep = (order != PAD)[..., None, :] & (values >= 0) & (values < nb)
+        return BlockCSR.from_selection(keep, values)
 
     def query_block_lists(self) -> BlockCSR:
         """Per query block, the key blocks it reads through slash diagonals (ascending)."""
-        nb = self.num_blocks
-        return self._csr(torch.arange(nb, device=self.device), -1, nb)
+        return self._slash_csr(-1)
 
     def key_block_lists(self) -> BlockCSR:
         """The transpose: per key block, the query blocks that read it (ascending)."""
-        nb = self.num_blocks
-        return self._csr(torch.arange(nb, device=self.device), +1, nb)
+        return self._slash_csr(+1)
 
     def vertical_lists(self) -> BlockCSR:
         """Per query block, the vertical key tokens it reads beyond its slash blocks."""
@@ -269,11 +272,7 @@ class SparseIndex:
         offset = g - cblock[..., None, :]
         covered = torch.gather(in_slash, -1, offset.clamp(0, nb - 1).flatten(2)).view_as(offset)
         keep = (offset > 0) & ~covered & (cblock < nb)[..., None, :]
-        counts = keep.sum(-1).flatten()
-        ptr = torch.zeros(counts.numel() + 1, dtype=torch.int64, device=self.device)
-        ptr[1:] = counts.cumsum(0)
-        values = col[..., None, :].expand_as(keep)[keep]
-        return BlockCSR(ptr, values.to(torch.int32), (self.batch, self.heads, nb))
+        return BlockCSR.from_selection(keep, col[..., None, :].expand_as(keep))
 
     def __repr__(self):
         return (f"SparseIndex(batch={self.batch}, heads={self.heads}, seq_len={self.seq_len}, "
