@@ -78,7 +78,7 @@ setup(
     extras_require={
         # CUTLASS/CuTe headers for the CUDA kernels (`pip install nvidia-cutlass --no-deps` is
         # enough: only its headers are used)
-        "cuda": ["nvidia-cutlass"],
+        "cuda": ["nvidia-cutlass==4.2.0.0"],  # the CuTe wgmma atom names the kernels use
         "mpi": ["mpi4py"],
         "dev": ["pytest"],
     },

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: build the CUDA op through the op builder, run the GPU tests, compute-sanitizer
-# (memcheck + racecheck) on a small case, the kernel benchmark, a 16-rows-per-warp forward
-# comparison and an ncu profile of each kernel at 128K. Logs and JSON go to $OUT (default
+# (memcheck + racecheck) on a small case, the kernel benchmark, the mma.sync path's benchmark at
+# 128K (DS_MTRAINING_CUDA_MMA=warp; Hopper runs wgmma by default) and an ncu profile of each kernel at 128K. Logs and JSON go to $OUT (default
 # ./gpu_check_out, at most 8 files); a short summary is printed last.
 #
 #   device run, carry .whl:  bash scripts/gpu_check.sh
@@ -136,13 +136,15 @@ fi
 if [ -z "${SKIP_SANITIZER:-}" ]; then
   cat >/tmp/sanitizer_case.py <<'PY'
 # A small case for compute-sanitizer: every kernel (index, forward in both tilings, delta,
-# vertical and slash dK/dV, dQ) for block 64 and 128, a partial last block, GQA, two striped calls.
+# vertical and slash dK/dV, dQ) for block 64 and 128, a partial last block, GQA, two striped calls,
+# on both tensor-core paths (wgmma by default on Hopper, mma.sync with DS_MTRAINING_CUDA_MMA=warp).
 import os
 import torch
 from ds_mtraining import ops
 from ds_mtraining.index import SparseIndex, Stripe
 g = torch.Generator().manual_seed(0)
-for block, seq, dim in ((64, 300, 64), (128, 512, 128)):
+for mma, block, seq, dim in ((m, *shape) for m in ("auto", "warp") for shape in ((64, 300, 64), (128, 512, 128))):
+    os.environ["DS_MTRAINING_CUDA_MMA"] = mma
     q, dout = (torch.randn(1, seq, 4, dim, generator=g).cuda().bfloat16() for _ in range(2))
     k, v = (torch.randn(1, seq, 2, dim, generator=g).cuda().bfloat16() for _ in range(2))
     blocks = -(-seq // block)
@@ -174,8 +176,8 @@ if [ -z "${SKIP_BENCH:-}" ]; then
 fi
 
 if [ -z "${SKIP_VARIANT:-}" ]; then
-  DS_MTRAINING_CUDA_FORWARD_ROWS=16 stage rows16 120 "$OUT/bench.log" python3 -m ds_mtraining.bench.kernel \
-    --seq-lens 131072 --skip-flex --skip-dense --repeats 5 --out "$OUT/kernel_h200_rows16.json"
+  DS_MTRAINING_CUDA_MMA=warp stage mma.sync 120 "$OUT/bench.log" python3 -m ds_mtraining.bench.kernel \
+    --seq-lens 131072 --skip-flex --skip-dense --repeats 5 --out "$OUT/kernel_h200_mma_sync.json"
   tail -8 "$OUT/bench.log"
 fi
 

@@ -4,6 +4,7 @@
 // lists, for tests and the benchmark).
 #include <torch/extension.h>
 
+#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 
@@ -80,6 +81,8 @@ mtr::AttentionParams make_params(const at::Tensor& q, const at::Tensor& k, const
     p.q_rank = static_cast<int>(q_rank);
     p.k_rank = static_cast<int>(k_rank);
     if (const char* rows = std::getenv("DS_MTRAINING_CUDA_FORWARD_ROWS")) p.forward_rows_per_warp = std::atoi(rows);
+    const char* mma = std::getenv("DS_MTRAINING_CUDA_MMA");
+    p.warpgroup_mma = at::cuda::getDeviceProperties(q.get_device())->major == 9 && !(mma && std::string(mma) == "warp");
     return p;
 }
 

@@ -19,7 +19,7 @@ namespace mtr {
 
 constexpr int kQueryStep = 64;  // queries per step of the key-side kernels
 
-template <typename T, int D, int BS, bool kVertical>
+template <typename Arch, typename T, int D, int BS, bool kVertical>
 struct KeyKernelConfig {
     static constexpr int kKeyRows = kVertical ? kKeyTile : BS;
     static constexpr int kWarps = kKeyRows / 16;
@@ -28,7 +28,7 @@ struct KeyKernelConfig {
     static_assert(kThreads >= kQueryStep && kThreads >= kKeyTile, "too few threads for the per-step loads");
 
     static size_t smem_bytes(int bit_words) {
-        return sizeof(T) * (2 * static_cast<size_t>(kKeyRows) * D + 4 * kStepElements) +
+        return Arch::kTileAlignment + sizeof(T) * (2 * static_cast<size_t>(kKeyRows) * D + 4 * kStepElements) +
                sizeof(float) * 4 * kQueryStep + sizeof(int) * kKeyTile + sizeof(uint32_t) * bit_words;
     }
 };
@@ -125,13 +125,14 @@ struct VerticalStepSource {
     }
 };
 
-template <typename T, int D, int BS, bool kVertical>
-__global__ void __launch_bounds__(KeyKernelConfig<T, D, BS, kVertical>::kThreads)
+template <typename Arch, typename T, int D, int BS, bool kVertical>
+__global__ void __launch_bounds__(KeyKernelConfig<Arch, T, D, BS, kVertical>::kThreads)
     key_kernel(const AttentionParams p) {
-    using Config = KeyKernelConfig<T, D, BS, kVertical>;
+    using Config = KeyKernelConfig<Arch, T, D, BS, kVertical>;
     constexpr int kThreads = Config::kThreads;
     constexpr int kKeyRows = Config::kKeyRows;
-    extern __shared__ __align__(128) unsigned char smem[];
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    unsigned char* smem = align_shared<Arch::kTileAlignment>(smem_raw);
     T* key_tile = reinterpret_cast<T*>(smem);
     T* value_tile = key_tile + kKeyRows * D;
     T* query_tiles = value_tile + kKeyRows * D;
@@ -175,7 +176,7 @@ __global__ void __launch_bounds__(KeyKernelConfig<T, D, BS, kVertical>::kThreads
     // K/V rows of this CTA's kv head, and the query rows of the batch (heads vary per step).
     const size_t kv_head_start = static_cast<size_t>(batch) * p.seq_k * kv_stride + kv_head * D;
     const size_t batch_start = static_cast<size_t>(batch) * p.seq_q * q_stride;
-    load_rows_async<kKeyRows, D, kThreads, true>(
+    load_rows_async<Arch, kKeyRows, D, kThreads, true>(
         key_tile, value_tile, static_cast<const T*>(p.k) + kv_head_start, static_cast<const T*>(p.v) + kv_head_start,
         [&](int row) -> long long {
             if (row >= key_count) return -1;
@@ -187,7 +188,7 @@ __global__ void __launch_bounds__(KeyKernelConfig<T, D, BS, kVertical>::kThreads
         const size_t head_start = batch_start + step.head * D;
         const int query_rows = p.seq_q - step.first;
         const long long first = static_cast<long long>(step.first) * q_stride;
-        load_rows_async<kQueryStep, D, kThreads, true>(
+        load_rows_async<Arch, kQueryStep, D, kThreads, true>(
             query_tiles + buffer * Config::kStepElements, dout_tiles + buffer * Config::kStepElements,
             static_cast<const T*>(p.q) + head_start, static_cast<const T*>(p.dout) + head_start,
             [&](int row) -> long long { return row < query_rows ? first + row * static_cast<long long>(q_stride) : -1; });
@@ -225,9 +226,9 @@ __global__ void __launch_bounds__(KeyKernelConfig<T, D, BS, kVertical>::kThreads
         float dp[1][8][4];
         zero_fill(s);
         zero_fill(dp);
-        gemm_abt<1, D>(s, key_tile, row0, query_tile);    // S^T = K Q^T
+        Arch::template scores<1, D>(s, key_tile, row0, query_tile);    // S^T = K Q^T
         orient_scores(s, p.scale < 0.f);
-        gemm_abt<1, D>(dp, value_tile, row0, dout_tile);  // dP^T = V dO^T
+        Arch::template scores<1, D>(dp, value_tile, row0, dout_tile);  // dP^T = V dO^T
         const bool masked = kVertical || step.causal || step.first + kQueryStep > p.seq_q;
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt) {
@@ -250,8 +251,8 @@ __global__ void __launch_bounds__(KeyKernelConfig<T, D, BS, kVertical>::kThreads
                 dp[0][nt][c] = prob * (dp[0][nt][c] - delta_col[c & 1]);     // dS^T / scale
             }
         }
-        gemm_pb<1, D>(dv, s, dout_tile);   // dV += P^T dO
-        gemm_pb<1, D>(dk, dp, query_tile);  // dK += dS^T Q
+        Arch::template accumulate<1, D>(dv, s, dout_tile);   // dV += P^T dO
+        Arch::template accumulate<1, D>(dk, dp, query_tile);  // dK += dS^T Q
     };
 
     if constexpr (kVertical) {
@@ -263,7 +264,7 @@ __global__ void __launch_bounds__(KeyKernelConfig<T, D, BS, kVertical>::kThreads
         VerticalStepSource<BS> source{tile_keys, key_count, bits, head,
                                       min(query_blocks, chunk_first + kVerticalChunkBlocks), p.seq_q,
                                       query_rank_after, max(chunk_first, tile_keys[0] / BS)};
-        run_two_stage_pipeline<QueryStep>([&](QueryStep& step) { return source.next(step); }, issue, compute);  // no step: the partials are 0
+        run_two_stage_pipeline<QueryStep, Arch::kAsyncProxy>([&](QueryStep& step) { return source.next(step); }, issue, compute);  // no step: the partials are 0
         const size_t entry0 =
             (static_cast<size_t>(chunk) * p.batch * p.heads + bh_vertical) * p.vertical_len + first_entry;
         auto scratch_row = [&](float* base, int row) -> float* {
@@ -276,7 +277,7 @@ __global__ void __launch_bounds__(KeyKernelConfig<T, D, BS, kVertical>::kThreads
         SlashStepSource<BS> source{p.local_offsets + batch_heads * p.slash_len, p.num_offsets + batch_heads,
                                    p.slash_len, kv_head * group, group, static_cast<int>(blockIdx.x),
                                    query_blocks, p.seq_q, p.q_rank == p.k_rank};
-        run_two_stage_pipeline<QueryStep>([&](QueryStep& step) { return source.next(step); }, issue, compute);
+        run_two_stage_pipeline<QueryStep, Arch::kAsyncProxy>([&](QueryStep& step) { return source.next(step); }, issue, compute);
         auto key_out_row = [&](float* base, int row) -> float* {
             return row < key_count ? base + ((static_cast<size_t>(batch) * p.seq_k + key_first + row) * p.kv_heads + kv_head) * D
                                    : nullptr;
@@ -317,13 +318,13 @@ __global__ void __launch_bounds__(KeyKernelConfig<T, D, BS, kVertical>::kThreads
     }
 }
 
-template <typename T, int D, int BS, bool kVertical>
+template <typename Arch, typename T, int D, int BS, bool kVertical>
 cudaError_t launch_key_kernel(const AttentionParams& p, cudaStream_t stream) {
-    using Config = KeyKernelConfig<T, D, BS, kVertical>;
+    using Config = KeyKernelConfig<Arch, T, D, BS, kVertical>;
     const int query_blocks = (p.seq_q + BS - 1) / BS;
     const int key_blocks = (p.seq_k + BS - 1) / BS;
     const size_t smem = Config::smem_bytes((max(query_blocks, key_blocks) + 31) / 32);
-    auto kernel = key_kernel<T, D, BS, kVertical>;
+    auto kernel = key_kernel<Arch, T, D, BS, kVertical>;
     cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
     if (status != cudaSuccess) return status;
     dim3 grid;

@@ -5,6 +5,7 @@
 
 #include "key_kernel.cuh"
 #include "query_kernel.cuh"
+#include "warpgroup_mma.cuh"
 
 namespace mtr {
 
@@ -41,10 +42,21 @@ __global__ void __launch_bounds__(kDeltaThreads) delta_kernel(const AttentionPar
 
 template <typename T, int D, int BS>
 cudaError_t forward_for_block(const AttentionParams& p, cudaStream_t stream) {
+    if (p.warpgroup_mma) return launch_query_kernel<WarpgroupMma, T, D, BS, 1, false>(p, stream);
     if constexpr (BS == 128) {
-        if (p.forward_rows_per_warp != 16) return launch_query_kernel<T, D, BS, 2, false>(p, stream);
+        if (p.forward_rows_per_warp != 16) return launch_query_kernel<WarpMma, T, D, BS, 2, false>(p, stream);
     }
-    return launch_query_kernel<T, D, BS, 1, false>(p, stream);
+    return launch_query_kernel<WarpMma, T, D, BS, 1, false>(p, stream);
+}
+
+// dK/dV (vertical pass first: it writes the scratch partials the slash pass adds), then dQ.
+template <typename Arch, typename T, int D, int BS>
+cudaError_t backward_kernels(const AttentionParams& p, cudaStream_t stream) {
+    cudaError_t status = launch_key_kernel<Arch, T, D, BS, true>(p, stream);
+    if (status != cudaSuccess) return status;
+    status = launch_key_kernel<Arch, T, D, BS, false>(p, stream);
+    if (status != cudaSuccess) return status;
+    return launch_query_kernel<Arch, T, D, BS, 1, true>(p, stream);
 }
 
 template <typename T, int D, int BS>
@@ -52,14 +64,10 @@ cudaError_t backward_for_block(const AttentionParams& p, cudaStream_t stream) {
     const long long rows = static_cast<long long>(p.batch) * p.seq_q * p.heads;
     const long long delta_blocks = (rows + kDeltaThreads / 32 - 1) / (kDeltaThreads / 32);
     if (delta_blocks > 0) delta_kernel<T, D><<<static_cast<unsigned>(delta_blocks), kDeltaThreads, 0, stream>>>(p);
-    cudaError_t status = cudaGetLastError();
+    const cudaError_t status = cudaGetLastError();
     if (status != cudaSuccess) return status;
-    // The vertical pass writes the scratch partials the slash pass adds: it must run first.
-    status = launch_key_kernel<T, D, BS, true>(p, stream);
-    if (status != cudaSuccess) return status;
-    status = launch_key_kernel<T, D, BS, false>(p, stream);
-    if (status != cudaSuccess) return status;
-    return launch_query_kernel<T, D, BS, 1, true>(p, stream);
+    return p.warpgroup_mma ? backward_kernels<WarpgroupMma, T, D, BS>(p, stream)
+                           : backward_kernels<WarpMma, T, D, BS>(p, stream);
 }
 
 template <DType dtype, int kHeadDim>

@@ -59,6 +59,9 @@ struct AttentionParams {
     // Forward query rows per warp for block 128 (16 or 32; 0 = the default, 32). A tuning knob
     // the benchmark compares (env DS_MTRAINING_CUDA_FORWARD_ROWS); results are the same.
     int forward_rows_per_warp = 0;
+    // The tensor-core path: wgmma (sm_90a kernels, set by the binding on compute capability 9.x)
+    // or mma.sync. Env DS_MTRAINING_CUDA_MMA=warp forces mma.sync on Hopper (the benchmark compares).
+    bool warpgroup_mma = false;
 };
 
 // Derives local_offsets/num_offsets and local_keys/num_keys from the compact index.

@@ -1,6 +1,7 @@
 // The query-side kernel: one CTA per (query block, head, batch) walks the key tiles its block reads
 // (KeyTileSource) with a two-stage cp.async pipeline. kBackward = false is the forward
 // (online softmax, out + lse); kBackward = true computes dQ from the saved lse and delta.
+// Arch is the tensor-core path: WarpMma (mma.sync) or WarpgroupMma (wgmma, sm_90a; MA = 1).
 #pragma once
 
 #include <math.h>
@@ -9,7 +10,7 @@
 
 namespace mtr {
 
-template <typename T, int D, int BS, int MA, bool kBackward>
+template <typename Arch, typename T, int D, int BS, int MA, bool kBackward>
 struct QueryKernelConfig {
     static constexpr int kWarps = BS / (16 * MA);
     static constexpr int kThreads = kWarps * 32;
@@ -19,17 +20,18 @@ struct QueryKernelConfig {
     static_assert(BS % (16 * MA) == 0 && BS % kKeyTile == 0, "block size must split into warps and key tiles");
 
     static size_t smem_bytes(int bit_words) {
-        return sizeof(T) * (static_cast<size_t>(kQueryTiles) * BS * D + 4 * kKeyTileElements) +
+        return Arch::kTileAlignment + sizeof(T) * (static_cast<size_t>(kQueryTiles) * BS * D + 4 * kKeyTileElements) +
                sizeof(int) * (kListCapacity + 32) + sizeof(uint32_t) * bit_words;
     }
 };
 
-template <typename T, int D, int BS, int MA, bool kBackward>
-__global__ void __launch_bounds__(QueryKernelConfig<T, D, BS, MA, kBackward>::kThreads)
+template <typename Arch, typename T, int D, int BS, int MA, bool kBackward>
+__global__ void __launch_bounds__(QueryKernelConfig<Arch, T, D, BS, MA, kBackward>::kThreads)
     query_kernel(const AttentionParams p) {
-    using Config = QueryKernelConfig<T, D, BS, MA, kBackward>;
+    using Config = QueryKernelConfig<Arch, T, D, BS, MA, kBackward>;
     constexpr int kThreads = Config::kThreads;
-    extern __shared__ __align__(128) unsigned char smem[];
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    unsigned char* smem = align_shared<Arch::kTileAlignment>(smem_raw);
     T* q_tile = reinterpret_cast<T*>(smem);
     T* dout_tile = q_tile + BS * D;  // backward only
     T* key_tiles = q_tile + Config::kQueryTiles * BS * D;
@@ -59,7 +61,7 @@ __global__ void __launch_bounds__(QueryKernelConfig<T, D, BS, MA, kBackward>::kT
     auto query_row = [&](int row) -> long long {
         return row < query_rows ? static_cast<long long>(query_first + row) * q_stride : -1;
     };
-    load_rows_async<BS, D, kThreads, kBackward>(q_tile, dout_tile, q, dout, query_row);
+    load_rows_async<Arch, BS, D, kThreads, kBackward>(q_tile, dout_tile, q, dout, query_row);
     cp_async_commit();
 
     const int* offsets = p.local_offsets + static_cast<size_t>(bh) * p.slash_len;
@@ -73,13 +75,13 @@ __global__ void __launch_bounds__(QueryKernelConfig<T, D, BS, MA, kBackward>::kT
         T* key_tile = key_tiles + buffer * Config::kKeyTileElements;
         T* value_tile = value_tiles + buffer * Config::kKeyTileElements;
         if (tile.gathered) {
-            load_rows_async<kKeyTile, D, kThreads, true>(key_tile, value_tile, k, v, [&](int row) -> long long {
+            load_rows_async<Arch, kKeyTile, D, kThreads, true>(key_tile, value_tile, k, v, [&](int row) -> long long {
                 return row < tile.count ? static_cast<long long>(key_list[tile.first + row]) * kv_stride : -1;
             });
         } else {
             const int key_rows = p.seq_k - tile.first;
             const long long first = static_cast<long long>(tile.first) * kv_stride;
-            load_rows_async<kKeyTile, D, kThreads, true>(key_tile, value_tile, k, v, [&](int row) -> long long {
+            load_rows_async<Arch, kKeyTile, D, kThreads, true>(key_tile, value_tile, k, v, [&](int row) -> long long {
                 return row < key_rows ? first + row * static_cast<long long>(kv_stride) : -1;
             });
         }
@@ -112,7 +114,7 @@ __global__ void __launch_bounds__(QueryKernelConfig<T, D, BS, MA, kBackward>::kT
         const T* value_tile = value_tiles + buffer * Config::kKeyTileElements;
         float s[MA][8][4];
         zero_fill(s);
-        gemm_abt<MA, D>(s, q_tile, row0, key_tile);
+        Arch::template scores<MA, D>(s, q_tile, row0, key_tile);
         orient_scores(s, p.scale < 0.f);
         // Only diagonal, partial-last and partly filled gathered tiles need a mask. Scores stay
         // unscaled (orient_scores): |scale| is folded into the exponent.
@@ -169,11 +171,11 @@ __global__ void __launch_bounds__(QueryKernelConfig<T, D, BS, MA, kBackward>::kT
                         }
                     }
                 }
-            gemm_pb<MA, D>(acc, s, value_tile);
+            Arch::template accumulate<MA, D>(acc, s, value_tile);
         } else {
             float dp[MA][8][4];
             zero_fill(dp);
-            gemm_abt<MA, D>(dp, dout_tile, row0, value_tile);
+            Arch::template scores<MA, D>(dp, dout_tile, row0, value_tile);
 #pragma unroll
             for (int ma = 0; ma < MA; ++ma)
 #pragma unroll
@@ -184,11 +186,11 @@ __global__ void __launch_bounds__(QueryKernelConfig<T, D, BS, MA, kBackward>::kT
                         const float prob = exp2f(fmaf(s[ma][nt][c], scale_log2, -row_a[ma][half]));
                         s[ma][nt][c] = prob * (dp[ma][nt][c] - row_b[ma][half]);  // dS / scale
                     }
-            gemm_pb<MA, D>(acc, s, key_tile);
+            Arch::template accumulate<MA, D>(acc, s, key_tile);
         }
     };
 
-    run_two_stage_pipeline<KeyTile>(
+    run_two_stage_pipeline<KeyTile, Arch::kAsyncProxy>(
         [&](KeyTile& tile) { return source.next(tile, p, bits, key_list, warp_counts); }, issue, compute);
 
     auto query_out_row = [&](float* base, int row) -> float* {
@@ -219,15 +221,15 @@ __global__ void __launch_bounds__(QueryKernelConfig<T, D, BS, MA, kBackward>::kT
     }
 }
 
-// Launches the query-side kernel for one (dtype, head dim, block size).
-template <typename T, int D, int BS, int MA, bool kBackward>
+// Launches the query-side kernel for one (tensor-core path, dtype, head dim, block size).
+template <typename Arch, typename T, int D, int BS, int MA, bool kBackward>
 cudaError_t launch_query_kernel(const AttentionParams& p, cudaStream_t stream) {
-    using Config = QueryKernelConfig<T, D, BS, MA, kBackward>;
+    using Config = QueryKernelConfig<Arch, T, D, BS, MA, kBackward>;
     const int query_blocks = (p.seq_q + BS - 1) / BS;
     const int key_blocks = (p.seq_k + BS - 1) / BS;
     const int bit_words = (max(query_blocks, key_blocks) + 31) / 32;
     const size_t smem = Config::smem_bytes(bit_words);
-    auto kernel = query_kernel<T, D, BS, MA, kBackward>;
+    auto kernel = query_kernel<Arch, T, D, BS, MA, kBackward>;
     cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
     if (status != cudaSuccess) return status;
     const dim3 grid(query_blocks, p.heads, p.batch);

@@ -26,6 +26,13 @@ __device__ __forceinline__ uint32_t smem_address(const void* pointer) {
     return static_cast<uint32_t>(__cvta_generic_to_shared(pointer));
 }
 
+// The first kAlignment-aligned byte at or after `pointer` in shared memory (allocate kAlignment
+// extra bytes).
+template <int kAlignment>
+__device__ __forceinline__ unsigned char* align_shared(unsigned char* pointer) {
+    return pointer + (kAlignment - smem_address(pointer) % kAlignment) % kAlignment;
+}
+
 // Element offset of (row, 16-byte chunk) in a swizzled [rows][D] tile.
 template <int D>
 __device__ __forceinline__ int swizzled_offset(int row, int chunk) {
@@ -57,10 +64,10 @@ __device__ __forceinline__ void cp_async_wait() {
 }
 
 // Loads kRows rows of one or two [rows][D] tensors (e.g. K and V, which share row positions)
-// into swizzled tiles: row_offset(row) is the row's element offset from each base, or -1 for a
-// row to zero-fill. Each thread keeps one 16-byte chunk column, so the per-row work is one
-// offset per tensor pair. All kThreads threads of the CTA take part.
-template <int kRows, int D, int kThreads, bool kPair, typename T, typename RowOffset>
+// into tiles laid out by Arch::tile_offset: row_offset(row) is the row's element offset from each
+// base, or -1 for a row to zero-fill. Each thread keeps one 16-byte chunk column, so the per-row
+// work is one offset per tensor pair. All kThreads threads of the CTA take part.
+template <typename Arch, int kRows, int D, int kThreads, bool kPair, typename T, typename RowOffset>
 __device__ __forceinline__ void load_rows_async(T* tile_a, T* tile_b, const T* base_a, const T* base_b,
                                                 RowOffset row_offset) {
     constexpr int kChunks = D / 8;
@@ -74,10 +81,18 @@ __device__ __forceinline__ void load_rows_async(T* tile_a, T* tile_b, const T* b
         const long long offset = row_offset(row);
         const bool valid = offset >= 0;
         const long long element = valid ? offset + chunk * 8 : 0;
-        const int destination = swizzled_offset<D>(row, chunk);
+        const int destination = Arch::template tile_offset<D>(row, chunk);
         cp_async_16(tile_a + destination, base_a + element, valid);
         if constexpr (kPair) cp_async_16(tile_b + destination, base_b + element, valid);
     }
+}
+
+// Makes this thread's completed shared-memory writes (cp.async included) visible to the async
+// proxy, i.e. to wgmma reading them through descriptors; a CTA barrier must follow.
+__device__ __forceinline__ void fence_async_proxy() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
 }
 
 // ---------------------------------------------------------------- ldmatrix
@@ -202,6 +217,16 @@ __device__ __forceinline__ void gemm_abt(float (&acc)[MA][8][4], const T* a_tile
     }
 }
 
+// The A fragment (16 rows x 16 keys, k-step kc) of fp32 accumulators p (16 rows x 64 keys)
+// rounded to T: accumulator and A-operand fragments share their row/column ownership.
+template <typename T>
+__device__ __forceinline__ void pack_a_fragment(uint32_t (&a)[4], const float (&p)[8][4], int kc) {
+    a[0] = Mma<T>::pack(p[2 * kc][0], p[2 * kc][1]);
+    a[1] = Mma<T>::pack(p[2 * kc][2], p[2 * kc][3]);
+    a[2] = Mma<T>::pack(p[2 * kc + 1][0], p[2 * kc + 1][1]);
+    a[3] = Mma<T>::pack(p[2 * kc + 1][2], p[2 * kc + 1][3]);
+}
+
 // acc[ma] (16 rows x D) += P[ma] (16 rows x 64, fp32 accumulators rounded to T) * B (64 x D tile):
 // O += P V, dQ += dS K, dV += P^T dO, dK += dS^T Q.
 template <int MA, int D, typename T>
@@ -211,12 +236,7 @@ __device__ __forceinline__ void gemm_pb(float (&acc)[MA][D / 8][4], const float 
     for (int kc = 0; kc < 4; ++kc) {
         uint32_t a[MA][4];
 #pragma unroll
-        for (int ma = 0; ma < MA; ++ma) {
-            a[ma][0] = Mma<T>::pack(p[ma][2 * kc][0], p[ma][2 * kc][1]);
-            a[ma][1] = Mma<T>::pack(p[ma][2 * kc][2], p[ma][2 * kc][3]);
-            a[ma][2] = Mma<T>::pack(p[ma][2 * kc + 1][0], p[ma][2 * kc + 1][1]);
-            a[ma][3] = Mma<T>::pack(p[ma][2 * kc + 1][2], p[ma][2 * kc + 1][3]);
-        }
+        for (int ma = 0; ma < MA; ++ma) pack_a_fragment<T>(a[ma], p[ma], kc);
 #pragma unroll
         for (int dp = 0; dp < D / 16; ++dp) {
             uint32_t b[4];
@@ -229,6 +249,24 @@ __device__ __forceinline__ void gemm_pb(float (&acc)[MA][D / 8][4], const float 
         }
     }
 }
+
+// The mma.sync path (sm_80 and later): each warp loads its own fragments with ldmatrix from
+// row-swizzled tiles, so tiles need no special alignment and shared memory needs no proxy fence.
+struct WarpMma {
+    static constexpr bool kAsyncProxy = false;
+    static constexpr int kTileAlignment = 128;
+    template <int D>
+    static __device__ __forceinline__ int tile_offset(int row, int chunk) { return swizzled_offset<D>(row, chunk); }
+    template <int MA, int D, typename T>
+    static __device__ __forceinline__ void scores(float (&acc)[MA][8][4], const T* a_tile, int row0, const T* b_tile) {
+        gemm_abt<MA, D>(acc, a_tile, row0, b_tile);
+    }
+    template <int MA, int D, typename T>
+    static __device__ __forceinline__ void accumulate(float (&acc)[MA][D / 8][4], const float (&p)[MA][8][4],
+                                                      const T* b_tile) {
+        gemm_pb<MA, D>(acc, p, b_tile);
+    }
+};
 
 // Scores are kept as sign(scale) * q.k so that |scale| * log2(e) folds into the exponent
 // (exp2(s * |scale| log2 e - m)) and the running maximum is taken before scaling.
@@ -279,7 +317,8 @@ __device__ __forceinline__ void store_rows(const float (&acc)[MA][D / 8][4], int
 // item n + 1 loads (issue(item, buffer)) while item n computes (compute(item, buffer)).
 // Groups are committed every iteration, possibly empty, so wait<1> always means "all but the
 // newest group"; groups committed before the call (e.g. a resident tile) complete by the first wait.
-template <typename Item, typename Next, typename Issue, typename Compute>
+// kAsyncProxy: the tiles are read by wgmma (fence_async_proxy before the barrier).
+template <typename Item, bool kAsyncProxy, typename Next, typename Issue, typename Compute>
 __device__ __forceinline__ void run_two_stage_pipeline(Next&& next, Issue&& issue, Compute&& compute) {
     Item current, upcoming;
     bool has_current = next(current);
@@ -291,6 +330,7 @@ __device__ __forceinline__ void run_two_stage_pipeline(Next&& next, Issue&& issu
         if (has_upcoming) issue(upcoming, buffer ^ 1);
         cp_async_commit();
         cp_async_wait<1>();
+        if constexpr (kAsyncProxy) fence_async_proxy();
         __syncthreads();
         compute(current, buffer);
         __syncthreads();  // the buffer just read is the next one refilled

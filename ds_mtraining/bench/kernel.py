@@ -53,6 +53,13 @@ def time_ms(fn, warmup: int = 3, repeats: int = 10) -> float:
     return statistics.median(times)
 
 
+def tensor_core_path(device) -> str:
+    """The CUDA op's tensor-core path on this device: wgmma on Hopper unless
+    DS_MTRAINING_CUDA_MMA=warp forces mma.sync (as the binding decides)."""
+    hopper = torch.cuda.get_device_capability(device)[0] == 9
+    return "wgmma" if hopper and os.environ.get("DS_MTRAINING_CUDA_MMA") != "warp" else "mma.sync"
+
+
 def build_index(batch, heads, seq, block, n_slash, generator):
     """A vertical-slash index: sinks + clustered columns, diagonals 0..1 + n_slash others
     (half of them drawn near the diagonal, half anywhere)."""
@@ -186,6 +193,7 @@ def run(args):
                                                          index.vertical_count, block, seq, 1, 0, 0),
                                repeats=args.repeats)
             row = dict(impl="mtraining", seq_len=seq, density=density, target_density=target,
+                       tensor_cores=tensor_core_path(device),
                        forward_rows_per_warp=int(os.environ.get("DS_MTRAINING_CUDA_FORWARD_ROWS", "32")),
                        slash_per_head=int(index.slash_count.float().mean()),
                        vertical_per_head=int(index.vertical_count.float().mean()),

@@ -1,0 +1,120 @@
+// The wgmma path (sm_90a, Hopper): a warpgroup (4 consecutive warps, 64 rows) issues
+// wgmma.mma_async through CuTe's instruction atoms, with B (and the score A) read by the tensor
+// cores straight from shared memory through matrix descriptors instead of per-warp ldmatrix.
+//
+// It is a drop-in for WarpMma (warp_mma.cuh): a warp still owns 16 rows, and the wgmma
+// accumulator of a 64-row warpgroup tile hands each warp its rows in the mma.sync fragment layout
+// (fragment_row / fragment_col), so the kernels' masking and softmax code is shared.
+//
+// Tile layout (the canonical 128-byte-swizzle layout of wgmma): a [rows][D] tile is stored in
+// groups of 8 rows; a group holds D/64 atoms of 8 rows x 64 elements (128-byte rows, 1024 bytes
+// an atom) one after the other, and each row's 16-byte chunks are XOR-swizzled by row % 8. The
+// same tile is read K-major (rows = M or N, the contraction over D: S = Q K^T, dP = dO V^T) and
+// MN-major (the contraction over rows, N = D: O += P V, dQ += dS K, dV += P^T dO, dK += dS^T Q).
+#pragma once
+
+#include <utility>
+
+#include <cute/arch/mma_sm90_gmma.hpp>
+
+#include "warp_mma.cuh"
+
+namespace mtr {
+
+template <typename T, int N> struct WgmmaAtoms;
+
+template <int N> struct WgmmaAtoms<__nv_bfloat16, N> {
+    using Major = cute::SM90::GMMA::Major;
+    using Scores = cute::SM90::GMMA::MMA_64x64x16_F32BF16BF16_SS<Major::K, Major::K>;
+    using Accumulate = std::conditional_t<N == 64, cute::SM90::GMMA::MMA_64x64x16_F32BF16BF16_RS<Major::K, Major::MN>,
+                                          cute::SM90::GMMA::MMA_64x128x16_F32BF16BF16_RS<Major::K, Major::MN>>;
+};
+
+template <int N> struct WgmmaAtoms<__half, N> {
+    using Major = cute::SM90::GMMA::Major;
+    using Scores = cute::SM90::GMMA::MMA_64x64x16_F32F16F16_SS<Major::K, Major::K>;
+    using Accumulate = std::conditional_t<N == 64, cute::SM90::GMMA::MMA_64x64x16_F32F16F16_RS<Major::K, Major::MN>,
+                                          cute::SM90::GMMA::MMA_64x128x16_F32F16F16_RS<Major::K, Major::MN>>;
+};
+
+// A shared-memory matrix descriptor with 128-byte swizzle (PTX ISA "matrix descriptor"): start
+// address, leading and stride byte offsets, all in 16-byte units.
+__device__ __forceinline__ uint64_t swizzle128_descriptor(uint32_t address, uint32_t leading_bytes,
+                                                          uint32_t stride_bytes) {
+    return (uint64_t{1} << 62) | (static_cast<uint64_t>((stride_bytes >> 4) & 0x3FFF) << 32) |
+           (static_cast<uint64_t>((leading_bytes >> 4) & 0x3FFF) << 16) | ((address >> 4) & 0x3FFF);
+}
+
+template <typename Atom, int N, size_t... I>
+__device__ __forceinline__ void wgmma_ss(uint64_t a, uint64_t b, float (&d)[N], std::index_sequence<I...>) {
+    Atom::fma(a, b, d[I]...);
+}
+
+template <typename Atom, int N, size_t... I>
+__device__ __forceinline__ void wgmma_rs(const uint32_t (&a)[4], uint64_t b, float (&d)[N], std::index_sequence<I...>) {
+    Atom::fma(a[0], a[1], a[2], a[3], b, d[I]...);
+}
+
+// Keeps the compiler from moving accumulator reads or writes across the asynchronous wgmma.
+template <int N>
+__device__ __forceinline__ void fence_accumulators(float (&d)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) cute::warpgroup_fence_operand(d[i]);
+}
+
+struct WarpgroupMma {
+    static constexpr bool kAsyncProxy = true;
+    static constexpr int kTileAlignment = 1024;  // the swizzle repeats every 1024 bytes
+
+    template <int D>
+    static __device__ __forceinline__ int tile_offset(int row, int chunk) {
+        return (row >> 3) * 8 * D + (chunk >> 3) * 512 + (row & 7) * 64 + (((chunk & 7) ^ (row & 7)) << 3);
+    }
+
+    // acc (this warp's 16 rows x 64) += A[rows of the warp's warpgroup] B^T over D, B a 64-row tile.
+    template <int MA, int D, typename T>
+    static __device__ __forceinline__ void scores(float (&acc)[MA][8][4], const T* a_tile, int row0, const T* b_tile) {
+        static_assert(MA == 1, "a warp owns 16 rows of its warpgroup's 64");
+        using Atom = typename WgmmaAtoms<T, 64>::Scores;
+        constexpr uint32_t kGroupBytes = 16 * D;  // 8 rows
+        float(&d)[32] = reinterpret_cast<float(&)[32]>(acc[0]);
+        const uint32_t a = smem_address(a_tile) + (row0 & ~63) * 2 * D;
+        const uint32_t b = smem_address(b_tile);
+        fence_accumulators(d);
+        cute::warpgroup_arrive();
+#pragma unroll
+        for (int kc = 0; kc < D / 16; ++kc) {
+            const uint32_t k_bytes = (kc >> 2) * 1024 + (kc & 3) * 32;  // atom, then 32 bytes per 16 elements
+            wgmma_ss<Atom>(swizzle128_descriptor(a + k_bytes, 16, kGroupBytes),
+                           swizzle128_descriptor(b + k_bytes, 16, kGroupBytes), d, std::make_index_sequence<32>{});
+        }
+        cute::warpgroup_commit_batch();
+        cute::warpgroup_wait<0>();
+        fence_accumulators(d);
+    }
+
+    // acc (this warp's 16 rows x D) += P (16 rows x 64, rounded to T) B, B a [64][D] tile.
+    template <int MA, int D, typename T>
+    static __device__ __forceinline__ void accumulate(float (&acc)[MA][D / 8][4], const float (&p)[MA][8][4],
+                                                      const T* b_tile) {
+        static_assert(MA == 1, "a warp owns 16 rows of its warpgroup's 64");
+        using Atom = typename WgmmaAtoms<T, D>::Accumulate;
+        constexpr uint32_t kGroupBytes = 16 * D;  // 8 rows
+        uint32_t a[4][4];
+#pragma unroll
+        for (int kc = 0; kc < 4; ++kc) pack_a_fragment<T>(a[kc], p[0], kc);
+        float(&d)[D / 2] = reinterpret_cast<float(&)[D / 2]>(acc[0]);
+        const uint32_t b = smem_address(b_tile);
+        fence_accumulators(d);
+        cute::warpgroup_arrive();
+#pragma unroll
+        for (int kc = 0; kc < 4; ++kc)  // 16 rows of B (two 8-row groups) per step; atoms 1024 bytes apart along D
+            wgmma_rs<Atom>(a[kc], swizzle128_descriptor(b + kc * 2 * kGroupBytes, 1024, kGroupBytes), d,
+                           std::make_index_sequence<D / 2>{});
+        cute::warpgroup_commit_batch();
+        cute::warpgroup_wait<0>();
+        fence_accumulators(d);
+    }
+};
+
+}  // namespace mtr
