@@ -186,8 +186,10 @@ if [ -z "${SKIP_NCU:-}" ]; then
 # One forward and one backward at 128K, 5% density: each kernel launches once.
 import torch
 from ds_mtraining import ops
-from ds_mtraining.bench.kernel import index_for_density
-index = index_for_density(1, 16, 131072, 128, 0.05, seed=1).to("cuda")
+from ds_mtraining.bench import index_for_density
+from ds_mtraining.bench.kernel import build_index
+index = index_for_density(lambda n: build_index(1, 16, 131072, 128, n, torch.Generator().manual_seed(1)),
+                          131072 // 128 - 2, 0.05).to("cuda")
 q, dout = (torch.randn(1, 131072, 16, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
 k, v = (torch.randn(1, 131072, 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
 out, lse = ops.attention_forward(q, k, v, index, 0.088)
@@ -196,7 +198,7 @@ torch.cuda.synchronize()
 PY
   stage ncu 200 "$OUT/ncu.txt" ncu --clock-control none -k regex:"query_kernel|key_kernel|delta_kernel" \
     --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
-    --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis python3 /tmp/ncu_case.py
-  grep -E "query_kernel|key_kernel|delta_kernel|Duration|Compute \(SM\) Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Stall" "$OUT/ncu.txt" | head -60
+    --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --print-details all python3 /tmp/ncu_case.py
+  grep -E "query_kernel|key_kernel|Duration|Compute \(SM\) Throughput|L2 Cache Throughput|DRAM Throughput|Achieved Occupancy|Registers Per|Warp Cycles Per Issued|Issue Slots Busy|[Ss]tall" "$OUT/ncu.txt" | head -90
 fi
 finish

@@ -1,6 +1,6 @@
 // The key-side backward kernels: dK and dV without atomics, each key row written by one CTA.
 //
-//  * Slash pass: one CTA per (local key block, kv head, batch) keeps its K/V block resident and
+//  * Slash pass: one CTA per (local key block or its part, kv head, batch) keeps its K/V rows resident and
 //    loops over the query heads of its GQA group and, per head, over the query blocks that read
 //    the block through a slash offset (i = j + o), 64 queries at a time.
 //  * Vertical pass (runs first): one CTA per (64 consecutive vertical keys of one query head,
@@ -21,7 +21,8 @@ constexpr int kQueryStep = 64;  // queries per step of the key-side kernels
 
 template <typename Arch, typename T, int D, int BS, bool kVertical>
 struct KeyKernelConfig {
-    static constexpr int kKeyRows = kVertical ? kKeyTile : BS;
+    static constexpr int kKeyRows = kVertical ? kKeyTile : Arch::template kCtaRows<BS, 1>;  // key rows per CTA
+    static constexpr int kSplits = BS / kKeyRows;  // slash pass: CTAs per key block
     static constexpr int kWarps = kKeyRows / 16;
     static constexpr int kThreads = kWarps * 32;
     static constexpr int kStepElements = kQueryStep * D;
@@ -50,6 +51,7 @@ struct SlashStepSource {
     int first_head;
     int group;
     int key_block;
+    int key_first;  // the CTA's first key row (local): earlier diagonal queries are all masked
     int query_blocks;
     int seq_q;
     bool same_rank;
@@ -79,7 +81,7 @@ struct SlashStepSource {
                 sub_step = 0;
                 ++offset_index;
             }
-            if (first >= seq_q) continue;
+            if (first >= seq_q || (causal && first + kQueryStep <= key_first)) continue;  // nothing visible
             step = QueryStep{head, first, query_block, causal};
             return true;
         }
@@ -147,7 +149,7 @@ __global__ void __launch_bounds__(KeyKernelConfig<Arch, T, D, BS, kVertical>::kT
     const int bit_words = (max(query_blocks, (p.seq_k + BS - 1) / BS) + 31) / 32;
     const size_t q_stride = static_cast<size_t>(p.heads) * D;
     const size_t kv_stride = static_cast<size_t>(p.kv_heads) * D;
-    const int row0 = (threadIdx.x >> 5) * 16;  // this warp's first key row
+    const int row0 = Arch::template first_row<1>();  // this warp's 16 key rows
 
     int batch, kv_head, key_count, key_first = 0, first_entry = 0, bh_vertical = 0, chunk = 0;
     if constexpr (kVertical) {
@@ -170,8 +172,9 @@ __global__ void __launch_bounds__(KeyKernelConfig<Arch, T, D, BS, kVertical>::kT
     } else {
         batch = blockIdx.z;
         kv_head = blockIdx.y;
-        key_first = blockIdx.x * BS;
-        key_count = min(BS, p.seq_k - key_first);
+        key_first = blockIdx.x / Config::kSplits * BS + blockIdx.x % Config::kSplits * kKeyRows;
+        key_count = min(kKeyRows, p.seq_k - key_first);
+        if (key_count <= 0) return;  // the empty part of a partial last block (uniform)
     }
     // K/V rows of this CTA's kv head, and the query rows of the batch (heads vary per step).
     const size_t kv_head_start = static_cast<size_t>(batch) * p.seq_k * kv_stride + kv_head * D;
@@ -229,24 +232,31 @@ __global__ void __launch_bounds__(KeyKernelConfig<Arch, T, D, BS, kVertical>::kT
         Arch::template scores<1, D>(s, key_tile, row0, query_tile);    // S^T = K Q^T
         orient_scores(s, p.scale < 0.f);
         Arch::template scores<1, D>(dp, value_tile, row0, dout_tile);  // dP^T = V dO^T
-        const bool masked = kVertical || step.causal || step.first + kQueryStep > p.seq_q;
+        // Hidden entries get score -inf (so P^T = 0). Only the vertical pass, diagonal and partial
+        // steps need the mask: the common step runs the lean loop below alone.
+        if (kVertical || step.causal || step.first + kQueryStep > p.seq_q) {
+#pragma unroll
+            for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+                for (int c = 0; c < 4; ++c) {
+                    const int query = step.first + fragment_col(nt, c);
+                    bool visible = query < p.seq_q && row_reads[c >> 1];
+                    if (!kVertical && step.causal) visible = visible && query >= key_first + row0 + fragment_row(c);
+                    if (!visible) s[0][nt][c] = -INFINITY;
+                }
+        }
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt) {
             const int col0 = fragment_col(nt, 0);  // the thread's two columns col0, col0 + 1
             const float2 lse_pair = *reinterpret_cast<const float2*>(lse + col0);
             const float2 delta_pair = *reinterpret_cast<const float2*>(delta + col0);
+            // +inf for a query row without keys (lse = -inf): its P is 0, not NaN
             const float lse_log2[2] = {lse_pair.x == -INFINITY ? INFINITY : lse_pair.x * kLog2e,
                                        lse_pair.y == -INFINITY ? INFINITY : lse_pair.y * kLog2e};
             const float delta_col[2] = {delta_pair.x, delta_pair.y};
 #pragma unroll
             for (int c = 0; c < 4; ++c) {
-                bool visible = true;
-                if (masked) {
-                    const int query = step.first + col0 + (c & 1);
-                    visible = query < p.seq_q && row_reads[c >> 1];
-                    if (!kVertical && step.causal) visible = visible && query >= key_first + row0 + fragment_row(c);
-                }
-                const float prob = visible ? exp2f(fmaf(s[0][nt][c], scale_log2, -lse_log2[c & 1])) : 0.f;
+                const float prob = exp2f(fmaf(s[0][nt][c], scale_log2, -lse_log2[c & 1]));
                 s[0][nt][c] = prob;                                           // P^T
                 dp[0][nt][c] = prob * (dp[0][nt][c] - delta_col[c & 1]);     // dS^T / scale
             }
@@ -270,20 +280,20 @@ __global__ void __launch_bounds__(KeyKernelConfig<Arch, T, D, BS, kVertical>::kT
         auto scratch_row = [&](float* base, int row) -> float* {
             return row < key_count ? base + (entry0 + row) * D : nullptr;
         };
-        store_rows<1, D>(dk, row0, p.scale, [&](int row) { return scratch_row(p.vertical_dk, row); });
-        store_rows<1, D>(dv, row0, 1.f, [&](int row) { return scratch_row(p.vertical_dv, row); });
+        store_rows<1, D>(dk, row0, Arch::kSliceStride, p.scale, [&](int row) { return scratch_row(p.vertical_dk, row); });
+        store_rows<1, D>(dv, row0, Arch::kSliceStride, 1.f, [&](int row) { return scratch_row(p.vertical_dv, row); });
     } else {
         const size_t batch_heads = static_cast<size_t>(batch) * p.heads;
         SlashStepSource<BS> source{p.local_offsets + batch_heads * p.slash_len, p.num_offsets + batch_heads,
-                                   p.slash_len, kv_head * group, group, static_cast<int>(blockIdx.x),
+                                   p.slash_len, kv_head * group, group, key_first / BS, key_first,
                                    query_blocks, p.seq_q, p.q_rank == p.k_rank};
         run_two_stage_pipeline<QueryStep, Arch::kAsyncProxy>([&](QueryStep& step) { return source.next(step); }, issue, compute);
         auto key_out_row = [&](float* base, int row) -> float* {
             return row < key_count ? base + ((static_cast<size_t>(batch) * p.seq_k + key_first + row) * p.kv_heads + kv_head) * D
                                    : nullptr;
         };
-        store_rows<1, D>(dk, row0, p.scale, [&](int row) { return key_out_row(p.dk, row); });
-        store_rows<1, D>(dv, row0, 1.f, [&](int row) { return key_out_row(p.dv, row); });
+        store_rows<1, D>(dk, row0, Arch::kSliceStride, p.scale, [&](int row) { return key_out_row(p.dk, row); });
+        store_rows<1, D>(dv, row0, Arch::kSliceStride, 1.f, [&](int row) { return key_out_row(p.dv, row); });
         __syncthreads();  // this CTA's dk/dv rows are visible to all its threads from here
 
         // Add the vertical pass's partials for the vertical keys of this block, head by head.
@@ -334,7 +344,7 @@ cudaError_t launch_key_kernel(const AttentionParams& p, cudaStream_t stream) {
         if (ctas == 0) return cudaSuccess;
         grid = dim3(static_cast<unsigned>(ctas));
     } else {
-        grid = dim3(key_blocks, p.kv_heads, p.batch);
+        grid = dim3(key_blocks * Config::kSplits, p.kv_heads, p.batch);
     }
     kernel<<<grid, Config::kThreads, smem, stream>>>(p);
     return cudaGetLastError();

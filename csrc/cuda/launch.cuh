@@ -9,9 +9,6 @@
 
 namespace mtr {
 
-// Forward rows per warp: 32 rows (two 16-row MMA tiles) halve the shared-memory reads of K/V
-// fragments per MMA, as each fragment feeds both row tiles, at the price of registers. Block 64
-// keeps 16 rows per warp so that a CTA still has 4 warps.
 constexpr int kDeltaThreads = 256;
 
 __device__ __forceinline__ float to_float(__nv_bfloat16 value) { return __bfloat162float(value); }
@@ -40,13 +37,20 @@ __global__ void __launch_bounds__(kDeltaThreads) delta_kernel(const AttentionPar
     }
 }
 
+// Forward rows per warp: 32 rows (two 16-row slices, MA = 2) amortise each key tile's fragment
+// loads (mma.sync) or its loads and bookkeeping (wgmma: a 128-row CTA of one warpgroup) over
+// twice the rows, at the price of registers. Block 64 keeps 16 rows per warp.
+template <typename Arch, typename T, int D, int BS>
+cudaError_t forward_with(const AttentionParams& p, cudaStream_t stream) {
+    if constexpr (BS == 128) {
+        if (p.forward_rows_per_warp != 16) return launch_query_kernel<Arch, T, D, BS, 2, false>(p, stream);
+    }
+    return launch_query_kernel<Arch, T, D, BS, 1, false>(p, stream);
+}
+
 template <typename T, int D, int BS>
 cudaError_t forward_for_block(const AttentionParams& p, cudaStream_t stream) {
-    if (p.warpgroup_mma) return launch_query_kernel<WarpgroupMma, T, D, BS, 1, false>(p, stream);
-    if constexpr (BS == 128) {
-        if (p.forward_rows_per_warp != 16) return launch_query_kernel<WarpMma, T, D, BS, 2, false>(p, stream);
-    }
-    return launch_query_kernel<WarpMma, T, D, BS, 1, false>(p, stream);
+    return p.warpgroup_mma ? forward_with<WarpgroupMma, T, D, BS>(p, stream) : forward_with<WarpMma, T, D, BS>(p, stream);
 }
 
 // dK/dV (vertical pass first: it writes the scratch partials the slash pass adds), then dQ.

@@ -12,15 +12,18 @@ namespace mtr {
 
 template <typename Arch, typename T, int D, int BS, int MA, bool kBackward>
 struct QueryKernelConfig {
-    static constexpr int kWarps = BS / (16 * MA);
+    static constexpr int kRows = Arch::template kCtaRows<BS, MA>;  // query rows per CTA: all or part of a block
+    static constexpr int kSplits = BS / kRows;                   // CTAs per query block
+    static constexpr int kWarps = kRows / (16 * MA);
     static constexpr int kThreads = kWarps * 32;
     static constexpr int kListCapacity = 2048;
     static constexpr int kKeyTileElements = kKeyTile * D;
     static constexpr int kQueryTiles = kBackward ? 2 : 1;  // Q (and dO)
-    static_assert(BS % (16 * MA) == 0 && BS % kKeyTile == 0, "block size must split into warps and key tiles");
+    static_assert(BS % kRows == 0 && kRows % (16 * MA) == 0 && BS % kKeyTile == 0,
+                  "block size must split into CTAs, warps and key tiles");
 
     static size_t smem_bytes(int bit_words) {
-        return Arch::kTileAlignment + sizeof(T) * (static_cast<size_t>(kQueryTiles) * BS * D + 4 * kKeyTileElements) +
+        return Arch::kTileAlignment + sizeof(T) * (static_cast<size_t>(kQueryTiles) * kRows * D + 4 * kKeyTileElements) +
                sizeof(int) * (kListCapacity + 32) + sizeof(uint32_t) * bit_words;
     }
 };
@@ -33,20 +36,22 @@ __global__ void __launch_bounds__(QueryKernelConfig<Arch, T, D, BS, MA, kBackwar
     extern __shared__ __align__(128) unsigned char smem_raw[];
     unsigned char* smem = align_shared<Arch::kTileAlignment>(smem_raw);
     T* q_tile = reinterpret_cast<T*>(smem);
-    T* dout_tile = q_tile + BS * D;  // backward only
-    T* key_tiles = q_tile + Config::kQueryTiles * BS * D;
+    T* dout_tile = q_tile + Config::kRows * D;  // backward only
+    T* key_tiles = q_tile + Config::kQueryTiles * Config::kRows * D;
     T* value_tiles = key_tiles + 2 * Config::kKeyTileElements;
     int* key_list = reinterpret_cast<int*>(value_tiles + 2 * Config::kKeyTileElements);
     int* warp_counts = key_list + Config::kListCapacity;
     uint32_t* bits = reinterpret_cast<uint32_t*>(warp_counts + 32);
 
-    const int query_block = static_cast<int>(gridDim.x - 1 - blockIdx.x);  // late blocks read the most: start them first
+    const int cta = static_cast<int>(gridDim.x - 1 - blockIdx.x);  // late blocks read the most: start them first
+    const int query_block = cta / Config::kSplits;
     const int head = blockIdx.y;
     const int batch = blockIdx.z;
     const int kv_head = head / (p.heads / p.kv_heads);
     const int bh = batch * p.heads + head;
-    const int row0 = (threadIdx.x >> 5) * 16 * MA;  // this warp's first row in the block
-    const int query_first = query_block * BS;
+    const int row0 = Arch::template first_row<MA>();  // this warp's rows: row0 + ma * kSliceStride + 0..15
+    const int query_first = query_block * BS + cta % Config::kSplits * Config::kRows;
+    if (query_first >= p.seq_q) return;  // the empty part of a partial last block (uniform)
     const size_t q_stride = static_cast<size_t>(p.heads) * D;
     const size_t kv_stride = static_cast<size_t>(p.kv_heads) * D;
     // This CTA's rows of q/dout and its kv head's rows of k/v start at these pointers.
@@ -61,15 +66,15 @@ __global__ void __launch_bounds__(QueryKernelConfig<Arch, T, D, BS, MA, kBackwar
     auto query_row = [&](int row) -> long long {
         return row < query_rows ? static_cast<long long>(query_first + row) * q_stride : -1;
     };
-    load_rows_async<Arch, BS, D, kThreads, kBackward>(q_tile, dout_tile, q, dout, query_row);
+    load_rows_async<Arch, Config::kRows, D, kThreads, kBackward>(q_tile, dout_tile, q, dout, query_row);
     cp_async_commit();
 
     const int* offsets = p.local_offsets + static_cast<size_t>(bh) * p.slash_len;
     const int num_offsets = p.num_offsets[bh];
-    const int num_blocks = max(static_cast<int>(gridDim.x), (p.seq_k + BS - 1) / BS);
+    const int num_blocks = max((p.seq_q + BS - 1) / BS, (p.seq_k + BS - 1) / BS);
     build_offset_bits<kThreads>(bits, (num_blocks + 31) / 32, offsets, num_offsets);
 
-    KeyTileSource<BS, kThreads, Config::kListCapacity> source{query_block, bh};
+    KeyTileSource<BS, kThreads, Config::kListCapacity> source{query_block, query_first + Config::kRows - 1, bh};
 
     auto issue = [&](const KeyTile& tile, int buffer) {
         T* key_tile = key_tiles + buffer * Config::kKeyTileElements;
@@ -99,7 +104,7 @@ __global__ void __launch_bounds__(QueryKernelConfig<Arch, T, D, BS, MA, kBackwar
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             if constexpr (kBackward) {
-                const int t = query_first + row0 + ma * 16 + fragment_row(2 * half);
+                const int t = query_first + row0 + ma * Arch::kSliceStride + fragment_row(2 * half);
                 const float lse = t < p.seq_q ? p.lse_in[static_cast<size_t>(bh) * p.seq_q + t] : -INFINITY;
                 row_a[ma][half] = lse == -INFINITY ? INFINITY : lse * kLog2e;
                 row_b[ma][half] = t < p.seq_q ? p.delta[static_cast<size_t>(bh) * p.seq_q + t] : 0.f;
@@ -132,45 +137,50 @@ __global__ void __launch_bounds__(QueryKernelConfig<Arch, T, D, BS, MA, kBackwar
                             visible = col < tile.count;
                         } else {
                             const int key = tile.first + col;
-                            const int query = query_first + row0 + ma * 16 + fragment_row(c);
+                            const int query = query_first + row0 + ma * Arch::kSliceStride + fragment_row(c);
                             visible = key < p.seq_k && (!tile.causal || query >= key);
                         }
                         if (!visible) s[ma][nt][c] = -INFINITY;
                     }
         }
         if constexpr (!kBackward) {
+            // Both rows a thread owns (half = 0, 1) go through each step together: independent
+            // instructions interleave, and one vote decides the rescale of both.
 #pragma unroll
-            for (int ma = 0; ma < MA; ++ma)
+            for (int ma = 0; ma < MA; ++ma) {
+                float tile_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+                for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+                    for (int c = 0; c < 4; ++c) tile_max[c >> 1] = fmaxf(tile_max[c >> 1], s[ma][nt][c]);
+                float reference[2], rescale[2];
 #pragma unroll
                 for (int half = 0; half < 2; ++half) {
-                    float tile_max = -INFINITY;
-#pragma unroll
-                    for (int nt = 0; nt < 8; ++nt)
-                        tile_max = fmaxf(tile_max, fmaxf(s[ma][nt][2 * half], s[ma][nt][2 * half + 1]));
-                    tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
-                    tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
-                    const float new_max = fmaxf(row_a[ma][half], tile_max);  // unscaled
-                    const float reference = new_max == -INFINITY ? 0.f : new_max * scale_log2;  // no -inf - -inf
-                    const float rescale = exp2f(row_a[ma][half] * scale_log2 - reference);
+                    tile_max[half] = fmaxf(tile_max[half], __shfl_xor_sync(0xffffffffu, tile_max[half], 1));
+                    tile_max[half] = fmaxf(tile_max[half], __shfl_xor_sync(0xffffffffu, tile_max[half], 2));
+                    const float new_max = fmaxf(row_a[ma][half], tile_max[half]);  // unscaled
+                    reference[half] = new_max == -INFINITY ? 0.f : new_max * scale_log2;  // no -inf - -inf
+                    rescale[half] = exp2f(row_a[ma][half] * scale_log2 - reference[half]);
                     row_a[ma][half] = new_max;
-                    float tile_sum = 0.f;
-#pragma unroll
-                    for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-                        for (int c = 2 * half; c < 2 * half + 2; ++c) {
-                            const float prob = exp2f(fmaf(s[ma][nt][c], scale_log2, -reference));
-                            s[ma][nt][c] = prob;
-                            tile_sum += prob;
-                        }
-                    row_b[ma][half] = row_b[ma][half] * rescale + tile_sum;
-                    if (__any_sync(0xffffffffu, rescale != 1.f)) {  // most tiles leave every row max unchanged
-#pragma unroll
-                        for (int nt = 0; nt < D / 8; ++nt) {
-                            acc[ma][nt][2 * half] *= rescale;
-                            acc[ma][nt][2 * half + 1] *= rescale;
-                        }
-                    }
                 }
+                float tile_sum[2] = {0.f, 0.f};
+#pragma unroll
+                for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+                    for (int c = 0; c < 4; ++c) {
+                        const float prob = exp2f(fmaf(s[ma][nt][c], scale_log2, -reference[c >> 1]));
+                        s[ma][nt][c] = prob;
+                        tile_sum[c >> 1] += prob;
+                    }
+#pragma unroll
+                for (int half = 0; half < 2; ++half) row_b[ma][half] = row_b[ma][half] * rescale[half] + tile_sum[half];
+                if (__any_sync(0xffffffffu, rescale[0] != 1.f || rescale[1] != 1.f)) {  // most tiles change no row max
+#pragma unroll
+                    for (int nt = 0; nt < D / 8; ++nt)
+#pragma unroll
+                        for (int c = 0; c < 4; ++c) acc[ma][nt][c] *= rescale[c >> 1];
+                }
+            }
             Arch::template accumulate<MA, D>(acc, s, value_tile);
         } else {
             float dp[MA][8][4];
@@ -210,14 +220,14 @@ __global__ void __launch_bounds__(QueryKernelConfig<Arch, T, D, BS, MA, kBackwar
                     acc[ma][nt][2 * half] *= inverse;
                     acc[ma][nt][2 * half + 1] *= inverse;
                 }
-                const int t = query_first + row0 + ma * 16 + fragment_row(2 * half);
+                const int t = query_first + row0 + ma * Arch::kSliceStride + fragment_row(2 * half);
                 if ((threadIdx.x & 3) == 0 && t < p.seq_q)
                     p.lse[static_cast<size_t>(bh) * p.seq_q + t] =
                         sum > 0.f ? row_a[ma][half] * fabsf(p.scale) + logf(sum) : -INFINITY;
             }
-        store_rows<MA, D>(acc, row0, 1.f, [&](int row) { return query_out_row(p.out, row); });
+        store_rows<MA, D>(acc, row0, Arch::kSliceStride, 1.f, [&](int row) { return query_out_row(p.out, row); });
     } else {
-        store_rows<MA, D>(acc, row0, p.scale, [&](int row) { return query_out_row(p.dq, row); });
+        store_rows<MA, D>(acc, row0, Arch::kSliceStride, p.scale, [&](int row) { return query_out_row(p.dq, row); });
     }
 }
 
@@ -232,7 +242,7 @@ cudaError_t launch_query_kernel(const AttentionParams& p, cudaStream_t stream) {
     auto kernel = query_kernel<Arch, T, D, BS, MA, kBackward>;
     cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
     if (status != cudaSuccess) return status;
-    const dim3 grid(query_blocks, p.heads, p.batch);
+    const dim3 grid(query_blocks * Config::kSplits, p.heads, p.batch);
     kernel<<<grid, Config::kThreads, smem, stream>>>(p);
     return cudaGetLastError();
 }

@@ -96,6 +96,7 @@ struct KeyTile {
 template <int BS, int kThreads, int kListCapacity>
 struct KeyTileSource {
     int query_block;
+    int last_query;  // the CTA's last query row (local): later diagonal keys are all masked
     int bh;
 
     int offset_index = 0;
@@ -129,7 +130,7 @@ struct KeyTileSource {
                 sub_tile = 0;
                 ++offset_index;
             }
-            if (first >= p.seq_k) continue;  // the empty half of a partial last block
+            if (first >= p.seq_k || (causal && first > last_query)) continue;  // nothing visible in the tile
             tile = KeyTile{first, kKeyTile, false, causal};
             return true;
         }

@@ -255,6 +255,12 @@ __device__ __forceinline__ void gemm_pb(float (&acc)[MA][D / 8][4], const float 
 struct WarpMma {
     static constexpr bool kAsyncProxy = false;
     static constexpr int kTileAlignment = 128;
+    template <int BS, int MA>
+    static constexpr int kCtaRows = BS;  // a CTA owns a whole block (rows or keys)
+    // A warp owns 16 MA consecutive rows: slice ma starts at first_row + 16 ma.
+    static constexpr int kSliceStride = 16;
+    template <int MA>
+    static __device__ __forceinline__ int first_row() { return (threadIdx.x >> 5) * 16 * MA; }
     template <int D>
     static __device__ __forceinline__ int tile_offset(int row, int chunk) { return swizzled_offset<D>(row, chunk); }
     template <int MA, int D, typename T>
@@ -295,15 +301,16 @@ __device__ __forceinline__ void zero_fill(float (&acc)[MA][NT][4]) {
             for (int c = 0; c < 4; ++c) acc[ma][nt][c] = 0.f;
 }
 
-// Writes a warp's fp32 accumulator rows (scaled) to global rows row_pointer(local_row) (nullptr: skip).
+// Writes a warp's fp32 accumulator rows (scaled) to global rows row_pointer(local_row) (nullptr: skip);
+// slice ma of the warp starts at row row0 + ma * slice_stride.
 template <int MA, int D, typename RowPointer>
-__device__ __forceinline__ void store_rows(const float (&acc)[MA][D / 8][4], int row0, float scale,
+__device__ __forceinline__ void store_rows(const float (&acc)[MA][D / 8][4], int row0, int slice_stride, float scale,
                                            RowPointer row_pointer) {
 #pragma unroll
     for (int ma = 0; ma < MA; ++ma)
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-            float* dst = row_pointer(row0 + ma * 16 + fragment_row(2 * half));
+            float* dst = row_pointer(row0 + ma * slice_stride + fragment_row(2 * half));
             if (dst == nullptr) continue;
 #pragma unroll
             for (int nt = 0; nt < D / 8; ++nt) {

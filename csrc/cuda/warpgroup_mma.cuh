@@ -65,52 +65,66 @@ __device__ __forceinline__ void fence_accumulators(float (&d)[N]) {
 struct WarpgroupMma {
     static constexpr bool kAsyncProxy = true;
     static constexpr int kTileAlignment = 1024;  // the swizzle repeats every 1024 bytes
+    // One warpgroup per CTA, 64 MA rows: a warp owns 16 rows of each 64-row wgmma tile ma
+    // (MA = 2 amortises a key tile's loads and bookkeeping over 128 rows). With MA = 1 a 128-block
+    // takes two CTAs, which run out of step on an SM where one CTA's two warpgroups would run in
+    // lockstep between their shared barriers.
+    template <int BS, int MA>
+    static constexpr int kCtaRows = 64 * MA;
+    static constexpr int kSliceStride = 64;
+    template <int MA>
+    static __device__ __forceinline__ int first_row() { return (threadIdx.x >> 5) * 16; }
 
     template <int D>
     static __device__ __forceinline__ int tile_offset(int row, int chunk) {
         return (row >> 3) * 8 * D + (chunk >> 3) * 512 + (row & 7) * 64 + (((chunk & 7) ^ (row & 7)) << 3);
     }
 
-    // acc (this warp's 16 rows x 64) += A[rows of the warp's warpgroup] B^T over D, B a 64-row tile.
+    // acc[ma] (this warp's 16 rows of A tile ma x 64) += A[64 ma..] B^T over D, B a 64-row tile.
     template <int MA, int D, typename T>
-    static __device__ __forceinline__ void scores(float (&acc)[MA][8][4], const T* a_tile, int row0, const T* b_tile) {
-        static_assert(MA == 1, "a warp owns 16 rows of its warpgroup's 64");
+    static __device__ __forceinline__ void scores(float (&acc)[MA][8][4], const T* a_tile, int, const T* b_tile) {
         using Atom = typename WgmmaAtoms<T, 64>::Scores;
         constexpr uint32_t kGroupBytes = 16 * D;  // 8 rows
-        float(&d)[32] = reinterpret_cast<float(&)[32]>(acc[0]);
-        const uint32_t a = smem_address(a_tile) + (row0 & ~63) * 2 * D;
+        float(&d)[MA * 32] = reinterpret_cast<float(&)[MA * 32]>(acc);
+        const uint32_t a = smem_address(a_tile);
         const uint32_t b = smem_address(b_tile);
         fence_accumulators(d);
         cute::warpgroup_arrive();
 #pragma unroll
-        for (int kc = 0; kc < D / 16; ++kc) {
-            const uint32_t k_bytes = (kc >> 2) * 1024 + (kc & 3) * 32;  // atom, then 32 bytes per 16 elements
-            wgmma_ss<Atom>(swizzle128_descriptor(a + k_bytes, 16, kGroupBytes),
-                           swizzle128_descriptor(b + k_bytes, 16, kGroupBytes), d, std::make_index_sequence<32>{});
-        }
+        for (int ma = 0; ma < MA; ++ma)
+#pragma unroll
+            for (int kc = 0; kc < D / 16; ++kc) {
+                const uint32_t k_bytes = (kc >> 2) * 1024 + (kc & 3) * 32;  // atom, then 32 bytes per 16 elements
+                wgmma_ss<Atom>(swizzle128_descriptor(a + ma * 8 * kGroupBytes + k_bytes, 16, kGroupBytes),
+                               swizzle128_descriptor(b + k_bytes, 16, kGroupBytes),
+                               reinterpret_cast<float(&)[32]>(acc[ma]), std::make_index_sequence<32>{});
+            }
         cute::warpgroup_commit_batch();
         cute::warpgroup_wait<0>();
         fence_accumulators(d);
     }
 
-    // acc (this warp's 16 rows x D) += P (16 rows x 64, rounded to T) B, B a [64][D] tile.
+    // acc[ma] (this warp's 16 rows of tile ma x D) += P[ma] (16 rows x 64, rounded to T) B, B a [64][D] tile.
     template <int MA, int D, typename T>
     static __device__ __forceinline__ void accumulate(float (&acc)[MA][D / 8][4], const float (&p)[MA][8][4],
                                                       const T* b_tile) {
-        static_assert(MA == 1, "a warp owns 16 rows of its warpgroup's 64");
         using Atom = typename WgmmaAtoms<T, D>::Accumulate;
         constexpr uint32_t kGroupBytes = 16 * D;  // 8 rows
-        uint32_t a[4][4];
+        uint32_t a[MA][4][4];
 #pragma unroll
-        for (int kc = 0; kc < 4; ++kc) pack_a_fragment<T>(a[kc], p[0], kc);
-        float(&d)[D / 2] = reinterpret_cast<float(&)[D / 2]>(acc[0]);
+        for (int ma = 0; ma < MA; ++ma)
+#pragma unroll
+            for (int kc = 0; kc < 4; ++kc) pack_a_fragment<T>(a[ma][kc], p[ma], kc);
+        float(&d)[MA * D / 2] = reinterpret_cast<float(&)[MA * D / 2]>(acc);
         const uint32_t b = smem_address(b_tile);
         fence_accumulators(d);
         cute::warpgroup_arrive();
 #pragma unroll
-        for (int kc = 0; kc < 4; ++kc)  // 16 rows of B (two 8-row groups) per step; atoms 1024 bytes apart along D
-            wgmma_rs<Atom>(a[kc], swizzle128_descriptor(b + kc * 2 * kGroupBytes, 1024, kGroupBytes), d,
-                           std::make_index_sequence<D / 2>{});
+        for (int ma = 0; ma < MA; ++ma)
+#pragma unroll
+            for (int kc = 0; kc < 4; ++kc)  // 16 rows of B (two 8-row groups) per step; atoms 1024 bytes apart along D
+                wgmma_rs<Atom>(a[ma][kc], swizzle128_descriptor(b + kc * 2 * kGroupBytes, 1024, kGroupBytes),
+                               reinterpret_cast<float(&)[D / 2]>(acc[ma]), std::make_index_sequence<D / 2>{});
         cute::warpgroup_commit_batch();
         cute::warpgroup_wait<0>();
         fence_accumulators(d);
