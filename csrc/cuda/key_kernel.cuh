@@ -190,11 +190,10 @@ __global__ void __launch_bounds__(KeyKernelConfig<Arch, T, D, BS, kVertical>::kT
     auto issue = [&](const QueryStep& step, int buffer) {
         const size_t head_start = batch_start + step.head * D;
         const int query_rows = p.seq_q - step.first;
-        const long long first = static_cast<long long>(step.first) * q_stride;
-        load_rows_async<Arch, kQueryStep, D, kThreads, true>(
+        const size_t first = head_start + static_cast<size_t>(step.first) * q_stride;
+        load_consecutive_rows_async<Arch, kQueryStep, D, kThreads, true>(
             query_tiles + buffer * Config::kStepElements, dout_tiles + buffer * Config::kStepElements,
-            static_cast<const T*>(p.q) + head_start, static_cast<const T*>(p.dout) + head_start,
-            [&](int row) -> long long { return row < query_rows ? first + row * static_cast<long long>(q_stride) : -1; });
+            static_cast<const T*>(p.q) + first, static_cast<const T*>(p.dout) + first, q_stride, query_rows);
         if (threadIdx.x < kQueryStep) {
             const size_t bh = static_cast<size_t>(batch) * p.heads + step.head;
             const bool valid = threadIdx.x < query_rows;

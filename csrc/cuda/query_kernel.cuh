@@ -63,10 +63,9 @@ __global__ void __launch_bounds__(QueryKernelConfig<Arch, T, D, BS, MA, kBackwar
     const T* v = static_cast<const T*>(p.v) + kv_head_start;
 
     const int query_rows = p.seq_q - query_first;
-    auto query_row = [&](int row) -> long long {
-        return row < query_rows ? static_cast<long long>(query_first + row) * q_stride : -1;
-    };
-    load_rows_async<Arch, Config::kRows, D, kThreads, kBackward>(q_tile, dout_tile, q, dout, query_row);
+    const size_t query_start = static_cast<size_t>(query_first) * q_stride;
+    load_consecutive_rows_async<Arch, Config::kRows, D, kThreads, kBackward>(
+        q_tile, dout_tile, q + query_start, kBackward ? dout + query_start : nullptr, q_stride, query_rows);
     cp_async_commit();
 
     const int* offsets = p.local_offsets + static_cast<size_t>(bh) * p.slash_len;
@@ -84,11 +83,9 @@ __global__ void __launch_bounds__(QueryKernelConfig<Arch, T, D, BS, MA, kBackwar
                 return row < tile.count ? static_cast<long long>(key_list[tile.first + row]) * kv_stride : -1;
             });
         } else {
-            const int key_rows = p.seq_k - tile.first;
-            const long long first = static_cast<long long>(tile.first) * kv_stride;
-            load_rows_async<Arch, kKeyTile, D, kThreads, true>(key_tile, value_tile, k, v, [&](int row) -> long long {
-                return row < key_rows ? first + row * static_cast<long long>(kv_stride) : -1;
-            });
+            const size_t first = static_cast<size_t>(tile.first) * kv_stride;
+            load_consecutive_rows_async<Arch, kKeyTile, D, kThreads, true>(key_tile, value_tile, k + first, v + first,
+                                                                         kv_stride, p.seq_k - tile.first);
         }
     };
 

@@ -87,6 +87,29 @@ __device__ __forceinline__ void load_rows_async(T* tile_a, T* tile_b, const T* b
     }
 }
 
+// load_rows_async for consecutive rows: row r sits at element offset r * stride from each base,
+// rows >= valid_rows are zero-filled. A thread's chunk and swizzle stay fixed across steps (a step
+// moves a multiple of 8 rows), so the per-step work is a pointer increment and an immediate offset.
+template <typename Arch, int kRows, int D, int kThreads, bool kPair, typename T>
+__device__ __forceinline__ void load_consecutive_rows_async(T* tile_a, T* tile_b, const T* base_a, const T* base_b,
+                                                            long long stride, int valid_rows) {
+    constexpr int kChunks = D / 8;
+    constexpr int kRowsPerStep = kThreads / kChunks;
+    static_assert(kThreads % kChunks == 0 && kRows % kRowsPerStep == 0 && kRowsPerStep % 8 == 0,
+                  "rows must split evenly over the threads, 8 rows at a time");
+    const int chunk = threadIdx.x % kChunks;
+    const int row_first = threadIdx.x / kChunks;
+    const int destination = Arch::template tile_offset<D>(row_first, chunk);
+    const long long source = row_first * stride + chunk * 8;
+#pragma unroll
+    for (int step = 0; step < kRows / kRowsPerStep; ++step) {
+        const bool valid = row_first + step * kRowsPerStep < valid_rows;
+        const long long element = valid ? source + step * kRowsPerStep * stride : 0;
+        cp_async_16(tile_a + destination + step * kRowsPerStep * D, base_a + element, valid);
+        if constexpr (kPair) cp_async_16(tile_b + destination + step * kRowsPerStep * D, base_b + element, valid);
+    }
+}
+
 // Makes this thread's completed shared-memory writes (cp.async included) visible to the async
 // proxy, i.e. to wgmma reading them through descriptors; a CTA barrier must follow.
 __device__ __forceinline__ void fence_async_proxy() {
