@@ -63,50 +63,55 @@ __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
 }
 
+// How a CTA's kThreads threads split a kRows x D tile load: each thread keeps one 16-byte chunk
+// column and takes every kRowsPerStep-th row. A step moves a multiple of 8 rows, so the swizzle
+// stays fixed and the destination grows by whole rows.
+template <typename Arch, int kRows, int D, int kThreads>
+struct RowLoadPlan {
+    static constexpr int kChunks = D / 8;
+    static constexpr int kRowsPerStep = kThreads / kChunks;
+    static constexpr int kSteps = kRows / kRowsPerStep;
+    static_assert(kThreads % kChunks == 0 && kRows % kRowsPerStep == 0 && kRowsPerStep % 8 == 0,
+                  "rows must split evenly over the threads, 8 rows at a time");
+    int chunk = threadIdx.x % kChunks;
+    int row_first = threadIdx.x / kChunks;
+    int destination = Arch::template tile_offset<D>(row_first, chunk);  // of step 0
+
+    __device__ __forceinline__ int row(int step) const { return row_first + step * kRowsPerStep; }
+    __device__ __forceinline__ int destination_of(int step) const { return destination + step * kRowsPerStep * D; }
+};
+
 // Loads kRows rows of one or two [rows][D] tensors (e.g. K and V, which share row positions)
 // into tiles laid out by Arch::tile_offset: row_offset(row) is the row's element offset from each
-// base, or -1 for a row to zero-fill. Each thread keeps one 16-byte chunk column, so the per-row
-// work is one offset per tensor pair. All kThreads threads of the CTA take part.
+// base, or -1 for a row to zero-fill. All kThreads threads of the CTA take part.
 template <typename Arch, int kRows, int D, int kThreads, bool kPair, typename T, typename RowOffset>
 __device__ __forceinline__ void load_rows_async(T* tile_a, T* tile_b, const T* base_a, const T* base_b,
                                                 RowOffset row_offset) {
-    constexpr int kChunks = D / 8;
-    constexpr int kRowsPerStep = kThreads / kChunks;
-    static_assert(kThreads % kChunks == 0 && kRows % kRowsPerStep == 0, "rows must split evenly over the threads");
-    const int chunk = threadIdx.x % kChunks;
-    const int row_first = threadIdx.x / kChunks;
+    const RowLoadPlan<Arch, kRows, D, kThreads> plan;
 #pragma unroll
-    for (int step = 0; step < kRows / kRowsPerStep; ++step) {
-        const int row = row_first + step * kRowsPerStep;
-        const long long offset = row_offset(row);
+    for (int step = 0; step < plan.kSteps; ++step) {
+        const long long offset = row_offset(plan.row(step));
         const bool valid = offset >= 0;
-        const long long element = valid ? offset + chunk * 8 : 0;
-        const int destination = Arch::template tile_offset<D>(row, chunk);
-        cp_async_16(tile_a + destination, base_a + element, valid);
-        if constexpr (kPair) cp_async_16(tile_b + destination, base_b + element, valid);
+        const long long element = valid ? offset + plan.chunk * 8 : 0;
+        cp_async_16(tile_a + plan.destination_of(step), base_a + element, valid);
+        if constexpr (kPair) cp_async_16(tile_b + plan.destination_of(step), base_b + element, valid);
     }
 }
 
 // load_rows_async for consecutive rows: row r sits at element offset r * stride from each base,
-// rows >= valid_rows are zero-filled. A thread's chunk and swizzle stay fixed across steps (a step
-// moves a multiple of 8 rows), so the per-step work is a pointer increment and an immediate offset.
+// rows >= valid_rows are zero-filled. The source is a per-thread offset plus step * a constant
+// (no per-row 64-bit multiply, which the compiler keeps for a generic row_offset).
 template <typename Arch, int kRows, int D, int kThreads, bool kPair, typename T>
 __device__ __forceinline__ void load_consecutive_rows_async(T* tile_a, T* tile_b, const T* base_a, const T* base_b,
                                                             long long stride, int valid_rows) {
-    constexpr int kChunks = D / 8;
-    constexpr int kRowsPerStep = kThreads / kChunks;
-    static_assert(kThreads % kChunks == 0 && kRows % kRowsPerStep == 0 && kRowsPerStep % 8 == 0,
-                  "rows must split evenly over the threads, 8 rows at a time");
-    const int chunk = threadIdx.x % kChunks;
-    const int row_first = threadIdx.x / kChunks;
-    const int destination = Arch::template tile_offset<D>(row_first, chunk);
-    const long long source = row_first * stride + chunk * 8;
+    const RowLoadPlan<Arch, kRows, D, kThreads> plan;
+    const long long source = plan.row_first * stride + plan.chunk * 8;
 #pragma unroll
-    for (int step = 0; step < kRows / kRowsPerStep; ++step) {
-        const bool valid = row_first + step * kRowsPerStep < valid_rows;
-        const long long element = valid ? source + step * kRowsPerStep * stride : 0;
-        cp_async_16(tile_a + destination + step * kRowsPerStep * D, base_a + element, valid);
-        if constexpr (kPair) cp_async_16(tile_b + destination + step * kRowsPerStep * D, base_b + element, valid);
+    for (int step = 0; step < plan.kSteps; ++step) {
+        const bool valid = plan.row(step) < valid_rows;
+        const long long element = valid ? source + step * plan.kRowsPerStep * stride : 0;
+        cp_async_16(tile_a + plan.destination_of(step), base_a + element, valid);
+        if constexpr (kPair) cp_async_16(tile_b + plan.destination_of(step), base_b + element, valid);
     }
 }
 
