@@ -62,6 +62,17 @@ __device__ __forceinline__ void fence_accumulators(float (&d)[N]) {
     for (int i = 0; i < N; ++i) cute::warpgroup_fence_operand(d[i]);
 }
 
+// One batch of wgmma into the accumulators d: issue() issues them; returns when they completed.
+template <int N, typename Issue>
+__device__ __forceinline__ void wgmma_batch(float (&d)[N], Issue issue) {
+    fence_accumulators(d);
+    cute::warpgroup_arrive();
+    issue();
+    cute::warpgroup_commit_batch();
+    cute::warpgroup_wait<0>();
+    fence_accumulators(d);
+}
+
 struct WarpgroupMma {
     static constexpr bool kAsyncProxy = true;
     static constexpr int kTileAlignment = 1024;  // the swizzle repeats every 1024 bytes
@@ -81,27 +92,24 @@ struct WarpgroupMma {
     }
 
     // acc[ma] (this warp's 16 rows of A tile ma x 64) += A[64 ma..] B^T over D, B a 64-row tile.
+    // The CTA is one warpgroup, so its A tiles start at row 0 (the warp's first row is not needed).
     template <int MA, int D, typename T>
     static __device__ __forceinline__ void scores(float (&acc)[MA][8][4], const T* a_tile, int, const T* b_tile) {
         using Atom = typename WgmmaAtoms<T, 64>::Scores;
         constexpr uint32_t kGroupBytes = 16 * D;  // 8 rows
-        float(&d)[MA * 32] = reinterpret_cast<float(&)[MA * 32]>(acc);
         const uint32_t a = smem_address(a_tile);
         const uint32_t b = smem_address(b_tile);
-        fence_accumulators(d);
-        cute::warpgroup_arrive();
+        wgmma_batch(reinterpret_cast<float(&)[MA * 32]>(acc), [&] {
 #pragma unroll
-        for (int ma = 0; ma < MA; ++ma)
+            for (int ma = 0; ma < MA; ++ma)
 #pragma unroll
-            for (int kc = 0; kc < D / 16; ++kc) {
-                const uint32_t k_bytes = (kc >> 2) * 1024 + (kc & 3) * 32;  // atom, then 32 bytes per 16 elements
-                wgmma_ss<Atom>(swizzle128_descriptor(a + ma * 8 * kGroupBytes + k_bytes, 16, kGroupBytes),
-                               swizzle128_descriptor(b + k_bytes, 16, kGroupBytes),
-                               reinterpret_cast<float(&)[32]>(acc[ma]), std::make_index_sequence<32>{});
-            }
-        cute::warpgroup_commit_batch();
-        cute::warpgroup_wait<0>();
-        fence_accumulators(d);
+                for (int kc = 0; kc < D / 16; ++kc) {
+                    const uint32_t k_bytes = (kc >> 2) * 1024 + (kc & 3) * 32;  // atom, then 32 bytes per 16 elements
+                    wgmma_ss<Atom>(swizzle128_descriptor(a + ma * 8 * kGroupBytes + k_bytes, 16, kGroupBytes),
+                                   swizzle128_descriptor(b + k_bytes, 16, kGroupBytes),
+                                   reinterpret_cast<float(&)[32]>(acc[ma]), std::make_index_sequence<32>{});
+                }
+        });
     }
 
     // acc[ma] (this warp's 16 rows of tile ma x D) += P[ma] (16 rows x 64, rounded to T) B, B a [64][D] tile.
@@ -115,19 +123,15 @@ struct WarpgroupMma {
         for (int ma = 0; ma < MA; ++ma)
 #pragma unroll
             for (int kc = 0; kc < 4; ++kc) pack_a_fragment<T>(a[ma][kc], p[ma], kc);
-        float(&d)[MA * D / 2] = reinterpret_cast<float(&)[MA * D / 2]>(acc);
         const uint32_t b = smem_address(b_tile);
-        fence_accumulators(d);
-        cute::warpgroup_arrive();
+        wgmma_batch(reinterpret_cast<float(&)[MA * D / 2]>(acc), [&] {
 #pragma unroll
-        for (int ma = 0; ma < MA; ++ma)
+            for (int ma = 0; ma < MA; ++ma)
 #pragma unroll
-            for (int kc = 0; kc < 4; ++kc)  // 16 rows of B (two 8-row groups) per step; atoms 1024 bytes apart along D
-                wgmma_rs<Atom>(a[ma][kc], swizzle128_descriptor(b + kc * 2 * kGroupBytes, 1024, kGroupBytes),
-                               reinterpret_cast<float(&)[D / 2]>(acc[ma]), std::make_index_sequence<D / 2>{});
-        cute::warpgroup_commit_batch();
-        cute::warpgroup_wait<0>();
-        fence_accumulators(d);
+                for (int kc = 0; kc < 4; ++kc)  // 16 rows of B (two 8-row groups) per step; atoms 1024 bytes apart along D
+                    wgmma_rs<Atom>(a[ma][kc], swizzle128_descriptor(b + kc * 2 * kGroupBytes, 1024, kGroupBytes),
+                                   reinterpret_cast<float(&)[D / 2]>(acc[ma]), std::make_index_sequence<D / 2>{});
+        });
     }
 };
 
