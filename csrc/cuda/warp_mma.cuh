@@ -1,9 +1,11 @@
 // Warp-level building blocks: cp.async tile loads into swizzled shared memory, ldmatrix fragment
-// loads, and the m16n8k16 tensor-core MMA (mma.sync, sm_80 and later, including sm_90).
+// loads, the m16n8k16 tensor-core MMA (mma.sync, sm_80 and later, including sm_90), the
+// two-stage load pipeline, and WarpMma, the mma.sync tensor-core policy of the kernels
+// (warpgroup_mma.cuh has the wgmma one, WarpgroupMma, with the same members).
 //
-// Shared-memory tiles are row-major [rows][D] of 16-bit elements with the 16-byte chunks of each
-// row XOR-swizzled by (row % 8), so that the 8 row addresses of one ldmatrix and the 16-byte
-// cp.async stores of a warp hit distinct banks.
+// WarpMma's shared-memory tiles are row-major [rows][D] of 16-bit elements with the 16-byte
+// chunks of each row XOR-swizzled by (row % 8), so that the 8 row addresses of one ldmatrix and
+// the 16-byte cp.async stores of a warp hit distinct banks.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -280,6 +282,9 @@ __device__ __forceinline__ void gemm_pb(float (&acc)[MA][D / 8][4], const float 
 
 // The mma.sync path (sm_80 and later): each warp loads its own fragments with ldmatrix from
 // row-swizzled tiles, so tiles need no special alignment and shared memory needs no proxy fence.
+// A policy gives the kernels: the CTA's rows (kCtaRows), a warp's rows (first_row, kSliceStride),
+// the tile layout (tile_offset, kTileAlignment, kAsyncProxy), S = A B^T (scores) and acc += P B
+// (accumulate).
 struct WarpMma {
     static constexpr bool kAsyncProxy = false;
     static constexpr int kTileAlignment = 128;
