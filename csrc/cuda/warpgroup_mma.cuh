@@ -13,6 +13,7 @@
 // MN-major (the contraction over rows, N = D: O += P V, dQ += dS K, dV += P^T dO, dK += dS^T Q).
 #pragma once
 
+#include <type_traits>
 #include <utility>
 
 #include <cute/arch/mma_sm90_gmma.hpp>
