@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # One device call: build the CUDA op through the op builder, run the GPU tests, compute-sanitizer
-# (memcheck + racecheck) on a small case, the kernel benchmark, the mma.sync path's benchmark at
-# 128K (DS_MTRAINING_CUDA_MMA=warp; Hopper runs wgmma by default) and an ncu profile of each kernel at 128K. Logs and JSON go to $OUT (default
+# (memcheck + racecheck) on a small case, the kernel benchmark, other kernel paths' benchmark at
+# 128K (VARIANTS, default: mma.sync and wgmma without TMA; Hopper runs wgmma with TMA by default)
+# and an ncu profile of each kernel at 128K. Logs and JSON go to $OUT (default
 # ./gpu_check_out, at most 8 files); a short summary is printed last.
 #
 #   device run, carry .whl:  bash scripts/gpu_check.sh
 #   BENCH_ARGS="--seq-lens 131072" bash scripts/gpu_check.sh      # a shorter benchmark
+#   VARIANTS="no_tma:DS_MTRAINING_CUDA_TMA=0" bash scripts/gpu_check.sh   # one other path only
 #   SKIP_TESTS=1 / SKIP_SANITIZER=1 / SKIP_BENCH=1 / SKIP_VARIANT=1 / SKIP_NCU=1
 #   DIAGNOSE_OSTREAM=1: toolchain, libstdc++ linkage and a number-formatting probe (diagnose.log)
-# (with the ncu stage the call returns 9 files; the device tool returns 8, so skip one stage)
+# (each variant and the ncu stage add a file; the device tool returns 8, so trim VARIANTS or skip a stage)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_check_out}
@@ -176,9 +178,13 @@ if [ -z "${SKIP_BENCH:-}" ]; then
 fi
 
 if [ -z "${SKIP_VARIANT:-}" ]; then
-  DS_MTRAINING_CUDA_MMA=warp stage mma.sync 120 "$OUT/bench.log" python3 -m ds_mtraining.bench.kernel \
-    --seq-lens 131072 --skip-flex --skip-dense --repeats 5 --out "$OUT/kernel_h200_mma_sync.json"
-  tail -8 "$OUT/bench.log"
+  # Other kernel paths at 128K, each NAME:ENV_ASSIGNMENT writing kernel_h200_NAME.json.
+  for variant in ${VARIANTS:-mma_sync:DS_MTRAINING_CUDA_MMA=warp no_tma:DS_MTRAINING_CUDA_TMA=0}; do
+    name=${variant%%:*}
+    stage "$name" 120 "$OUT/bench.log" env "${variant#*:}" python3 -m ds_mtraining.bench.kernel \
+      --seq-lens 131072 --skip-flex --skip-dense --repeats 5 --out "$OUT/kernel_h200_$name.json"
+    tail -8 "$OUT/bench.log"
+  done
 fi
 
 if [ -z "${SKIP_NCU:-}" ]; then

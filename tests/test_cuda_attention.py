@@ -108,18 +108,22 @@ def test_forward_row_tilings_agree(rows_per_warp, monkeypatch):
     assert float((lse.double() - ref_lse).abs().max()) < 5e-2
 
 
-@pytest.mark.parametrize("mma", ["warp", "auto"])
-def test_tensor_core_paths_agree(mma, monkeypatch):
-    """Both tensor-core paths (mma.sync; wgmma on Hopper, else mma.sync again) match the reference,
-    forward and gradients, at both head dims and block sizes."""
+@pytest.mark.parametrize("mma, tma", [("warp", "1"), ("auto", "1"), ("auto", "0")])
+def test_tensor_core_paths_agree(mma, tma, monkeypatch):
+    """Every kernel path (mma.sync; wgmma on Hopper, else mma.sync again; with TMA copies of the
+    contiguous tiles or cp.async only) matches the reference, forward and gradients, at both head
+    dims and block sizes."""
     monkeypatch.setenv("DS_MTRAINING_CUDA_MMA", mma)
+    monkeypatch.setenv("DS_MTRAINING_CUDA_TMA", tma)
+    paths = ops.op_module("cuda").kernel_paths(torch.cuda.current_device())
+    assert paths["tma"] == (paths["tensor_cores"] == "wgmma" and tma == "1")
     for dim, block, dtype in ((128, 128, torch.bfloat16), (64, 64, torch.float16)):
         generator = torch.Generator().manual_seed(dim + block)
         q, k, v = random_qkv(1, 1500, 4, 2, dim, dtype, generator)
         index = random_index(1, 4, 1500, block, 4, 120, generator)
         dout = torch.randn(1, 1500, 4, dim, generator=generator).to("cuda", dtype)
         reference = reference_with_grads(q, k, v, index.to_dense_mask().cuda(), dout, 0.1)
-        assert_matches(kernel_with_grads(q, k, v, index, dout, 0.1), reference, f"{mma} D{dim} bs{block}")
+        assert_matches(kernel_with_grads(q, k, v, index, dout, 0.1), reference, f"{paths} D{dim} bs{block}")
 
 
 def merge(outs, lses):

@@ -1,7 +1,7 @@
 // Torch binding of the CUDA sparse attention kernels (docs/KERNEL_CONTRACT.md): tensor checks,
 // output and scratch allocation, then raw pointers, sizes and the current stream to the kernels
-// (which include no ATen header). Exposes forward, backward and step_index (the per-call index
-// lists, for tests and the benchmark).
+// (which include no ATen header). Exposes forward, backward, step_index (the per-call index
+// lists, for tests and the benchmark) and kernel_paths (which kernels a call takes).
 #include <torch/extension.h>
 
 #include <ATen/cuda/CUDAContext.h>
@@ -26,6 +26,21 @@ void check_status(cudaError_t status, const char* what) {
 struct StepLists {
     at::Tensor local_offsets, num_offsets, local_keys, num_keys;
 };
+
+// Which kernels run on `device`: wgmma (sm_90a) on compute capability 9.x, unless
+// DS_MTRAINING_CUDA_MMA=warp forces mma.sync; on the wgmma path TMA copies contiguous tiles unless
+// DS_MTRAINING_CUDA_TMA=0 (the benchmark compares all three).
+struct KernelPaths {
+    bool warpgroup_mma;
+    bool tma;
+};
+
+KernelPaths kernel_paths_for(int device) {
+    const char* mma = std::getenv("DS_MTRAINING_CUDA_MMA");
+    const char* tma = std::getenv("DS_MTRAINING_CUDA_TMA");
+    const bool warpgroup = at::cuda::getDeviceProperties(device)->major == 9 && !(mma && std::string(mma) == "warp");
+    return {warpgroup, warpgroup && !(tma && std::string(tma) == "0")};
+}
 
 // Checks a call (shared with the CPU op), then the CUDA-only limits, and fills the params.
 mtr::AttentionParams make_params(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -81,9 +96,16 @@ mtr::AttentionParams make_params(const at::Tensor& q, const at::Tensor& k, const
     p.q_rank = static_cast<int>(q_rank);
     p.k_rank = static_cast<int>(k_rank);
     if (const char* rows = std::getenv("DS_MTRAINING_CUDA_FORWARD_ROWS")) p.forward_rows_per_warp = std::atoi(rows);
-    const char* mma = std::getenv("DS_MTRAINING_CUDA_MMA");
-    p.warpgroup_mma = at::cuda::getDeviceProperties(q.get_device())->major == 9 && !(mma && std::string(mma) == "warp");
+    p.warpgroup_mma = kernel_paths_for(q.get_device()).warpgroup_mma;
     return p;
+}
+
+// Encodes the TMA tensor maps when this device's path uses TMA; call once p.q/k/v (and p.dout, in
+// the backward) are set.
+void enable_tma(mtr::AttentionParams& p, const at::Tensor& q) {
+    if (!kernel_paths_for(q.get_device()).tma) return;
+    const mtr::DType dtype = q.scalar_type() == at::kBFloat16 ? mtr::DType::kBF16 : mtr::DType::kFP16;
+    check_status(mtr::encode_tensor_maps(p, dtype), "encoding the TMA tensor maps of q/k/v/dout");
 }
 
 template <typename Run>
@@ -111,6 +133,7 @@ std::vector<at::Tensor> forward(const at::Tensor& q_in, const at::Tensor& k_in, 
     at::Tensor lse = at::empty({q.size(0), q.size(2), q.size(1)}, float_options);
     p.out = out.data_ptr<float>();
     p.lse = lse.data_ptr<float>();
+    enable_tma(p, q);
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
     check_status(mtr::build_step_index(p, stream), "build_step_index");
     check_status(dispatch(q, [&](auto dtype, auto dim) { return mtr::run_forward<decltype(dtype)::value, decltype(dim)::value>(p, stream); }),
@@ -152,6 +175,7 @@ std::vector<at::Tensor> backward(const at::Tensor& dout_in, const at::Tensor& q_
     p.delta = delta.data_ptr<float>();
     p.vertical_dk = vertical_dk.data_ptr<float>();
     p.vertical_dv = vertical_dv.data_ptr<float>();
+    enable_tma(p, q);
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
     check_status(mtr::build_step_index(p, stream), "build_step_index");
     check_status(dispatch(q, [&](auto dtype, auto dim) { return mtr::run_backward<decltype(dtype)::value, decltype(dim)::value>(p, stream); }),
@@ -200,6 +224,15 @@ std::vector<at::Tensor> step_index(const at::Tensor& slash, const at::Tensor& sl
     return {lists.local_offsets, lists.num_offsets, lists.local_keys, lists.num_keys};
 }
 
+// The kernel paths a call on CUDA device `device` takes: {"tensor_cores": "wgmma" | "mma.sync", "tma": bool}.
+py::dict kernel_paths(int64_t device) {
+    const KernelPaths paths = kernel_paths_for(static_cast<int>(device));
+    py::dict result;
+    result["tensor_cores"] = paths.warpgroup_mma ? "wgmma" : "mma.sync";
+    result["tma"] = paths.tma;
+    return result;
+}
+
 }  // namespace
 }  // namespace mtraining
 
@@ -212,6 +245,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("slash"),
           py::arg("slash_count"), py::arg("vertical"), py::arg("vertical_count"), py::arg("block_size"),
           py::arg("scale"), py::arg("world"), py::arg("q_rank"), py::arg("k_rank"));
+    m.def("kernel_paths", &mtraining::kernel_paths, "the tensor-core path and TMA use of a call on a device",
+          py::arg("device"));
     m.def("step_index", &mtraining::step_index,
           "per-call lists -> (local_offsets, num_offsets, local_keys, num_keys)", py::arg("slash"),
           py::arg("slash_count"), py::arg("vertical"), py::arg("vertical_count"), py::arg("block_size"),

@@ -14,6 +14,7 @@
 #include <math.h>
 
 #include "step_index.cuh"
+#include "warpgroup_mma.cuh"
 
 namespace mtr {
 
@@ -30,7 +31,7 @@ struct KeyKernelConfig {
 
     static size_t smem_bytes(int bit_words) {
         return Arch::kTileAlignment + sizeof(T) * (2 * static_cast<size_t>(kKeyRows) * D + 4 * kStepElements) +
-               sizeof(float) * 4 * kQueryStep + sizeof(int) * kKeyTile + sizeof(uint32_t) * bit_words;
+               sizeof(float) * 4 * kQueryStep + sizeof(uint64_t) * 2 + sizeof(int) * kKeyTile + sizeof(uint32_t) * bit_words;
     }
 };
 
@@ -129,7 +130,7 @@ struct VerticalStepSource {
 
 template <typename Arch, typename T, int D, int BS, bool kVertical>
 __global__ void __launch_bounds__(KeyKernelConfig<Arch, T, D, BS, kVertical>::kThreads)
-    key_kernel(const AttentionParams p) {
+    key_kernel(const __grid_constant__ AttentionParams p) {
     using Config = KeyKernelConfig<Arch, T, D, BS, kVertical>;
     constexpr int kThreads = Config::kThreads;
     constexpr int kKeyRows = Config::kKeyRows;
@@ -141,7 +142,8 @@ __global__ void __launch_bounds__(KeyKernelConfig<Arch, T, D, BS, kVertical>::kT
     T* dout_tiles = query_tiles + 2 * Config::kStepElements;
     float* lse_tiles = reinterpret_cast<float*>(dout_tiles + 2 * Config::kStepElements);
     float* delta_tiles = lse_tiles + 2 * kQueryStep;
-    int* tile_keys = reinterpret_cast<int*>(delta_tiles + 2 * kQueryStep);
+    uint64_t* step_barriers = reinterpret_cast<uint64_t*>(delta_tiles + 2 * kQueryStep);
+    int* tile_keys = reinterpret_cast<int*>(step_barriers + 2);
     uint32_t* bits = reinterpret_cast<uint32_t*>(tile_keys + kKeyTile);
 
     const int group = p.heads / p.kv_heads;
@@ -150,6 +152,10 @@ __global__ void __launch_bounds__(KeyKernelConfig<Arch, T, D, BS, kVertical>::kT
     const size_t q_stride = static_cast<size_t>(p.heads) * D;
     const size_t kv_stride = static_cast<size_t>(p.kv_heads) * D;
     const int row0 = Arch::template first_row<1>();  // this warp's 16 key rows
+    TmaBuffers<2> tma{step_barriers};
+    if (Arch::kTma && p.tma) tma.init();  // thread 0 also starts the first copies; the others wait after a barrier
+    // Full 64-query steps are contiguous rows of q and dout: TMA copies them (wgmma path).
+    auto by_tma = [&](const QueryStep& step) { return Arch::kTma && p.tma && step.first + kQueryStep <= p.seq_q; };
 
     int batch, kv_head, key_count, key_first = 0, first_entry = 0, bh_vertical = 0, chunk = 0;
     if constexpr (kVertical) {
@@ -191,9 +197,15 @@ __global__ void __launch_bounds__(KeyKernelConfig<Arch, T, D, BS, kVertical>::kT
         const size_t head_start = batch_start + step.head * D;
         const int query_rows = p.seq_q - step.first;
         const size_t first = head_start + static_cast<size_t>(step.first) * q_stride;
-        load_consecutive_rows_async<Arch, kQueryStep, D, kThreads, true>(
-            query_tiles + buffer * Config::kStepElements, dout_tiles + buffer * Config::kStepElements,
-            static_cast<const T*>(p.q) + first, static_cast<const T*>(p.dout) + first, q_stride, query_rows);
+        T* query_tile = query_tiles + buffer * Config::kStepElements;
+        T* dout_tile = dout_tiles + buffer * Config::kStepElements;
+        if (by_tma(step)) {
+            tma.template copy_pair<D>(buffer, p.q_map, query_tile, p.dout_map, dout_tile, step.head, batch * p.seq_q + step.first);
+        } else {
+            load_consecutive_rows_async<Arch, kQueryStep, D, kThreads, true>(
+                query_tile, dout_tile, static_cast<const T*>(p.q) + first, static_cast<const T*>(p.dout) + first,
+                q_stride, query_rows);
+        }
         if (threadIdx.x < kQueryStep) {
             const size_t bh = static_cast<size_t>(batch) * p.heads + step.head;
             const bool valid = threadIdx.x < query_rows;
@@ -215,6 +227,7 @@ __global__ void __launch_bounds__(KeyKernelConfig<Arch, T, D, BS, kVertical>::kT
         const T* dout_tile = dout_tiles + buffer * Config::kStepElements;
         const float* lse = lse_tiles + buffer * kQueryStep;
         const float* delta = delta_tiles + buffer * kQueryStep;
+        if (by_tma(step)) tma.wait(buffer);
         bool row_reads[2] = {true, true};  // vertical pass: does this key row read step.block?
         if constexpr (kVertical) {
 #pragma unroll
@@ -226,23 +239,28 @@ __global__ void __launch_bounds__(KeyKernelConfig<Arch, T, D, BS, kVertical>::kT
         }
         float s[1][8][4];
         float dp[1][8][4];
-        zero_fill(s);
-        zero_fill(dp);
         Arch::template scores<1, D>(s, key_tile, row0, query_tile);    // S^T = K Q^T
         orient_scores(s, p.scale < 0.f);
         Arch::template scores<1, D>(dp, value_tile, row0, dout_tile);  // dP^T = V dO^T
         // Hidden entries get score -inf (so P^T = 0). Only the vertical pass, diagonal and partial
         // steps need the mask: the common step runs the lean loop below alone.
         if (kVertical || step.causal || step.first + kQueryStep > p.seq_q) {
+            // Query column col of a key row is visible iff low <= col < high: high is the queries
+            // left in the sequence (0 for a vertical key row that does not read this block), low the
+            // row's own key on the diagonal. No branches: col - fragment_col(0, 0) is a constant.
 #pragma unroll
-            for (int nt = 0; nt < 8; ++nt)
+            for (int half = 0; half < 2; ++half) {
+                const int high = (row_reads[half] ? p.seq_q - step.first : 0) - fragment_col(0, 0);
+                const int low = (!kVertical && step.causal ? key_first + row0 + fragment_row(2 * half) - step.first : 0) -
+                                fragment_col(0, 0);
 #pragma unroll
-                for (int c = 0; c < 4; ++c) {
-                    const int query = step.first + fragment_col(nt, c);
-                    bool visible = query < p.seq_q && row_reads[c >> 1];
-                    if (!kVertical && step.causal) visible = visible && query >= key_first + row0 + fragment_row(c);
-                    if (!visible) s[0][nt][c] = -INFINITY;
-                }
+                for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+                    for (int odd = 0; odd < 2; ++odd) {
+                        const int col = nt * 8 + odd;
+                        if (col < low || col >= high) s[0][nt][2 * half + odd] = -INFINITY;
+                    }
+            }
         }
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt) {

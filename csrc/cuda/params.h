@@ -3,6 +3,7 @@
 // on machines without torch's CUDA headers or a GPU.
 #pragma once
 
+#include <cuda.h>  // CUtensorMap
 #include <cuda_runtime_api.h>
 
 #ifdef __CUDACC__
@@ -62,7 +63,17 @@ struct AttentionParams {
     // The tensor-core path: wgmma (sm_90a kernels, set by the binding on compute capability 9.x)
     // or mma.sync. Env DS_MTRAINING_CUDA_MMA=warp forces mma.sync on Hopper (the benchmark compares).
     bool warpgroup_mma = false;
+    // TMA (sm_90a kernels): encode_tensor_maps sets `tma` and these views of q, k, v and dout
+    // (dout only when set) as [rows = batch x seq][heads][D]; the kernels then copy whole 64-row
+    // tiles of contiguous rows with them. Env DS_MTRAINING_CUDA_TMA=0 keeps cp.async for every tile
+    // (the benchmark compares).
+    bool tma = false;
+    CUtensorMap q_map{}, k_map{}, v_map{}, dout_map{};
 };
+
+// Encodes the tensor maps of q, k, v (and dout when params.dout is set) and sets params.tma
+// (tensor_maps.cu). Needs compute capability 9.0 or later.
+cudaError_t encode_tensor_maps(AttentionParams& params, DType dtype);
 
 // Derives local_offsets/num_offsets and local_keys/num_keys from the compact index.
 cudaError_t build_step_index(const AttentionParams& params, cudaStream_t stream);

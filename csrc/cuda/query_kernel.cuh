@@ -1,5 +1,6 @@
 // The query-side kernel: one CTA per (query block, head, batch) walks the key tiles its block reads
-// (KeyTileSource) with a two-stage cp.async pipeline. kBackward = false is the forward
+// (KeyTileSource) with a two-stage pipeline (cp.async; TMA for contiguous key tiles on the wgmma
+// path). kBackward = false is the forward
 // (online softmax, out + lse); kBackward = true computes dQ from the saved lse and delta.
 // Arch is the tensor-core path: WarpMma (mma.sync) or WarpgroupMma (wgmma, sm_90a; MA = 1).
 #pragma once
@@ -7,6 +8,7 @@
 #include <math.h>
 
 #include "step_index.cuh"
+#include "warpgroup_mma.cuh"
 
 namespace mtr {
 
@@ -24,13 +26,13 @@ struct QueryKernelConfig {
 
     static size_t smem_bytes(int bit_words) {
         return Arch::kTileAlignment + sizeof(T) * (static_cast<size_t>(kQueryTiles) * kRows * D + 4 * kKeyTileElements) +
-               sizeof(int) * (kListCapacity + 32) + sizeof(uint32_t) * bit_words;
+               sizeof(uint64_t) * 2 + sizeof(int) * (kListCapacity + 32) + sizeof(uint32_t) * bit_words;
     }
 };
 
 template <typename Arch, typename T, int D, int BS, int MA, bool kBackward>
 __global__ void __launch_bounds__(QueryKernelConfig<Arch, T, D, BS, MA, kBackward>::kThreads)
-    query_kernel(const AttentionParams p) {
+    query_kernel(const __grid_constant__ AttentionParams p) {
     using Config = QueryKernelConfig<Arch, T, D, BS, MA, kBackward>;
     constexpr int kThreads = Config::kThreads;
     extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -39,7 +41,8 @@ __global__ void __launch_bounds__(QueryKernelConfig<Arch, T, D, BS, MA, kBackwar
     T* dout_tile = q_tile + Config::kRows * D;  // backward only
     T* key_tiles = q_tile + Config::kQueryTiles * Config::kRows * D;
     T* value_tiles = key_tiles + 2 * Config::kKeyTileElements;
-    int* key_list = reinterpret_cast<int*>(value_tiles + 2 * Config::kKeyTileElements);
+    uint64_t* tile_barriers = reinterpret_cast<uint64_t*>(value_tiles + 2 * Config::kKeyTileElements);
+    int* key_list = reinterpret_cast<int*>(tile_barriers + 2);
     int* warp_counts = key_list + Config::kListCapacity;
     uint32_t* bits = reinterpret_cast<uint32_t*>(warp_counts + 32);
 
@@ -71,16 +74,24 @@ __global__ void __launch_bounds__(QueryKernelConfig<Arch, T, D, BS, MA, kBackwar
     const int* offsets = p.local_offsets + static_cast<size_t>(bh) * p.slash_len;
     const int num_offsets = p.num_offsets[bh];
     const int num_blocks = max((p.seq_q + BS - 1) / BS, (p.seq_k + BS - 1) / BS);
+    TmaBuffers<2> tma{tile_barriers};
+    if (Arch::kTma && p.tma) tma.init();  // build_offset_bits' barriers order it before the first copy
     build_offset_bits<kThreads>(bits, (num_blocks + 31) / 32, offsets, num_offsets);
+    // Slash tiles wholly inside the keys are 64 contiguous rows: TMA copies them (wgmma path).
+    auto by_tma = [&](const KeyTile& tile) {
+        return Arch::kTma && p.tma && !tile.gathered && tile.first + kKeyTile <= p.seq_k;
+    };
 
     KeyTileSource<BS, kThreads, Config::kListCapacity> source{query_block, query_first + Config::kRows - 1, bh};
 
     auto issue = [&](const KeyTile& tile, int buffer) {
         T* key_tile = key_tiles + buffer * Config::kKeyTileElements;
         T* value_tile = value_tiles + buffer * Config::kKeyTileElements;
-        if (tile.gathered) {
+        if (by_tma(tile)) {
+            tma.template copy_pair<D>(buffer, p.k_map, key_tile, p.v_map, value_tile, kv_head, batch * p.seq_k + tile.first);
+        } else if (tile.gathered) {
             load_rows_async<Arch, kKeyTile, D, kThreads, true>(key_tile, value_tile, k, v, [&](int row) -> long long {
-                return row < tile.count ? static_cast<long long>(key_list[tile.first + row]) * kv_stride : -1;
+                return row < tile.count ? static_cast<long long>(key_list[tile.first + row]) * static_cast<long long>(kv_stride) : -1;
             });
         } else {
             const size_t first = static_cast<size_t>(tile.first) * kv_stride;
@@ -114,31 +125,31 @@ __global__ void __launch_bounds__(QueryKernelConfig<Arch, T, D, BS, MA, kBackwar
     auto compute = [&](const KeyTile& tile, int buffer) {
         const T* key_tile = key_tiles + buffer * Config::kKeyTileElements;
         const T* value_tile = value_tiles + buffer * Config::kKeyTileElements;
+        if (by_tma(tile)) tma.wait(buffer);
         float s[MA][8][4];
-        zero_fill(s);
         Arch::template scores<MA, D>(s, q_tile, row0, key_tile);
         orient_scores(s, p.scale < 0.f);
         // Only diagonal, partial-last and partly filled gathered tiles need a mask. Scores stay
         // unscaled (orient_scores): |scale| is folded into the exponent.
         const bool masked = tile.gathered ? tile.count < kKeyTile : (tile.causal || tile.first + kKeyTile > p.seq_k);
         if (masked) {
+            // Column col of a row is visible iff col < limit: the gathered count, or the keys left in
+            // the sequence and, on the diagonal, col <= query - first. One compare per element, no
+            // branches (col - fragment_col(0, 0) is a compile-time constant).
+            const int tile_limit = tile.gathered ? tile.count : min(kKeyTile, p.seq_k - tile.first);
 #pragma unroll
             for (int ma = 0; ma < MA; ++ma)
 #pragma unroll
-                for (int nt = 0; nt < 8; ++nt)
+                for (int half = 0; half < 2; ++half) {
+                    const int query = query_first + row0 + ma * Arch::kSliceStride + fragment_row(2 * half);
+                    const int limit = (tile.causal ? min(tile_limit, query - tile.first + 1) : tile_limit) -
+                                      fragment_col(0, 0);
 #pragma unroll
-                    for (int c = 0; c < 4; ++c) {
-                        const int col = fragment_col(nt, c);
-                        bool visible;
-                        if (tile.gathered) {
-                            visible = col < tile.count;
-                        } else {
-                            const int key = tile.first + col;
-                            const int query = query_first + row0 + ma * Arch::kSliceStride + fragment_row(c);
-                            visible = key < p.seq_k && (!tile.causal || query >= key);
-                        }
-                        if (!visible) s[ma][nt][c] = -INFINITY;
-                    }
+                    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+                        for (int odd = 0; odd < 2; ++odd)
+                            if (nt * 8 + odd >= limit) s[ma][nt][2 * half + odd] = -INFINITY;
+                }
         }
         if constexpr (!kBackward) {
             // Both rows a thread owns (half = 0, 1) go through each step together: independent
@@ -181,7 +192,6 @@ __global__ void __launch_bounds__(QueryKernelConfig<Arch, T, D, BS, MA, kBackwar
             Arch::template accumulate<MA, D>(acc, s, value_tile);
         } else {
             float dp[MA][8][4];
-            zero_fill(dp);
             Arch::template scores<MA, D>(dp, dout_tile, row0, value_tile);
 #pragma unroll
             for (int ma = 0; ma < MA; ++ma)

@@ -78,9 +78,12 @@ struct RowLoadPlan {
     int chunk = threadIdx.x % kChunks;
     int row_first = threadIdx.x / kChunks;
     int destination = Arch::template tile_offset<D>(row_first, chunk);  // of step 0
+    static_assert(64 % kRowsPerStep == 0, "a step must stay inside a 64-row block of the tile");
 
     __device__ __forceinline__ int row(int step) const { return row_first + step * kRowsPerStep; }
-    __device__ __forceinline__ int destination_of(int step) const { return destination + step * kRowsPerStep * D; }
+    __device__ __forceinline__ int destination_of(int step) const {
+        return destination + Arch::template row_step_offset<D>(step * kRowsPerStep);
+    }
 };
 
 // Loads kRows rows of one or two [rows][D] tensors (e.g. K and V, which share row positions)
@@ -218,6 +221,16 @@ template <> struct Mma<__half> {
     }
 };
 
+template <int MA, int NT>
+__device__ __forceinline__ void zero_fill(float (&acc)[MA][NT][4]) {
+#pragma unroll
+    for (int ma = 0; ma < MA; ++ma)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) acc[ma][nt][c] = 0.f;
+}
+
 // Accumulator element (ma, nt, c) of a warp's [16*MA rows] x [8*NT cols] fp32 tile sits at
 // row 16*ma + lane/4 + 8*(c/2) and column 8*nt + 2*(lane%4) + c%2.
 __device__ __forceinline__ int fragment_row(int c) { return ((threadIdx.x & 31) >> 2) + ((c >> 1) << 3); }
@@ -283,10 +296,12 @@ __device__ __forceinline__ void gemm_pb(float (&acc)[MA][D / 8][4], const float 
 // The mma.sync path (sm_80 and later): each warp loads its own fragments with ldmatrix from
 // row-swizzled tiles, so tiles need no special alignment and shared memory needs no proxy fence.
 // A policy gives the kernels: the CTA's rows (kCtaRows), a warp's rows (first_row, kSliceStride),
-// the tile layout (tile_offset, kTileAlignment, kAsyncProxy), S = A B^T (scores) and acc += P B
+// the tile layout (tile_offset, row_step_offset, kTileAlignment, kAsyncProxy), whether 64-row
+// tiles may be copied by TMA (kTma), S = A B^T (scores, which overwrites S) and acc += P B
 // (accumulate).
 struct WarpMma {
     static constexpr bool kAsyncProxy = false;
+    static constexpr bool kTma = false;
     static constexpr int kTileAlignment = 128;
     template <int BS, int MA>
     static constexpr int kCtaRows = BS;  // a CTA owns a whole block (rows or keys)
@@ -296,8 +311,11 @@ struct WarpMma {
     static __device__ __forceinline__ int first_row() { return (threadIdx.x >> 5) * 16 * MA; }
     template <int D>
     static __device__ __forceinline__ int tile_offset(int row, int chunk) { return swizzled_offset<D>(row, chunk); }
+    template <int D>
+    static constexpr int row_step_offset(int rows) { return rows * D; }
     template <int MA, int D, typename T>
     static __device__ __forceinline__ void scores(float (&acc)[MA][8][4], const T* a_tile, int row0, const T* b_tile) {
+        zero_fill(acc);
         gemm_abt<MA, D>(acc, a_tile, row0, b_tile);
     }
     template <int MA, int D, typename T>
@@ -322,16 +340,6 @@ __device__ __forceinline__ void orient_scores(float (&s)[MA][8][4], bool negate)
         for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
             for (int c = 0; c < 4; ++c) s[ma][nt][c] = -s[ma][nt][c];
-}
-
-template <int MA, int NT>
-__device__ __forceinline__ void zero_fill(float (&acc)[MA][NT][4]) {
-#pragma unroll
-    for (int ma = 0; ma < MA; ++ma)
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-            for (int c = 0; c < 4; ++c) acc[ma][nt][c] = 0.f;
 }
 
 // Writes a warp's fp32 accumulator rows (scaled) to global rows row_pointer(local_row) (nullptr: skip);

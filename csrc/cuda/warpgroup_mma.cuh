@@ -1,21 +1,27 @@
 // The wgmma path (sm_90a, Hopper): a warpgroup (4 consecutive warps, 64 rows) issues
 // wgmma.mma_async through CuTe's instruction atoms, with B (and the score A) read by the tensor
-// cores straight from shared memory through matrix descriptors instead of per-warp ldmatrix.
+// cores straight from shared memory through matrix descriptors instead of per-warp ldmatrix, and
+// whole 64-row tiles copied by TMA (cp.async.bulk.tensor) where they are contiguous rows.
 //
 // It is a drop-in for WarpMma (warp_mma.cuh): a warp still owns 16 rows, and the wgmma
 // accumulator of a 64-row warpgroup tile hands each warp its rows in the mma.sync fragment layout
 // (fragment_row / fragment_col), so the kernels' masking and softmax code is shared.
 //
-// Tile layout (the canonical 128-byte-swizzle layout of wgmma): a [rows][D] tile is stored in
-// groups of 8 rows; a group holds D/64 atoms of 8 rows x 64 elements (128-byte rows, 1024 bytes
-// an atom) one after the other, and each row's 16-byte chunks are XOR-swizzled by row % 8. The
-// same tile is read K-major (rows = M or N, the contraction over D: S = Q K^T, dP = dO V^T) and
+// Tile layout (the canonical 128-byte-swizzle K-major layout of wgmma, and what TMA writes for a
+// box of 64 rows x 64 elements with 128-byte swizzle): a [rows][D] tile is stored in blocks of 64
+// rows; a block holds D/64 column atoms one after the other, an atom being [64 rows][64 elements]
+// (128-byte rows, 8 KB), and each row's 16-byte chunks are XOR-swizzled by row % 8. The same
+// tile is read K-major (rows = M or N, the contraction over D: S = Q K^T, dP = dO V^T) and
 // MN-major (the contraction over rows, N = D: O += P V, dQ += dS K, dV += P^T dO, dK += dS^T Q).
+//
+//      D = 128:  rows 0-63  | cols 0-63 (8 KB) | cols 64-127 (8 KB) |
+//                rows 64-127| cols 0-63 (8 KB) | cols 64-127 (8 KB) |   ...
 #pragma once
 
 #include <type_traits>
 #include <utility>
 
+#include <cute/arch/copy_sm90_tma.hpp>
 #include <cute/arch/mma_sm90_gmma.hpp>
 
 #include "warp_mma.cuh"
@@ -46,9 +52,11 @@ __device__ __forceinline__ uint64_t swizzle128_descriptor(uint32_t address, uint
            (static_cast<uint64_t>((leading_bytes >> 4) & 0x3FFF) << 16) | ((address >> 4) & 0x3FFF);
 }
 
+// d = A B (overwrite) or d += A B (accumulate), both operands in shared memory.
 template <typename Atom, int N, size_t... I>
-__device__ __forceinline__ void wgmma_ss(uint64_t a, uint64_t b, float (&d)[N], std::index_sequence<I...>) {
-    Atom::fma(a, b, d[I]...);
+__device__ __forceinline__ void wgmma_ss(uint64_t a, uint64_t b, float (&d)[N], bool accumulate,
+                                         std::index_sequence<I...>) {
+    Atom::fma(a, b, d[I]..., accumulate ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero);
 }
 
 template <typename Atom, int N, size_t... I>
@@ -87,17 +95,23 @@ struct WarpgroupMma {
     template <int MA>
     static __device__ __forceinline__ int first_row() { return (threadIdx.x >> 5) * 16; }
 
+    static constexpr bool kTma = true;
+    static constexpr int kAtomBytes = 64 * 128;  // a column atom: 64 rows x 128 bytes
+    static constexpr int kGroupBytes = 8 * 128;  // 8 rows of an atom: the descriptors' stride byte offset
+
     template <int D>
     static __device__ __forceinline__ int tile_offset(int row, int chunk) {
-        return (row >> 3) * 8 * D + (chunk >> 3) * 512 + (row & 7) * 64 + (((chunk & 7) ^ (row & 7)) << 3);
+        return (row >> 6) * 64 * D + (chunk >> 3) * 4096 + (row & 63) * 64 + (((chunk & 7) ^ (row & 7)) << 3);
     }
+    // tile_offset(r + rows, c) - tile_offset(r, c) for rows a multiple of 8 and r % 64 + rows % 64 < 64.
+    template <int D>
+    static constexpr int row_step_offset(int rows) { return (rows >> 6) * 64 * D + (rows & 63) * 64; }
 
-    // acc[ma] (this warp's 16 rows of A tile ma x 64) += A[64 ma..] B^T over D, B a 64-row tile.
+    // acc[ma] (this warp's 16 rows of A tile ma x 64) = A[64 ma..] B^T over D, B a 64-row tile.
     // The CTA is one warpgroup, so its A tiles start at row 0 (the warp's first row is not needed).
     template <int MA, int D, typename T>
     static __device__ __forceinline__ void scores(float (&acc)[MA][8][4], const T* a_tile, int, const T* b_tile) {
         using Atom = typename WgmmaAtoms<T, 64>::Scores;
-        constexpr uint32_t kGroupBytes = 16 * D;  // 8 rows
         const uint32_t a = smem_address(a_tile);
         const uint32_t b = smem_address(b_tile);
         wgmma_batch(reinterpret_cast<float(&)[MA * 32]>(acc), [&] {
@@ -105,10 +119,10 @@ struct WarpgroupMma {
             for (int ma = 0; ma < MA; ++ma)
 #pragma unroll
                 for (int kc = 0; kc < D / 16; ++kc) {
-                    const uint32_t k_bytes = (kc >> 2) * 1024 + (kc & 3) * 32;  // atom, then 32 bytes per 16 elements
-                    wgmma_ss<Atom>(swizzle128_descriptor(a + ma * 8 * kGroupBytes + k_bytes, 16, kGroupBytes),
+                    const uint32_t k_bytes = (kc >> 2) * kAtomBytes + (kc & 3) * 32;  // atom, then 32 bytes per 16 elements
+                    wgmma_ss<Atom>(swizzle128_descriptor(a + ma * 64 * D * 2 + k_bytes, 16, kGroupBytes),
                                    swizzle128_descriptor(b + k_bytes, 16, kGroupBytes),
-                                   reinterpret_cast<float(&)[32]>(acc[ma]), std::make_index_sequence<32>{});
+                                   reinterpret_cast<float(&)[32]>(acc[ma]), kc > 0, std::make_index_sequence<32>{});
                 }
         });
     }
@@ -118,7 +132,6 @@ struct WarpgroupMma {
     static __device__ __forceinline__ void accumulate(float (&acc)[MA][D / 8][4], const float (&p)[MA][8][4],
                                                       const T* b_tile) {
         using Atom = typename WgmmaAtoms<T, D>::Accumulate;
-        constexpr uint32_t kGroupBytes = 16 * D;  // 8 rows
         uint32_t a[MA][4][4];
 #pragma unroll
         for (int ma = 0; ma < MA; ++ma)
@@ -129,10 +142,53 @@ struct WarpgroupMma {
 #pragma unroll
             for (int ma = 0; ma < MA; ++ma)
 #pragma unroll
-                for (int kc = 0; kc < 4; ++kc)  // 16 rows of B (two 8-row groups) per step; atoms 1024 bytes apart along D
-                    wgmma_rs<Atom>(a[ma][kc], swizzle128_descriptor(b + kc * 2 * kGroupBytes, 1024, kGroupBytes),
+                for (int kc = 0; kc < 4; ++kc)  // 16 rows of B (two 8-row groups) per step; atoms kAtomBytes apart along D
+                    wgmma_rs<Atom>(a[ma][kc], swizzle128_descriptor(b + kc * 2 * kGroupBytes, kAtomBytes, kGroupBytes),
                                    reinterpret_cast<float(&)[D / 2]>(acc[ma]), std::make_index_sequence<D / 2>{});
         });
+    }
+};
+
+// ---------------------------------------------------------------- TMA
+// Copies of whole 64-row tiles by the tensor memory accelerator (cp.async.bulk.tensor): thread 0
+// arms a buffer's mbarrier with the bytes to come and starts the copies; every thread waits on the
+// barrier's phase before reading the buffer. The tensor maps (params.h: q_map, k_map, ...) view a
+// tensor as [rows][heads][D] with a box of 64 rows x 1 head x 64 elements and 128-byte swizzle,
+// so one copy writes one column atom of the tile layout above.
+template <int kBuffers>
+struct TmaBuffers {
+    uint64_t* barriers;   // kBuffers mbarriers in shared memory
+    uint32_t phases = 0;  // bit b: the phase parity the next wait on buffer b waits for
+
+    // Thread 0 initialises the barriers; a CTA barrier must follow before their first use.
+    __device__ __forceinline__ void init() const {
+        if (threadIdx.x != 0) return;
+        for (int b = 0; b < kBuffers; ++b) cute::initialize_barrier(barriers[b], 1);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+#endif
+    }
+
+    // Rows row..row + 63 of head `head` of two tensors viewed alike (K and V, or q and dout) into
+    // their 64-row tiles of `buffer`: thread 0 arms the buffer's barrier with the bytes to come and
+    // starts one copy per column atom; the other threads return at once.
+    template <int D, typename T>
+    __device__ __forceinline__ void copy_pair(int buffer, const CUtensorMap& map_a, T* tile_a, const CUtensorMap& map_b,
+                                              T* tile_b, int head, int row) const {
+        if (threadIdx.x != 0) return;
+        cute::set_barrier_transaction_bytes(barriers[buffer], 2 * 64 * D * sizeof(T));
+#pragma unroll
+        for (int atom = 0; atom < D / 64; ++atom) {
+            const uint64_t hint = static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_NORMAL);
+            cute::SM90_TMA_LOAD_3D::copy(&map_a, &barriers[buffer], hint, tile_a + atom * 64 * 64, atom * 64, head, row);
+            cute::SM90_TMA_LOAD_3D::copy(&map_b, &barriers[buffer], hint, tile_b + atom * 64 * 64, atom * 64, head, row);
+        }
+    }
+
+    // Every thread: waits until the copies into `buffer` have landed.
+    __device__ __forceinline__ void wait(int buffer) {
+        cute::wait_barrier(barriers[buffer], (phases >> buffer) & 1u);
+        phases ^= 1u << buffer;
     }
 };
 

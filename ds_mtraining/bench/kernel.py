@@ -53,13 +53,6 @@ def time_ms(fn, warmup: int = 3, repeats: int = 10) -> float:
     return statistics.median(times)
 
 
-def tensor_core_path(device) -> str:
-    """The CUDA op's tensor-core path on this device: wgmma on Hopper unless
-    DS_MTRAINING_CUDA_MMA=warp forces mma.sync (as the binding decides)."""
-    hopper = torch.cuda.get_device_capability(device)[0] == 9
-    return "wgmma" if hopper and os.environ.get("DS_MTRAINING_CUDA_MMA") != "warp" else "mma.sync"
-
-
 def build_index(batch, heads, seq, block, n_slash, generator):
     """A vertical-slash index: sinks + clustered columns, diagonals 0..1 + n_slash others
     (half of them drawn near the diagonal, half anywhere)."""
@@ -133,6 +126,7 @@ def run(args):
     batch, heads, kv_heads, dim, block = 1, args.heads, args.kv_heads, args.head_dim, args.block_size
     scale = 1.0 / math.sqrt(dim)
     module = ops.op_module("cuda")
+    paths = dict(module.kernel_paths(torch.cuda.current_device()))  # tensor_cores, tma (env-dependent)
     flex = None
     if not args.skip_flex:
         from torch.nn.attention.flex_attention import flex_attention
@@ -141,6 +135,8 @@ def run(args):
     result = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                   device=torch.cuda.get_device_name(), torch=torch.__version__,
                   command="python -m ds_mtraining.bench.kernel " + " ".join(sys.argv[1:]),
+                  environment={name: os.environ[name] for name in sorted(os.environ)
+                               if name.startswith("DS_MTRAINING_CUDA_")},
                   shape=dict(batch=1, heads=heads, kv_heads=kv_heads, head_dim=dim, block_size=block, dtype="bf16"),
                   flop_convention="effective = computed entries x 4 x D per forward, x3.5 for fwd+bwd",
                   rows=rows)
@@ -193,7 +189,7 @@ def run(args):
                                                          index.vertical_count, block, seq, 1, 0, 0),
                                repeats=args.repeats)
             row = dict(impl="mtraining", seq_len=seq, density=density, target_density=target,
-                       tensor_cores=tensor_core_path(device),
+                       **paths,
                        forward_rows_per_warp=int(os.environ.get("DS_MTRAINING_CUDA_FORWARD_ROWS", "32")),
                        slash_per_head=int(index.slash_count.float().mean()),
                        vertical_per_head=int(index.vertical_count.float().mean()),
