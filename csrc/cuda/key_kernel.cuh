@@ -239,9 +239,9 @@ __global__ void __launch_bounds__(KeyKernelConfig<Arch, T, D, BS, kVertical>::kT
         }
         float s[1][8][4];
         float dp[1][8][4];
-        Arch::template scores<1, D>(s, key_tile, row0, query_tile);    // S^T = K Q^T
+        // S^T = K Q^T and dP^T = V dO^T
+        Arch::template scores_pair<1, D>(s, key_tile, query_tile, dp, value_tile, dout_tile, row0);
         orient_scores(s, p.scale < 0.f);
-        Arch::template scores<1, D>(dp, value_tile, row0, dout_tile);  // dP^T = V dO^T
         // Hidden entries get score -inf (so P^T = 0). Only the vertical pass, diagonal and partial
         // steps need the mask: the common step runs the lean loop below alone.
         if (kVertical || step.causal || step.first + kQueryStep > p.seq_q) {
@@ -278,8 +278,7 @@ __global__ void __launch_bounds__(KeyKernelConfig<Arch, T, D, BS, kVertical>::kT
                 dp[0][nt][c] = prob * (dp[0][nt][c] - delta_col[c & 1]);     // dS^T / scale
             }
         }
-        Arch::template accumulate<1, D>(dv, s, dout_tile);   // dV += P^T dO
-        Arch::template accumulate<1, D>(dk, dp, query_tile);  // dK += dS^T Q
+        Arch::template accumulate_pair<1, D>(dv, s, dout_tile, dk, dp, query_tile);  // dV += P^T dO, dK += dS^T Q
     };
 
     if constexpr (kVertical) {

@@ -127,7 +127,12 @@ __global__ void __launch_bounds__(QueryKernelConfig<Arch, T, D, BS, MA, kBackwar
         const T* value_tile = value_tiles + buffer * Config::kKeyTileElements;
         if (by_tma(tile)) tma.wait(buffer);
         float s[MA][8][4];
-        Arch::template scores<MA, D>(s, q_tile, row0, key_tile);
+        float dp[kBackward ? MA : 1][8][4];  // backward: dP = dO V^T, in the same batch as S
+        if constexpr (kBackward) {
+            Arch::template scores_pair<MA, D>(s, q_tile, key_tile, dp, dout_tile, value_tile, row0);
+        } else {
+            Arch::template scores<MA, D>(s, q_tile, row0, key_tile);
+        }
         orient_scores(s, p.scale < 0.f);
         // Only diagonal, partial-last and partly filled gathered tiles need a mask. Scores stay
         // unscaled (orient_scores): |scale| is folded into the exponent.
@@ -191,8 +196,6 @@ __global__ void __launch_bounds__(QueryKernelConfig<Arch, T, D, BS, MA, kBackwar
             }
             Arch::template accumulate<MA, D>(acc, s, value_tile);
         } else {
-            float dp[MA][8][4];
-            Arch::template scores<MA, D>(dp, dout_tile, row0, value_tile);
 #pragma unroll
             for (int ma = 0; ma < MA; ++ma)
 #pragma unroll

@@ -297,8 +297,9 @@ __device__ __forceinline__ void gemm_pb(float (&acc)[MA][D / 8][4], const float 
 // row-swizzled tiles, so tiles need no special alignment and shared memory needs no proxy fence.
 // A policy gives the kernels: the CTA's rows (kCtaRows), a warp's rows (first_row, kSliceStride),
 // the tile layout (tile_offset, row_step_offset, kTileAlignment, kAsyncProxy), whether 64-row
-// tiles may be copied by TMA (kTma), S = A B^T (scores, which overwrites S) and acc += P B
-// (accumulate).
+// tiles may be copied by TMA (kTma), S = A B^T (scores, which overwrites S), acc += P B
+// (accumulate), and each of the two for two independent products at once (scores_pair,
+// accumulate_pair: one wgmma batch and wait for both).
 struct WarpMma {
     static constexpr bool kAsyncProxy = false;
     static constexpr bool kTma = false;
@@ -319,9 +320,22 @@ struct WarpMma {
         gemm_abt<MA, D>(acc, a_tile, row0, b_tile);
     }
     template <int MA, int D, typename T>
+    static __device__ __forceinline__ void scores_pair(float (&s0)[MA][8][4], const T* a0, const T* b0,
+                                                       float (&s1)[MA][8][4], const T* a1, const T* b1, int row0) {
+        scores<MA, D>(s0, a0, row0, b0);
+        scores<MA, D>(s1, a1, row0, b1);
+    }
+    template <int MA, int D, typename T>
     static __device__ __forceinline__ void accumulate(float (&acc)[MA][D / 8][4], const float (&p)[MA][8][4],
                                                       const T* b_tile) {
         gemm_pb<MA, D>(acc, p, b_tile);
+    }
+    template <int MA, int D, typename T>
+    static __device__ __forceinline__ void accumulate_pair(float (&acc0)[MA][D / 8][4], const float (&p0)[MA][8][4],
+                                                           const T* b0, float (&acc1)[MA][D / 8][4],
+                                                           const float (&p1)[MA][8][4], const T* b1) {
+        gemm_pb<MA, D>(acc0, p0, b0);
+        gemm_pb<MA, D>(acc1, p1, b1);
     }
 };
 

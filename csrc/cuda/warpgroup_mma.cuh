@@ -65,21 +65,33 @@ __device__ __forceinline__ void wgmma_rs(const uint32_t (&a)[4], uint64_t b, flo
 }
 
 // Keeps the compiler from moving accumulator reads or writes across the asynchronous wgmma.
-template <int N>
-__device__ __forceinline__ void fence_accumulators(float (&d)[N]) {
+template <typename Array>
+__device__ __forceinline__ void fence_accumulators(Array& d) {
+    constexpr int kCount = sizeof(Array) / sizeof(float);
+    float(&flat)[kCount] = reinterpret_cast<float(&)[kCount]>(d);
 #pragma unroll
-    for (int i = 0; i < N; ++i) cute::warpgroup_fence_operand(d[i]);
+    for (int i = 0; i < kCount; ++i) cute::warpgroup_fence_operand(flat[i]);
 }
 
-// One batch of wgmma into the accumulators d: issue() issues them; returns when they completed.
-template <int N, typename Issue>
-__device__ __forceinline__ void wgmma_batch(float (&d)[N], Issue issue) {
-    fence_accumulators(d);
+// One batch of wgmma into the given accumulator arrays: issue() issues them; returns when they
+// completed. A-operand registers must be written before the call (wgmma.fence orders them).
+template <typename Issue, typename... Accumulators>
+__device__ __forceinline__ void wgmma_batch(Issue issue, Accumulators&... accumulators) {
+    (fence_accumulators(accumulators), ...);
     cute::warpgroup_arrive();
     issue();
     cute::warpgroup_commit_batch();
     cute::warpgroup_wait<0>();
-    fence_accumulators(d);
+    (fence_accumulators(accumulators), ...);
+}
+
+// P (a warp's 16 MA rows x 64 fp32 accumulators) rounded to T as wgmma A fragments, k-step by k-step.
+template <typename T, int MA>
+__device__ __forceinline__ void pack_a_fragments(uint32_t (&a)[MA][4][4], const float (&p)[MA][8][4]) {
+#pragma unroll
+    for (int ma = 0; ma < MA; ++ma)
+#pragma unroll
+        for (int kc = 0; kc < 4; ++kc) pack_a_fragment<T>(a[ma][kc], p[ma], kc);
 }
 
 struct WarpgroupMma {
@@ -111,41 +123,64 @@ struct WarpgroupMma {
     // The CTA is one warpgroup, so its A tiles start at row 0 (the warp's first row is not needed).
     template <int MA, int D, typename T>
     static __device__ __forceinline__ void scores(float (&acc)[MA][8][4], const T* a_tile, int, const T* b_tile) {
-        using Atom = typename WgmmaAtoms<T, 64>::Scores;
-        const uint32_t a = smem_address(a_tile);
-        const uint32_t b = smem_address(b_tile);
-        wgmma_batch(reinterpret_cast<float(&)[MA * 32]>(acc), [&] {
-#pragma unroll
-            for (int ma = 0; ma < MA; ++ma)
-#pragma unroll
-                for (int kc = 0; kc < D / 16; ++kc) {
-                    const uint32_t k_bytes = (kc >> 2) * kAtomBytes + (kc & 3) * 32;  // atom, then 32 bytes per 16 elements
-                    wgmma_ss<Atom>(swizzle128_descriptor(a + ma * 64 * D * 2 + k_bytes, 16, kGroupBytes),
-                                   swizzle128_descriptor(b + k_bytes, 16, kGroupBytes),
-                                   reinterpret_cast<float(&)[32]>(acc[ma]), kc > 0, std::make_index_sequence<32>{});
-                }
-        });
+        wgmma_batch([&] { issue_scores<MA, D>(acc, a_tile, b_tile); }, acc);
+    }
+
+    // Two independent score products in one batch (one wait): s0 = A0 B0^T, s1 = A1 B1^T.
+    template <int MA, int D, typename T>
+    static __device__ __forceinline__ void scores_pair(float (&s0)[MA][8][4], const T* a0, const T* b0,
+                                                       float (&s1)[MA][8][4], const T* a1, const T* b1, int) {
+        wgmma_batch([&] { issue_scores<MA, D>(s0, a0, b0); issue_scores<MA, D>(s1, a1, b1); }, s0, s1);
     }
 
     // acc[ma] (this warp's 16 rows of tile ma x D) += P[ma] (16 rows x 64, rounded to T) B, B a [64][D] tile.
     template <int MA, int D, typename T>
     static __device__ __forceinline__ void accumulate(float (&acc)[MA][D / 8][4], const float (&p)[MA][8][4],
                                                       const T* b_tile) {
-        using Atom = typename WgmmaAtoms<T, D>::Accumulate;
         uint32_t a[MA][4][4];
+        pack_a_fragments<T>(a, p);
+        wgmma_batch([&] { issue_accumulate<MA, D>(acc, a, b_tile); }, acc);
+    }
+
+    // Two independent accumulations in one batch: acc0 += P0 B0, acc1 += P1 B1.
+    template <int MA, int D, typename T>
+    static __device__ __forceinline__ void accumulate_pair(float (&acc0)[MA][D / 8][4], const float (&p0)[MA][8][4],
+                                                           const T* b0, float (&acc1)[MA][D / 8][4],
+                                                           const float (&p1)[MA][8][4], const T* b1) {
+        uint32_t a0[MA][4][4], a1[MA][4][4];
+        pack_a_fragments<T>(a0, p0);
+        pack_a_fragments<T>(a1, p1);
+        wgmma_batch([&] { issue_accumulate<MA, D>(acc0, a0, b0); issue_accumulate<MA, D>(acc1, a1, b1); }, acc0, acc1);
+    }
+
+  private:
+    template <int MA, int D, typename T>
+    static __device__ __forceinline__ void issue_scores(float (&acc)[MA][8][4], const T* a_tile, const T* b_tile) {
+        using Atom = typename WgmmaAtoms<T, 64>::Scores;
+        const uint32_t a = smem_address(a_tile);
+        const uint32_t b = smem_address(b_tile);
 #pragma unroll
         for (int ma = 0; ma < MA; ++ma)
 #pragma unroll
-            for (int kc = 0; kc < 4; ++kc) pack_a_fragment<T>(a[ma][kc], p[ma], kc);
+            for (int kc = 0; kc < D / 16; ++kc) {
+                const uint32_t k_bytes = (kc >> 2) * kAtomBytes + (kc & 3) * 32;  // atom, then 32 bytes per 16 elements
+                wgmma_ss<Atom>(swizzle128_descriptor(a + ma * 64 * D * 2 + k_bytes, 16, kGroupBytes),
+                               swizzle128_descriptor(b + k_bytes, 16, kGroupBytes),
+                               reinterpret_cast<float(&)[32]>(acc[ma]), kc > 0, std::make_index_sequence<32>{});
+            }
+    }
+
+    template <int MA, int D, typename T>
+    static __device__ __forceinline__ void issue_accumulate(float (&acc)[MA][D / 8][4], const uint32_t (&a)[MA][4][4],
+                                                            const T* b_tile) {
+        using Atom = typename WgmmaAtoms<T, D>::Accumulate;
         const uint32_t b = smem_address(b_tile);
-        wgmma_batch(reinterpret_cast<float(&)[MA * D / 2]>(acc), [&] {
 #pragma unroll
-            for (int ma = 0; ma < MA; ++ma)
+        for (int ma = 0; ma < MA; ++ma)
 #pragma unroll
-                for (int kc = 0; kc < 4; ++kc)  // 16 rows of B (two 8-row groups) per step; atoms kAtomBytes apart along D
-                    wgmma_rs<Atom>(a[ma][kc], swizzle128_descriptor(b + kc * 2 * kGroupBytes, kAtomBytes, kGroupBytes),
-                                   reinterpret_cast<float(&)[D / 2]>(acc[ma]), std::make_index_sequence<D / 2>{});
-        });
+            for (int kc = 0; kc < 4; ++kc)  // 16 rows of B (two 8-row groups) per step; atoms kAtomBytes apart along D
+                wgmma_rs<Atom>(a[ma][kc], swizzle128_descriptor(b + kc * 2 * kGroupBytes, kAtomBytes, kGroupBytes),
+                               reinterpret_cast<float(&)[D / 2]>(acc[ma]), std::make_index_sequence<D / 2>{});
     }
 };
 
