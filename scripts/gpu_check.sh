@@ -8,7 +8,7 @@
 #   device run, carry .whl:  bash scripts/gpu_check.sh
 #   BENCH_ARGS="--seq-lens 131072" bash scripts/gpu_check.sh      # a shorter benchmark
 #   VARIANTS="no_tma:DS_MTRAINING_CUDA_TMA=0" bash scripts/gpu_check.sh   # one other path only
-#   SKIP_TESTS=1 / SKIP_SANITIZER=1 / SKIP_BENCH=1 / SKIP_VARIANT=1 / SKIP_NCU=1
+#   SKIP_TESTS=1 / SKIP_SANITIZER=1 / SKIP_BENCH=1 / SKIP_VARIANT=1 / SKIP_PROFILE=1 / SKIP_NCU=1
 #   DIAGNOSE_OSTREAM=1: toolchain, libstdc++ linkage and a number-formatting probe (diagnose.log)
 # (each variant and the ncu stage add a file; the device tool returns 8, so trim VARIANTS or skip a stage)
 set -uo pipefail
@@ -187,8 +187,9 @@ if [ -z "${SKIP_VARIANT:-}" ]; then
   done
 fi
 
-if [ -z "${SKIP_NCU:-}" ]; then
-  cat >/tmp/ncu_case.py <<'PY'
+# One forward and one backward at 128K, 5% density (each kernel launches once): the case of the
+# per-kernel time split (torch.profiler, into bench.log) and of the ncu stage.
+cat >/tmp/case_128k.py <<'PY'
 # One forward and one backward at 128K, 5% density: each kernel launches once.
 import torch
 from ds_mtraining import ops
@@ -202,9 +203,21 @@ out, lse = ops.attention_forward(q, k, v, index, 0.088)
 ops.attention_backward(dout, q, k, v, out, lse, index, 0.088)
 torch.cuda.synchronize()
 PY
+if [ -z "${SKIP_PROFILE:-}" ]; then
+  stage profile 120 "$OUT/bench.log" python3 -c "
+import runpy, torch
+from torch.profiler import profile, ProfilerActivity
+runpy.run_path('/tmp/case_128k.py')  # warm-up (and JIT load)
+with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    runpy.run_path('/tmp/case_128k.py')
+print(prof.key_averages().table(sort_by='cuda_time_total', row_limit=8, max_name_column_width=90))"
+  tail -14 "$OUT/bench.log"
+fi
+
+if [ -z "${SKIP_NCU:-}" ]; then
   stage ncu 200 "$OUT/ncu.txt" ncu --clock-control none -k regex:"query_kernel|key_kernel|delta_kernel" \
     --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
-    --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --print-details all python3 /tmp/ncu_case.py
+    --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --print-details all python3 /tmp/case_128k.py
   grep -E "query_kernel|key_kernel|Duration|Compute \(SM\) Throughput|L2 Cache Throughput|DRAM Throughput|Achieved Occupancy|Registers Per|Warp Cycles Per Issued|Issue Slots Busy|[Ss]tall" "$OUT/ncu.txt" | head -90
 fi
 finish
