@@ -211,6 +211,32 @@ def test_backward_is_deterministic():
         assert torch.equal(a, b), "two runs differ"
 
 
+def misaligned(t):
+    """A contiguous copy of t that starts 2 bytes past a 16-byte boundary (a slice of a larger buffer)."""
+    buffer = torch.empty(t.numel() + 1, device=t.device, dtype=t.dtype)
+    view = buffer[1:].view(t.shape)
+    view.copy_(t)
+    assert view.is_contiguous() and view.data_ptr() % 16 != 0
+    return view
+
+
+def test_misaligned_views_give_the_aligned_results():
+    """Inputs that start off a 16-byte boundary (the kernels copy 16-byte chunks) give bit-identical
+    outputs and gradients to aligned copies of the same values."""
+    generator = torch.Generator().manual_seed(11)
+    q, k, v = random_qkv(1, 700, 4, 2, 64, torch.bfloat16, generator)
+    dout = torch.randn(1, 700, 4, 64, generator=generator).to("cuda", torch.bfloat16)
+    index = random_index(1, 4, 700, 64, 3, 40, generator)
+    out, lse = ops.attention_forward(q, k, v, index, 0.125)
+    grads = ops.attention_backward(dout, q, k, v, out, lse, index, 0.125)
+    views = [misaligned(t) for t in (q, k, v, dout)]
+    out_view, lse_view = ops.attention_forward(*views[:3], index, 0.125)
+    grads_view = ops.attention_backward(views[3], *views[:3], out_view, lse_view, index, 0.125)
+    for name, expected, actual in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads),
+                                      (out_view, lse_view, *grads_view)):
+        assert torch.equal(expected, actual), f"{name} differs for misaligned inputs"
+
+
 def test_long_sequence_against_row_chunks():
     """32K tokens: the float64 reference runs over query chunks (mask_for rows), with autograd."""
     seq, heads, kv_heads, dim, block = 32768, 2, 1, 128, 128

@@ -22,6 +22,13 @@ void check_status(cudaError_t status, const char* what) {
     TORCH_CHECK(status == cudaSuccess, kOpName, ": ", what, " failed: ", cudaGetErrorString(status));
 }
 
+// The kernels copy 16-byte chunks (cp.async, TMA), so a contiguous tensor must start on a 16-byte
+// boundary; a view that does not (e.g. a slice of a larger buffer) is copied first.
+at::Tensor contiguous_aligned(const at::Tensor& t) {
+    const at::Tensor c = t.contiguous();
+    return reinterpret_cast<uintptr_t>(c.data_ptr()) % 16 == 0 ? c : c.clone();
+}
+
 // The per-call lists build_step_index fills, kept alive for the kernels that read them.
 struct StepLists {
     at::Tensor local_offsets, num_offsets, local_keys, num_keys;
@@ -123,7 +130,7 @@ std::vector<at::Tensor> forward(const at::Tensor& q_in, const at::Tensor& k_in, 
                                 const at::Tensor& vertical, const at::Tensor& vertical_count, int64_t block,
                                 double scale, int64_t world, int64_t q_rank, int64_t k_rank) {
     const c10::cuda::OptionalCUDAGuard guard(q_in.device());
-    const at::Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
+    const at::Tensor q = contiguous_aligned(q_in), k = contiguous_aligned(k_in), v = contiguous_aligned(v_in);
     const at::Tensor s = slash.contiguous(), sc = slash_count.contiguous();
     const at::Tensor vt = vertical.contiguous(), vc = vertical_count.contiguous();
     StepLists lists;
@@ -147,13 +154,13 @@ std::vector<at::Tensor> backward(const at::Tensor& dout_in, const at::Tensor& q_
                                  const at::Tensor& vertical, const at::Tensor& vertical_count, int64_t block,
                                  double scale, int64_t world, int64_t q_rank, int64_t k_rank) {
     const c10::cuda::OptionalCUDAGuard guard(q_in.device());
-    const at::Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
+    const at::Tensor q = contiguous_aligned(q_in), k = contiguous_aligned(k_in), v = contiguous_aligned(v_in);
     const at::Tensor s = slash.contiguous(), sc = slash_count.contiguous();
     const at::Tensor vt = vertical.contiguous(), vc = vertical_count.contiguous();
     StepLists lists;
     mtr::AttentionParams p = make_params(q, k, v, s, sc, vt, vc, block, scale, world, q_rank, k_rank, lists);
     check_backward_tensors(q, dout_in, out_in, lse_in, kOpName);
-    const at::Tensor dout = dout_in.to(q.scalar_type()).contiguous();
+    const at::Tensor dout = contiguous_aligned(dout_in.to(q.scalar_type()));
     const at::Tensor out = out_in.to(at::kFloat).contiguous();
     const at::Tensor lse = lse_in.contiguous();
     const auto float_options = q.options().dtype(at::kFloat);
