@@ -1,8 +1,8 @@
 // The query-side kernel: one CTA per (query block, head, batch) walks the key tiles its block reads
 // (KeyTileSource) with a two-stage pipeline (cp.async; TMA for contiguous key tiles on the wgmma
-// path). kBackward = false is the forward
-// (online softmax, out + lse); kBackward = true computes dQ from the saved lse and delta.
-// Arch is the tensor-core path: WarpMma (mma.sync) or WarpgroupMma (wgmma, sm_90a; MA = 1).
+// path). kBackward = false is the forward (online softmax, out + lse); kBackward = true computes
+// dQ from the saved lse and delta. Arch is the tensor-core path: WarpMma (mma.sync) or
+// WarpgroupMma (wgmma, sm_90a).
 #pragma once
 
 #include <math.h>
