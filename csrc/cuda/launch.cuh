@@ -3,6 +3,8 @@
 // instantiations compile in parallel.
 #pragma once
 
+#include <type_traits>
+
 #include "key_kernel.cuh"
 #include "query_kernel.cuh"
 #include "warpgroup_mma.cuh"
@@ -48,11 +50,6 @@ cudaError_t forward_with(const AttentionParams& p, cudaStream_t stream) {
     return launch_query_kernel<Arch, T, D, BS, 1, false>(p, stream);
 }
 
-template <typename T, int D, int BS>
-cudaError_t forward_for_block(const AttentionParams& p, cudaStream_t stream) {
-    return p.warpgroup_mma ? forward_with<WarpgroupMma, T, D, BS>(p, stream) : forward_with<WarpMma, T, D, BS>(p, stream);
-}
-
 // dK/dV (vertical pass first: it writes the scratch partials the slash pass adds), then dQ.
 template <typename Arch, typename T, int D, int BS>
 cudaError_t backward_kernels(const AttentionParams& p, cudaStream_t stream) {
@@ -63,31 +60,37 @@ cudaError_t backward_kernels(const AttentionParams& p, cudaStream_t stream) {
     return launch_query_kernel<Arch, T, D, BS, 1, true>(p, stream);
 }
 
-template <typename T, int D, int BS>
-cudaError_t backward_for_block(const AttentionParams& p, cudaStream_t stream) {
-    const long long rows = static_cast<long long>(p.batch) * p.seq_q * p.heads;
-    const long long delta_blocks = (rows + kDeltaThreads / 32 - 1) / (kDeltaThreads / 32);
-    if (delta_blocks > 0) delta_kernel<T, D><<<static_cast<unsigned>(delta_blocks), kDeltaThreads, 0, stream>>>(p);
-    const cudaError_t status = cudaGetLastError();
-    if (status != cudaSuccess) return status;
-    return p.warpgroup_mma ? backward_kernels<WarpgroupMma, T, D, BS>(p, stream)
-                           : backward_kernels<WarpMma, T, D, BS>(p, stream);
+// Calls run(Arch{}, std::integral_constant<int, BS>{}) for the params' tensor-core path and index
+// block size: the one place forward and backward pick their kernels' instantiation.
+template <typename Run>
+cudaError_t with_path_and_block(const AttentionParams& p, Run run) {
+    auto with_block = [&](auto arch) {
+        return p.block_size == 64 ? run(arch, std::integral_constant<int, 64>{}) : run(arch, std::integral_constant<int, 128>{});
+    };
+    return p.warpgroup_mma ? with_block(WarpgroupMma{}) : with_block(WarpMma{});
 }
 
 template <DType dtype, int kHeadDim>
 cudaError_t run_forward(const AttentionParams& p, cudaStream_t stream) {
     using T = typename ElementOf<dtype>::type;
     if (p.head_dim != kHeadDim) return cudaErrorInvalidValue;
-    return p.block_size == 64 ? forward_for_block<T, kHeadDim, 64>(p, stream)
-                              : forward_for_block<T, kHeadDim, 128>(p, stream);
+    return with_path_and_block(p, [&](auto arch, auto block) {
+        return forward_with<decltype(arch), T, kHeadDim, decltype(block)::value>(p, stream);
+    });
 }
 
 template <DType dtype, int kHeadDim>
 cudaError_t run_backward(const AttentionParams& p, cudaStream_t stream) {
     using T = typename ElementOf<dtype>::type;
     if (p.head_dim != kHeadDim) return cudaErrorInvalidValue;
-    return p.block_size == 64 ? backward_for_block<T, kHeadDim, 64>(p, stream)
-                              : backward_for_block<T, kHeadDim, 128>(p, stream);
+    const long long rows = static_cast<long long>(p.batch) * p.seq_q * p.heads;
+    const long long delta_blocks = (rows + kDeltaThreads / 32 - 1) / (kDeltaThreads / 32);
+    if (delta_blocks > 0) delta_kernel<T, kHeadDim><<<static_cast<unsigned>(delta_blocks), kDeltaThreads, 0, stream>>>(p);
+    const cudaError_t status = cudaGetLastError();
+    if (status != cudaSuccess) return status;
+    return with_path_and_block(p, [&](auto arch, auto block) {
+        return backward_kernels<decltype(arch), T, kHeadDim, decltype(block)::value>(p, stream);
+    });
 }
 
 }  // namespace mtr
