@@ -34,6 +34,32 @@ struct StepLists {
     at::Tensor local_offsets, num_offsets, local_keys, num_keys;
 };
 
+// The index part of the params, shared by the kernels and step_index: the contiguous compact lists
+// [batch, heads, n] in, freshly allocated per-call lists out, the block size and the ring position.
+StepLists set_index_params(mtr::AttentionParams& p, const at::Tensor& slash, const at::Tensor& slash_count,
+                           const at::Tensor& vertical, const at::Tensor& vertical_count, int64_t block,
+                           int64_t world, int64_t q_rank, int64_t k_rank) {
+    const StepLists lists{at::empty_like(slash), at::empty_like(slash_count), at::empty_like(vertical),
+                          at::empty_like(vertical_count)};
+    p.slash = slash.data_ptr<int32_t>();
+    p.slash_count = slash_count.data_ptr<int32_t>();
+    p.vertical = vertical.data_ptr<int32_t>();
+    p.vertical_count = vertical_count.data_ptr<int32_t>();
+    p.local_offsets = lists.local_offsets.data_ptr<int32_t>();
+    p.num_offsets = lists.num_offsets.data_ptr<int32_t>();
+    p.local_keys = lists.local_keys.data_ptr<int32_t>();
+    p.num_keys = lists.num_keys.data_ptr<int32_t>();
+    p.batch = static_cast<int>(slash.size(0));
+    p.heads = static_cast<int>(slash.size(1));
+    p.block_size = static_cast<int>(block);
+    p.slash_len = static_cast<int>(slash.size(2));
+    p.vertical_len = static_cast<int>(vertical.size(2));
+    p.world = static_cast<int>(world);
+    p.q_rank = static_cast<int>(q_rank);
+    p.k_rank = static_cast<int>(k_rank);
+    return lists;
+}
+
 // Which kernels run on `device`: wgmma (sm_90a) on compute capability 9.x, unless
 // DS_MTRAINING_CUDA_MMA=warp forces mma.sync; on the wgmma path TMA copies contiguous tiles unless
 // DS_MTRAINING_CUDA_TMA=0 (the benchmark compares all three).
@@ -49,14 +75,26 @@ KernelPaths kernel_paths_for(int device) {
     return {warpgroup, warpgroup && !(tma && std::string(tma) == "0")};
 }
 
+// One call of the kernels: its inputs (contiguous, q/k/v 16-byte aligned), the per-call lists, the
+// kernel paths of its device and the params pointing at all of them.
+struct Call {
+    at::Tensor q, k, v, slash, slash_count, vertical, vertical_count;
+    StepLists lists;
+    KernelPaths paths;
+    mtr::AttentionParams p;
+};
+
 // Checks a call (shared with the CPU op), then the CUDA-only limits, and fills the params.
-mtr::AttentionParams make_params(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                 const at::Tensor& slash, const at::Tensor& slash_count,
-                                 const at::Tensor& vertical, const at::Tensor& vertical_count,
-                                 int64_t block, double scale, int64_t world, int64_t q_rank,
-                                 int64_t k_rank, StepLists& lists) {
-    const Geometry geo = check_call(q, k, v, slash, slash_count, vertical, vertical_count, block, scale,
-                                    world, q_rank, k_rank, c10::DeviceType::CUDA, kOpName);
+Call prepare_call(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& slash_in,
+                  const at::Tensor& slash_count_in, const at::Tensor& vertical_in,
+                  const at::Tensor& vertical_count_in, int64_t block, double scale, int64_t world, int64_t q_rank,
+                  int64_t k_rank) {
+    Call call{contiguous_aligned(q_in), contiguous_aligned(k_in),    contiguous_aligned(v_in),
+              slash_in.contiguous(),    slash_count_in.contiguous(), vertical_in.contiguous(),
+              vertical_count_in.contiguous(), {}, {}, {}};
+    const at::Tensor &q = call.q, &k = call.k, &v = call.v;
+    const Geometry geo = check_call(q, k, v, call.slash, call.slash_count, call.vertical, call.vertical_count, block,
+                                    scale, world, q_rank, k_rank, c10::DeviceType::CUDA, kOpName);
     TORCH_CHECK_TYPE(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf, kOpName,
                      ": the CUDA kernels take bfloat16 or float16 q/k/v, got ", text(q.scalar_type()),
                      "; cast them (float32 runs on the CPU op)");
@@ -68,51 +106,25 @@ mtr::AttentionParams make_params(const at::Tensor& q, const at::Tensor& k, const
                       text(std::max(geo.q_blocks, geo.k_blocks)), " local blocks exceed the kernels' limit of ",
                       text(mtr::kMaxLocalBlocks), "; use a larger block_size or more ranks");
     TORCH_CHECK_VALUE(q.numel() < (int64_t{1} << 31) * 64, kOpName, ": q is too large");
-    for (const at::Tensor* t : {&q, &k, &v, &slash, &slash_count, &vertical, &vertical_count})
+    for (const at::Tensor* t :
+         {&call.q, &call.k, &call.v, &call.slash, &call.slash_count, &call.vertical, &call.vertical_count})
         TORCH_CHECK_VALUE(t->is_contiguous(), kOpName, ": inputs must be contiguous (the caller makes them so)");
 
-    const auto int_options = slash.options();
-    lists.local_offsets = at::empty_like(slash);
-    lists.num_offsets = at::empty({q.size(0), q.size(2)}, int_options);
-    lists.local_keys = at::empty_like(vertical);
-    lists.num_keys = at::empty({q.size(0), q.size(2)}, int_options);
-
-    mtr::AttentionParams p;
+    mtr::AttentionParams& p = call.p;
+    call.lists = set_index_params(p, call.slash, call.slash_count, call.vertical, call.vertical_count, block, world,
+                                  q_rank, k_rank);
     p.q = q.data_ptr();
     p.k = k.data_ptr();
     p.v = v.data_ptr();
-    p.slash = slash.data_ptr<int32_t>();
-    p.slash_count = slash_count.data_ptr<int32_t>();
-    p.vertical = vertical.data_ptr<int32_t>();
-    p.vertical_count = vertical_count.data_ptr<int32_t>();
-    p.local_offsets = lists.local_offsets.data_ptr<int32_t>();
-    p.num_offsets = lists.num_offsets.data_ptr<int32_t>();
-    p.local_keys = lists.local_keys.data_ptr<int32_t>();
-    p.num_keys = lists.num_keys.data_ptr<int32_t>();
-    p.batch = static_cast<int>(q.size(0));
-    p.heads = static_cast<int>(q.size(2));
     p.kv_heads = static_cast<int>(k.size(2));
     p.seq_q = static_cast<int>(q.size(1));
     p.seq_k = static_cast<int>(k.size(1));
     p.head_dim = static_cast<int>(q.size(3));
-    p.block_size = static_cast<int>(block);
-    p.slash_len = static_cast<int>(slash.size(2));
-    p.vertical_len = static_cast<int>(vertical.size(2));
     p.scale = static_cast<float>(scale);
-    p.world = static_cast<int>(world);
-    p.q_rank = static_cast<int>(q_rank);
-    p.k_rank = static_cast<int>(k_rank);
     if (const char* rows = std::getenv("DS_MTRAINING_CUDA_FORWARD_ROWS")) p.forward_rows_per_warp = std::atoi(rows);
-    p.warpgroup_mma = kernel_paths_for(q.get_device()).warpgroup_mma;
-    return p;
-}
-
-// Encodes the TMA tensor maps when this device's path uses TMA; call once p.q/k/v (and p.dout, in
-// the backward) are set.
-void enable_tma(mtr::AttentionParams& p, const at::Tensor& q) {
-    if (!kernel_paths_for(q.get_device()).tma) return;
-    const mtr::DType dtype = q.scalar_type() == at::kBFloat16 ? mtr::DType::kBF16 : mtr::DType::kFP16;
-    check_status(mtr::encode_tensor_maps(p, dtype), "encoding the TMA tensor maps of q/k/v/dout");
+    call.paths = kernel_paths_for(q.get_device());
+    p.warpgroup_mma = call.paths.warpgroup_mma;
+    return call;
 }
 
 template <typename Run>
@@ -125,45 +137,55 @@ cudaError_t dispatch(const at::Tensor& q, Run run) {
                : run(std::integral_constant<mtr::DType, mtr::DType::kFP16>{}, std::integral_constant<int, 128>{});
 }
 
-std::vector<at::Tensor> forward(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+// Runs a prepared call on the current stream: the TMA tensor maps (when this device's path uses
+// TMA), the per-call lists, then the forward or the backward kernels. The outputs (and, in the
+// backward, dout and the scratch) must be set in call.p.
+void launch(Call& call, bool backward) {
+    mtr::AttentionParams& p = call.p;
+    if (call.paths.tma) {
+        const mtr::DType dtype = call.q.scalar_type() == at::kBFloat16 ? mtr::DType::kBF16 : mtr::DType::kFP16;
+        check_status(mtr::encode_tensor_maps(p, dtype), "encoding the TMA tensor maps of q/k/v/dout");
+    }
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+    check_status(mtr::build_step_index(p, stream), "build_step_index");
+    check_status(dispatch(call.q, [&](auto dtype, auto dim) {
+                     constexpr mtr::DType kType = decltype(dtype)::value;
+                     constexpr int kDim = decltype(dim)::value;
+                     return backward ? mtr::run_backward<kType, kDim>(p, stream)
+                                     : mtr::run_forward<kType, kDim>(p, stream);
+                 }),
+                 backward ? "backward" : "forward");
+}
+
+std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                 const at::Tensor& slash, const at::Tensor& slash_count,
                                 const at::Tensor& vertical, const at::Tensor& vertical_count, int64_t block,
                                 double scale, int64_t world, int64_t q_rank, int64_t k_rank) {
-    const c10::cuda::OptionalCUDAGuard guard(q_in.device());
-    const at::Tensor q = contiguous_aligned(q_in), k = contiguous_aligned(k_in), v = contiguous_aligned(v_in);
-    const at::Tensor s = slash.contiguous(), sc = slash_count.contiguous();
-    const at::Tensor vt = vertical.contiguous(), vc = vertical_count.contiguous();
-    StepLists lists;
-    mtr::AttentionParams p = make_params(q, k, v, s, sc, vt, vc, block, scale, world, q_rank, k_rank, lists);
-    const auto float_options = q.options().dtype(at::kFloat);
-    at::Tensor out = at::empty(q.sizes(), float_options);
+    const c10::cuda::OptionalCUDAGuard guard(q.device());
+    Call call =
+        prepare_call(q, k, v, slash, slash_count, vertical, vertical_count, block, scale, world, q_rank, k_rank);
+    const auto float_options = call.q.options().dtype(at::kFloat);
+    at::Tensor out = at::empty(call.q.sizes(), float_options);
     at::Tensor lse = at::empty({q.size(0), q.size(2), q.size(1)}, float_options);
-    p.out = out.data_ptr<float>();
-    p.lse = lse.data_ptr<float>();
-    enable_tma(p, q);
-    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
-    check_status(mtr::build_step_index(p, stream), "build_step_index");
-    check_status(dispatch(q, [&](auto dtype, auto dim) { return mtr::run_forward<decltype(dtype)::value, decltype(dim)::value>(p, stream); }),
-                 "forward");
+    call.p.out = out.data_ptr<float>();
+    call.p.lse = lse.data_ptr<float>();
+    launch(call, false);
     return {out, lse};
 }
 
-std::vector<at::Tensor> backward(const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in,
-                                 const at::Tensor& v_in, const at::Tensor& out_in, const at::Tensor& lse_in,
+std::vector<at::Tensor> backward(const at::Tensor& dout_in, const at::Tensor& q, const at::Tensor& k,
+                                 const at::Tensor& v, const at::Tensor& out_in, const at::Tensor& lse_in,
                                  const at::Tensor& slash, const at::Tensor& slash_count,
                                  const at::Tensor& vertical, const at::Tensor& vertical_count, int64_t block,
                                  double scale, int64_t world, int64_t q_rank, int64_t k_rank) {
-    const c10::cuda::OptionalCUDAGuard guard(q_in.device());
-    const at::Tensor q = contiguous_aligned(q_in), k = contiguous_aligned(k_in), v = contiguous_aligned(v_in);
-    const at::Tensor s = slash.contiguous(), sc = slash_count.contiguous();
-    const at::Tensor vt = vertical.contiguous(), vc = vertical_count.contiguous();
-    StepLists lists;
-    mtr::AttentionParams p = make_params(q, k, v, s, sc, vt, vc, block, scale, world, q_rank, k_rank, lists);
-    check_backward_tensors(q, dout_in, out_in, lse_in, kOpName);
+    const c10::cuda::OptionalCUDAGuard guard(q.device());
+    Call call =
+        prepare_call(q, k, v, slash, slash_count, vertical, vertical_count, block, scale, world, q_rank, k_rank);
+    check_backward_tensors(call.q, dout_in, out_in, lse_in, kOpName);
     const at::Tensor dout = contiguous_aligned(dout_in.to(q.scalar_type()));
     const at::Tensor out = out_in.to(at::kFloat).contiguous();
     const at::Tensor lse = lse_in.contiguous();
-    const auto float_options = q.options().dtype(at::kFloat);
+    const auto float_options = call.q.options().dtype(at::kFloat);
     at::Tensor dq = at::empty(q.sizes(), float_options);
     at::Tensor dk = at::empty(k.sizes(), float_options);
     at::Tensor dv = at::empty(v.sizes(), float_options);
@@ -173,6 +195,7 @@ std::vector<at::Tensor> backward(const at::Tensor& dout_in, const at::Tensor& q_
                                                 vertical.size(2), q.size(3)};
     at::Tensor vertical_dk = at::empty(partial_shape, float_options);
     at::Tensor vertical_dv = at::empty(partial_shape, float_options);
+    mtr::AttentionParams& p = call.p;
     p.dout = dout.data_ptr();
     p.out_in = out.data_ptr<float>();
     p.lse_in = lse.data_ptr<float>();
@@ -182,11 +205,7 @@ std::vector<at::Tensor> backward(const at::Tensor& dout_in, const at::Tensor& q_
     p.delta = delta.data_ptr<float>();
     p.vertical_dk = vertical_dk.data_ptr<float>();
     p.vertical_dv = vertical_dv.data_ptr<float>();
-    enable_tma(p, q);
-    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
-    check_status(mtr::build_step_index(p, stream), "build_step_index");
-    check_status(dispatch(q, [&](auto dtype, auto dim) { return mtr::run_backward<decltype(dtype)::value, decltype(dim)::value>(p, stream); }),
-                 "backward");
+    launch(call, true);
     return {dq, dk, dv};
 }
 
@@ -202,31 +221,11 @@ std::vector<at::Tensor> step_index(const at::Tensor& slash, const at::Tensor& sl
     check_list(vertical, vertical_count, "vertical", batch, heads, slash.device(), kOpName);
     TORCH_CHECK_VALUE(world >= 1 && 0 <= q_rank && q_rank < world && 0 <= k_rank && k_rank < world && block >= 1,
                       kOpName, ": need block >= 1, world >= 1 and ranks in [0, world)");
-    StepLists lists;
     const at::Tensor s = slash.contiguous(), sc = slash_count.contiguous();
     const at::Tensor vt = vertical.contiguous(), vc = vertical_count.contiguous();
-    lists.local_offsets = at::empty_like(s);
-    lists.num_offsets = at::empty_like(sc);
-    lists.local_keys = at::empty_like(vt);
-    lists.num_keys = at::empty_like(vc);
     mtr::AttentionParams p;
-    p.slash = s.data_ptr<int32_t>();
-    p.slash_count = sc.data_ptr<int32_t>();
-    p.vertical = vt.data_ptr<int32_t>();
-    p.vertical_count = vc.data_ptr<int32_t>();
-    p.local_offsets = lists.local_offsets.data_ptr<int32_t>();
-    p.num_offsets = lists.num_offsets.data_ptr<int32_t>();
-    p.local_keys = lists.local_keys.data_ptr<int32_t>();
-    p.num_keys = lists.num_keys.data_ptr<int32_t>();
-    p.batch = static_cast<int>(batch);
-    p.heads = static_cast<int>(heads);
+    const StepLists lists = set_index_params(p, s, sc, vt, vc, block, world, q_rank, k_rank);
     p.seq_k = static_cast<int>(seq_k);
-    p.block_size = static_cast<int>(block);
-    p.slash_len = static_cast<int>(s.size(2));
-    p.vertical_len = static_cast<int>(vt.size(2));
-    p.world = static_cast<int>(world);
-    p.q_rank = static_cast<int>(q_rank);
-    p.k_rank = static_cast<int>(k_rank);
     check_status(mtr::build_step_index(p, c10::cuda::getCurrentCUDAStream().stream()), "build_step_index");
     return {lists.local_offsets, lists.num_offsets, lists.local_keys, lists.num_keys};
 }
