@@ -7,17 +7,30 @@
                                     # (DS_BUILD_MTRAINING_CUDA=0 skips the CUDA op)
 
 Prebuilding imports torch and deepspeed, so they must already be installed and pip must not
-isolate the build. The sources ship inside the package as ``op_builder/csrc`` (package data), so
-an install without prebuilt ops can still JIT-compile them.
+isolate the build. The ``op_builder/`` folder installs as the package ``ds_mtraining_op_builder``
+(not ``op_builder``, DeepSpeed's own name); the sources ship inside it as
+``ds_mtraining_op_builder/csrc`` (package data), so an install without prebuilt ops can still
+JIT-compile them.
 """
+import importlib.util
 import os
 import sys
 
 from setuptools import find_packages, setup
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+OP_BUILDER = "ds_mtraining_op_builder"
 BUILD_VAR = "DS_BUILD_MTRAINING"
 CSRC_PATTERNS = ["**/*.h", "**/*.hpp", "**/*.cpp", "**/*.cu", "**/*.cuh"]
+
+
+def import_op_builder():
+    """``op_builder/`` imported under its installed name (it is not installed yet while building)."""
+    spec = importlib.util.spec_from_file_location(OP_BUILDER, os.path.join(HERE, "op_builder", "__init__.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[OP_BUILDER] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def op_extensions():
@@ -30,14 +43,13 @@ def op_extensions():
     except ImportError as err:
         raise SystemExit(f"{BUILD_VAR}=1 needs torch and deepspeed installed first and "
                          f"'pip install --no-build-isolation': {err}") from err
-    sys.path.insert(0, HERE)
-    from op_builder import MTrainingCPUBuilder, MTrainingCUDABuilder
+    op_builder = import_op_builder()
 
-    cpu = MTrainingCPUBuilder()
+    cpu = op_builder.MTrainingCPUBuilder()
     if not cpu.is_compatible(verbose=True):
         raise SystemExit(f"{BUILD_VAR}=1: cannot build {cpu.NAME}: " + "; ".join(cpu.missing()))
     extensions = [cpu.builder()]
-    cuda = MTrainingCUDABuilder()
+    cuda = op_builder.MTrainingCUDABuilder()
     if os.environ.get(f"{BUILD_VAR}_CUDA", "1") == "0":
         print(f"{BUILD_VAR}_CUDA=0: not prebuilding {cuda.NAME}")
     elif cuda.is_compatible():
@@ -58,20 +70,22 @@ setup(
     if os.path.exists(os.path.join(HERE, "README.md")) else "",
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["ds_mtraining", "ds_mtraining.*", "op_builder"]) + ["op_builder.csrc"],
-    package_dir={"op_builder.csrc": "csrc"},
-    package_data={"op_builder.csrc": CSRC_PATTERNS},
+    packages=find_packages(include=["ds_mtraining", "ds_mtraining.*"]) + [OP_BUILDER, f"{OP_BUILDER}.csrc"],
+    package_dir={OP_BUILDER: "op_builder", f"{OP_BUILDER}.csrc": "csrc"},
+    package_data={f"{OP_BUILDER}.csrc": CSRC_PATTERNS},
     install_requires=[
+        # Tested ranges: the GPU machine (torch 2.11, transformers 5.17) and CI (torch 2.13,
+        # deepspeed 0.19.8, transformers 5.24, datasets 5.2).
         # On CPU-only machines install the CPU build first (pip install torch==2.13.0, the build
         # these machines carry); this requirement is then already met and pip never pulls a
         # CUDA torch. On GPU machines install the CUDA torch of your choice first.
-        "torch>=2.4",
-        "deepspeed>=0.19",  # developed and tested with 0.19.8
+        "torch>=2.11,<2.14",
+        "deepspeed>=0.19.8,<0.20",
         "pybind11",
         "ninja",
         "rich",
-        "transformers",
-        "datasets",
+        "transformers>=5.17,<5.25",
+        "datasets>=5.2,<5.3",
         "numpy",
         "matplotlib",  # the heatmap of `ds-mtraining balance`
     ],

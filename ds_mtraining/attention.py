@@ -16,6 +16,11 @@ from .index import SparseIndex, Stripe
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def resolve_softmax_scale(head_dim: int, softmax_scale: float | None = None) -> float:
+    """``softmax_scale`` if given, else the standard 1/sqrt(head_dim)."""
+    return softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+
+
 def check_attention_inputs(q, k, v, index: SparseIndex | None = None, local_index_len: int | None = None):
     """One clear error for each way q/k/v/index can be wrong."""
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -67,7 +72,7 @@ def sparse_attention_with_lse(q, k, v, index: SparseIndex, softmax_scale: float 
 
     Returns (out [B, S, H, D] in q's dtype, lse [B, H, S] float32)."""
     check_attention_inputs(q, k, v, index)
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    scale = resolve_softmax_scale(q.shape[-1], softmax_scale)
     return SparseAttentionFunction.apply(q, k, v, index, scale)
 
 

@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from . import SparseConfig, estimate_vertical_slash, sparse_attention_with_lse, synthetic
-from .reference import dense_attention_with_lse
+from .reference import dense_attention_with_lse, mask_between
 
 
 def main(argv=None):
@@ -49,7 +49,7 @@ def main(argv=None):
         backward_s = time.perf_counter() - start
 
     rows = slice(s - args.check_rows, s)
-    mask = index.mask_for(torch.arange(s)[rows], torch.arange(s))
+    mask = mask_between(index, torch.arange(s)[rows], torch.arange(s))
     ref, _ = dense_attention_with_lse(q[:, rows].detach(), k.detach(), v.detach(), mask)
     error = float((out[:, rows].detach().double() - ref).norm() / ref.norm())
 

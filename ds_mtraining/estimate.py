@@ -1,23 +1,31 @@
 """Online vertical-slash pattern estimation (the paper's Algorithm 1), vectorised over heads.
 
-The last ``last_q`` queries are scored causally against every key; per head,
+The rule, exactly (also the contract of a fused GPU estimator). Per (batch, query head), with
+``L = min(last_q, S)`` and the last L queries at positions ``q_i = S - L + i``:
 
-* vertical: the mass of each key column, summed over those rows; the fewest columns whose mass
-  reaches ``p_vertical`` (top-p), capped by ``max_vertical``, plus the sink tokens;
-* slash: the mass of each block diagonal (query block minus key block: exactly what one selected
-  slash block of the kernel computes for those rows); the fewest reaching ``p_slash``, capped by
-  ``max_slash_blocks``, plus the local diagonals.
+1. logits ``l[i, k] = scale * q_i . k_k`` in fp32, ``-inf`` where ``k > q_i``; ``P = softmax`` of
+   each row over the whole sequence (GQA: a query head reads its key/value head).
+2. column mass ``c[k] = sum_i P[i, k] / L`` (k in [0, S)); token-diagonal mass
+   ``d[t] = sum_i P[i, q_i - t] / L`` (t = query - key in [0, S); a diagonal straddling a block
+   boundary keeps its whole mass).
+3. top-p of a mass list: sort descending, ties by ascending position (stable); keep the fewest
+   leading entries whose mass reaches ``p * total`` (an entry is kept iff the mass sorted ahead of
+   it is below ``p * total * (1 - 1e-6)``), then clamp that count to ``[1, cap]``. Vertical:
+   ``p_vertical``, cap ``max_vertical`` columns; slash: ``p_slash``, cap ``max_slash_diagonals``.
+4. index: the kept columns plus sink tokens ``0 .. sink_tokens-1``; each kept token diagonal ``t``
+   marks block diagonal ``t // block_size`` and, unless ``t % block_size == 0``, the next one;
+   block diagonals ``0 .. local_blocks-1`` always (:meth:`SparseIndex.from_vertical_slash`).
 
-Every budget is at least 1 (a head whose top entry alone reaches p keeps that entry). The pieces
-(:func:`last_query_scores`, :func:`column_and_diagonal_mass`, :func:`top_p_count`) are shared
-with the distributed estimator, which computes the same masses from sequence shards.
+Token diagonals are summed through a skewed strided view of P (no scatter). The pieces
+(:func:`last_query_scores`, :func:`last_key_mass`, :func:`top_p_count`) are shared with the
+distributed estimator, which computes the same masses from sequence shards.
 """
 from __future__ import annotations
 
-import math
-
 import torch
+import torch.nn.functional as F
 
+from .attention import resolve_softmax_scale
 from .config import SparseConfig
 from .index import SparseIndex
 
@@ -48,19 +56,29 @@ def last_query_scores(q_last: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor
     return logits.mul_(scale).masked_fill_(~visible, float("-inf"))
 
 
-def column_and_diagonal_mass(probs: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
-                             seq_len: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """From probabilities [B, H, Lq, Sk] (rows sum to 1 over the whole sequence): the mass of
-    each local key column [B, H, Sk] and of each global block diagonal [B, H, nb], both summed
-    over the rows and divided by their number."""
-    b, h, lq, _ = probs.shape
-    nb = -(-seq_len // block_size)
-    columns = probs.sum(2) / lq
-    offset = q_pos.view(-1, 1) // block_size - k_pos.view(1, -1) // block_size
-    offset = offset.clamp(0, nb - 1).expand(lq, -1).reshape(-1)
-    diagonals = torch.zeros(b, h, nb, dtype=probs.dtype, device=probs.device)
-    diagonals.scatter_add_(-1, offset.expand(b, h, -1), probs.reshape(b, h, -1))
-    return columns, diagonals / lq
+def last_key_mass(probs: torch.Tensor) -> torch.Tensor:
+    """Token-diagonal masses, each filed under its last key.
+
+    ``probs`` [..., L, n]: the last L query rows of a sequence (row i is query ``S - L + i``)
+    against n consecutive keys ``k0 .. k0 + n - 1``. Entry (i, k) lies on the diagonal whose key in
+    row L - 1 is ``e = k + (L - 1 - i)``; returns ``m`` [..., n + L - 1] with ``m[u]`` the summed
+    probabilities of the diagonal with that last key ``e = k0 + u`` (query minus key
+    ``t = S - 1 - e``). A skewed view (row stride + 1) lines the diagonals up as columns."""
+    lq, n = probs.shape[-2:]
+    padded = F.pad(probs, (lq - 1, lq - 1)).contiguous()  # [..., L, n + 2 (L - 1)], zero borders
+    # skewed[i, u] = padded[i, u + i] = probs[i, k = k0 + u - (L - 1 - i)]
+    skewed = padded.as_strided(
+        (*padded.shape[:-1], n + lq - 1), (*padded.stride()[:-2], padded.stride(-2) + 1, 1))
+    return skewed.sum(-2)
+
+
+def column_and_diagonal_mass(probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """From probabilities [B, H, L, S] of the last L queries against every key (rows sum to 1):
+    column masses [B, H, S] and token-diagonal masses [B, H, S] (index t = query - key), both
+    divided by L."""
+    lq, s = probs.shape[-2:]
+    by_last_key = last_key_mass(probs)[..., :s]  # last keys past S would be future keys: zero
+    return probs.sum(-2) / lq, by_last_key.flip(-1) / lq
 
 
 def top_p_count(sorted_mass: torch.Tensor, p: float, cap: int,
@@ -102,13 +120,12 @@ def estimate_vertical_slash(q: torch.Tensor, k: torch.Tensor, config: SparseConf
     """
     check_qk(q, k)
     b, s, h, d = q.shape
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    scale = resolve_softmax_scale(d, softmax_scale)
     lq = min(config.last_q, s)
     pos = torch.arange(s, device=q.device)
     logits = last_query_scores(q[:, s - lq:], k, pos[s - lq:], pos, scale)
-    probs = torch.softmax(logits, dim=-1)
-    columns, diagonals = column_and_diagonal_mass(probs, pos[s - lq:], pos, s, config.block_size)
+    columns, diagonals = column_and_diagonal_mass(torch.softmax(logits, dim=-1))
     vertical = select_top_p(columns, config.p_vertical, config.max_vertical)
     vertical = torch.cat([vertical, sink_columns(b, h, config, s, q.device)], -1)
-    slash = select_top_p(diagonals, config.p_slash, config.max_slash_blocks)
-    return SparseIndex.from_blocks(slash, vertical, s, config.block_size, config.local_blocks)
+    slash = select_top_p(diagonals, config.p_slash, config.max_slash_diagonals)
+    return SparseIndex.from_vertical_slash(vertical, slash, s, config.block_size, config.local_blocks)

@@ -14,8 +14,8 @@ Query token ``q`` attends key token ``k`` iff ``k <= q`` and either ``block(q) -
     qb2   S x D .
     qb3   x S x D
 
-Lists padded to the longest row hold ``PAD`` at their tail. Nothing here is ever ``S x S`` except
-:meth:`SparseIndex.to_dense_mask` (tests, small sizes); the kernels derive each query block's
+Lists padded to the longest row hold ``PAD`` at their tail. Nothing here is ever ``S x S`` (the
+dense views for tests are in :mod:`ds_mtraining.reference`); the kernels derive each query block's
 key blocks and leftover columns from the two lists, also under striping (:class:`Stripe`).
 """
 from __future__ import annotations
@@ -27,47 +27,20 @@ import torch
 from .config import SUPPORTED_BLOCK_SIZES
 
 PAD = 1 << 30
-MAX_DENSE_ELEMENTS = 1 << 28
 
 
 @dataclass(frozen=True)
 class Stripe:
     """Which tokens the local queries and keys are, under block striping over ``world`` ranks.
 
-    Rank ``r`` holds global blocks ``r, r + world, r + 2 world, ...``; a ring step pairs the
-    queries of ``q_rank`` with the keys of ``k_rank``. ``Stripe()`` is the single-device case.
+    Rank ``r`` holds global blocks ``r, r + world, r + 2 world, ...`` (their token positions:
+    :class:`~ds_mtraining.ring.layout.StripedLayout`); a ring step pairs the queries of ``q_rank``
+    with the keys of ``k_rank``. ``Stripe()`` is the single-device case.
     """
 
     world: int = 1
     q_rank: int = 0
     k_rank: int = 0
-
-    def positions(self, local_len: int, block_size: int, rank: int, device=None) -> torch.Tensor:
-        """Global token positions of the ``local_len`` tokens that ``rank`` holds."""
-        local = torch.arange(local_len, device=device)
-        return (local // block_size * self.world + rank) * block_size + local % block_size
-
-
-@dataclass(frozen=True)
-class BlockCSR:
-    """Compressed rows: row ``i`` of the flattened (batch, head, block) grid is
-    ``indices[ptr[i]:ptr[i+1]]``."""
-
-    ptr: torch.Tensor
-    indices: torch.Tensor
-    shape: tuple
-
-    @classmethod
-    def from_selection(cls, keep: torch.Tensor, values: torch.Tensor) -> "BlockCSR":
-        """Rows of ``keep`` [B, H, nb, n] (bool) picking from ``values`` (same shape), in order."""
-        counts = keep.sum(-1).flatten()
-        ptr = torch.zeros(counts.numel() + 1, dtype=torch.int64, device=keep.device)
-        ptr[1:] = counts.cumsum(0)
-        return cls(ptr, values[keep].to(torch.int32), tuple(keep.shape[:3]))
-
-    def row(self, b: int, h: int, i: int) -> torch.Tensor:
-        flat = (b * self.shape[1] + h) * self.shape[2] + i
-        return self.indices[self.ptr[flat]:self.ptr[flat + 1]]
 
 
 def _sorted_unique(values: torch.Tensor) -> torch.Tensor:
@@ -80,13 +53,6 @@ def _sorted_unique(values: torch.Tensor) -> torch.Tensor:
         values = torch.where(repeat, torch.full_like(values, PAD), values).sort(dim=-1).values
     width = int((values != PAD).sum(-1).max()) if values.numel() else 0
     return values[..., :max(width, 1)].to(torch.int32).contiguous()
-
-
-def _membership(lists: torch.Tensor, size: int) -> torch.Tensor:
-    """[B, H, size] bool: which values of ``range(size)`` each padded list holds."""
-    present = torch.zeros(*lists.shape[:-1], size + 1, dtype=torch.bool, device=lists.device)
-    present.scatter_(-1, lists.long().clamp(max=size), True)
-    return present[..., :size]
 
 
 class SparseIndex:
@@ -190,31 +156,6 @@ class SparseIndex:
                 f"but the attention has batch={batch}, seq_len={seq_len}, heads={heads}; "
                 f"estimate the index from these q/k")
 
-    # ------------------------------------------------------------------ dense views (tests)
-    def mask_for(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
-        """Bool [B, H, len(q_pos), len(k_pos)]: entries computed between these global positions."""
-        elements = self.batch * self.heads * q_pos.numel() * k_pos.numel()
-        if elements > MAX_DENSE_ELEMENTS:
-            raise ValueError(f"a dense mask of {elements} entries is too large; it is for tests only")
-        q_pos, k_pos = q_pos.to(self.device).long(), k_pos.to(self.device).long()
-        in_slash = _membership(self.slash, self.num_blocks)
-        in_vertical = _membership(self.vertical, self.seq_len)
-        offset = (q_pos[:, None] // self.block_size - k_pos[None, :] // self.block_size)
-        causal = offset >= 0
-        slash_hit = in_slash[..., offset.clamp(min=0)] & causal
-        vertical_hit = in_vertical[..., None, k_pos].expand_as(slash_hit)
-        return (slash_hit | vertical_hit) & (q_pos[:, None] >= k_pos[None, :])
-
-    def to_dense_mask(self, stripe: Stripe | None = None) -> torch.Tensor:
-        """Bool [B, H, Sq, Sk]: exactly the entries the kernel computes. Without ``stripe``, the
-        whole sequence; with it, the local queries of ``q_rank`` against the keys of ``k_rank``."""
-        if stripe is None or stripe.world == 1:
-            pos = torch.arange(self.seq_len)
-            return self.mask_for(pos, pos)
-        local = self.seq_len // stripe.world
-        return self.mask_for(stripe.positions(local, self.block_size, stripe.q_rank),
-                             stripe.positions(local, self.block_size, stripe.k_rank))
-
     # ------------------------------------------------------------------ sizes
     def _block_len(self, blocks: torch.Tensor) -> torch.Tensor:
         start = blocks * self.block_size
@@ -243,36 +184,6 @@ class SparseIndex:
         """Computed entries over the causal entries S (S + 1) / 2, averaged over batch and heads."""
         causal = self.seq_len * (self.seq_len + 1) / 2
         return float(self.num_entries().double().mean() / causal)
-
-    # ------------------------------------------------------------------ derived lists
-    def _slash_csr(self, sign: int) -> BlockCSR:
-        """Rows i of [B, H, nb]: blocks i + sign * d for d in slash that lie in [0, nb)."""
-        nb = self.num_blocks
-        d = self.slash.long()
-        order = d.flip(-1) if sign < 0 else d  # keep each row's values ascending
-        values = torch.arange(nb, device=d.device).view(1, 1, nb, 1) + sign * order[..., None, :]
-        keep = (order != PAD)[..., None, :] & (values >= 0) & (values < nb)
-        return BlockCSR.from_selection(keep, values)
-
-    def query_block_lists(self) -> BlockCSR:
-        """Per query block, the key blocks it reads through slash diagonals (ascending)."""
-        return self._slash_csr(-1)
-
-    def key_block_lists(self) -> BlockCSR:
-        """The transpose: per key block, the query blocks that read it (ascending)."""
-        return self._slash_csr(+1)
-
-    def vertical_lists(self) -> BlockCSR:
-        """Per query block, the vertical key tokens it reads beyond its slash blocks."""
-        nb = self.num_blocks
-        in_slash = _membership(self.slash, nb)
-        col = self.vertical.long()
-        cblock = torch.where(col != PAD, col // self.block_size, nb)
-        g = torch.arange(nb, device=self.device).view(1, 1, nb, 1)
-        offset = g - cblock[..., None, :]
-        covered = torch.gather(in_slash, -1, offset.clamp(0, nb - 1).flatten(2)).view_as(offset)
-        keep = (offset > 0) & ~covered & (cblock < nb)[..., None, :]
-        return BlockCSR.from_selection(keep, col[..., None, :].expand_as(keep))
 
     def __repr__(self):
         return (f"SparseIndex(batch={self.batch}, heads={self.heads}, seq_len={self.seq_len}, "

@@ -22,20 +22,28 @@ def op_module(device_type: str):
         with _lock:
             module = _modules.get(device_type)
             if module is None:
-                from op_builder import builder_for_device
+                from ds_mtraining_op_builder import builder_for_device
                 module = builder_for_device(device_type)().load()
                 _modules[device_type] = module
     return module
 
 
-def _index_args(q: torch.Tensor, index: SparseIndex, stripe: Stripe) -> tuple:
-    """The index lists and geometry the op takes, after checking the index fits this call."""
+def op_index(index: SparseIndex, stripe: Stripe = Stripe()) -> dict:
+    """The ``index`` argument of the compiled ops: the compact lists, the block size and the ring
+    position, one entry per field of ``OpIndex`` (csrc/include/mtraining/op_index.h)."""
     if not isinstance(index, SparseIndex):
         raise TypeError(f"index must be a ds_mtraining.SparseIndex, got {type(index).__name__}")
+    return dict(slash=index.slash, slash_count=index.slash_count, vertical=index.vertical,
+                vertical_count=index.vertical_count, block_size=index.block_size,
+                world=stripe.world, q_rank=stripe.q_rank, k_rank=stripe.k_rank)
+
+
+def _call_index(q: torch.Tensor, index: SparseIndex, stripe: Stripe) -> dict:
+    """op_index after checking that the index fits this call's queries."""
+    op_args = op_index(index, stripe)
     if q.dim() == 4:
         index.check_matches(q.shape[0], q.shape[1] * stripe.world, q.shape[2])
-    return (index.slash, index.slash_count, index.vertical, index.vertical_count,
-            index.block_size)
+    return op_args
 
 
 def attention_forward(q, k, v, index: SparseIndex, scale: float, stripe: Stripe = Stripe()):
@@ -44,8 +52,7 @@ def attention_forward(q, k, v, index: SparseIndex, scale: float, stripe: Stripe 
     Returns (out float32 [B, Sq, H, D], lse float32 [B, H, Sq]); rows that see no key in this
     call get out 0 and lse -inf."""
     module = op_module(q.device.type)
-    return tuple(module.forward(q, k, v, *_index_args(q, index, stripe), float(scale),
-                                stripe.world, stripe.q_rank, stripe.k_rank))
+    return tuple(module.forward(q, k, v, _call_index(q, index, stripe), float(scale)))
 
 
 def attention_backward(dout, q, k, v, out, lse, index: SparseIndex, scale: float,
@@ -53,5 +60,5 @@ def attention_backward(dout, q, k, v, out, lse, index: SparseIndex, scale: float
     """Gradients (dq, dk, dv) of one call given the final output ``out``, its ``lse`` and
     ``dout``; on CPU they are float32."""
     module = op_module(q.device.type)
-    return tuple(module.backward(dout, q, k, v, out, lse, *_index_args(q, index, stripe),
-                                 float(scale), stripe.world, stripe.q_rank, stripe.k_rank))
+    return tuple(module.backward(dout, q, k, v, out, lse, _call_index(q, index, stripe),
+                                 float(scale)))

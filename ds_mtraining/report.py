@@ -59,8 +59,8 @@ def environment_rows() -> list[tuple[str, str, str]]:
     import torch
     from torch.utils.cpp_extension import CUDA_HOME
 
-    from op_builder import NO_JIT_VAR, csrc_root, extension_root
-    from op_builder.cuda import cutlass_include
+    from ds_mtraining_op_builder import NO_JIT_VAR, csrc_root, extension_root
+    from ds_mtraining_op_builder.cuda import cutlass_include
 
     cuda = torch.version.cuda or "none (CPU build)"
     devices = ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())) \
@@ -86,7 +86,7 @@ def environment_rows() -> list[tuple[str, str, str]]:
 
 
 def build_tables() -> list[Table]:
-    from op_builder import ALL_BUILDERS
+    from ds_mtraining_op_builder import ALL_BUILDERS
 
     ops = Table(title="ds-mtraining ops", title_justify="left")
     for column in ("op", "device", "status", "detail"):

@@ -3,15 +3,7 @@ from __future__ import annotations
 
 import torch
 
-
-def rope(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
-    """Rotate-half RoPE (the HF Llama/Qwen2 convention) of x [B, S, H, D] at ``positions`` [S]."""
-    d = x.shape[-1]
-    freqs = base ** (-torch.arange(0, d // 2, dtype=torch.float64, device=x.device) * 2 / d)
-    angle = positions.to(x.device).double()[:, None] * freqs[None, :]
-    cos, sin = angle.cos()[None, :, None, :], angle.sin()[None, :, None, :]
-    x1, x2 = x[..., : d // 2].double(), x[..., d // 2:].double()
-    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1)
+from .rope import apply_rotary, rotary_tables
 
 
 def planted_qk(seq_len: int, heads: int, kv_heads: int, dim: int, offsets, columns,
@@ -39,5 +31,5 @@ def planted_qk(seq_len: int, heads: int, kv_heads: int, dim: int, offsets, colum
             k[:, c, kv, half - slow: half] = column_gain
     q = q + noise * torch.randn(q.shape, generator=g, dtype=torch.float64)
     k = k + noise * torch.randn(k.shape, generator=g, dtype=torch.float64)
-    pos = torch.arange(seq_len)
-    return rope(q, pos).to(dtype), rope(k, pos).to(dtype)
+    cos, sin = rotary_tables(torch.arange(seq_len), dim)
+    return apply_rotary(q, cos, sin).to(dtype), apply_rotary(k, cos, sin).to(dtype)

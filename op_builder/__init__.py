@@ -1,9 +1,11 @@
 """DeepSpeed op builders of the ds-mtraining sparse attention kernels.
 
-Like DeepSpeed's own ``op_builder``: ``MTrainingCPUBuilder().load()`` returns the compiled
-module, prebuilt by ``DS_BUILD_MTRAINING=1 pip install --no-build-isolation .`` or else
-JIT-compiled from ``csrc/``. (This package deliberately has no ``__deepspeed__`` marker, so
-DeepSpeed keeps using its own builders.)
+Installed as ``ds_mtraining_op_builder`` (from the repository's ``op_builder/`` folder; see
+setup.py), so it never shadows DeepSpeed's own ``op_builder``. Like DeepSpeed's builders:
+``MTrainingCPUBuilder().load()`` returns the compiled module, prebuilt by
+``DS_BUILD_MTRAINING=1 pip install --no-build-isolation .`` or else JIT-compiled from ``csrc/``.
+(This package deliberately has no ``__deepspeed__`` marker, so DeepSpeed keeps using its own
+builders.)
 """
 from .cpu import MTrainingCPUBuilder
 from .cuda import MTrainingCUDABuilder

@@ -51,7 +51,8 @@ class MTrainingCUDABuilder(MTrainingBuilderMixin, CUDAOpBuilder):
         cuda = csrc_root() / "cuda"
         kernels = self._sorted_glob(str(cuda / "*.cu"))
         binding = cuda / "binding.cpp"
-        return kernels + [str(binding)] if kernels and binding.is_file() else []
+        extra = self._sorted_glob(str(cuda / "estimate_*.cpp"))  # the fused estimator's binding
+        return kernels + [str(binding)] + extra if kernels and binding.is_file() else []
 
     def sources_use_cutlass(self) -> bool:
         """Whether any CUDA source or header includes CUTLASS or CuTe headers."""

@@ -2,8 +2,8 @@
 
 Sources are resolved to absolute paths from this file (DeepSpeed resolves relative ones against its
 own package). The C++/CUDA sources live in ``csrc/`` at the repository root; an installed
-package ships the same tree as package data at ``op_builder/csrc`` (see setup.py), so the op can
-be JIT-compiled both from a checkout and from a plain ``pip install .``.
+package ships the same tree as package data at ``ds_mtraining_op_builder/csrc`` (see setup.py),
+so the op can be JIT-compiled both from a checkout and from a plain ``pip install .``.
 """
 from __future__ import annotations
 
@@ -15,11 +15,10 @@ import shutil
 import sys
 from pathlib import Path
 
-from deepspeed.ops.op_builder.builder import OpBuilder
-
 BUILD_VAR = "DS_BUILD_MTRAINING"
 NO_JIT_VAR = "DS_MTRAINING_NO_JIT"
 _HERE = Path(__file__).resolve().parent
+_loaded_modules: dict[str, object] = {}  # op name -> its module, loaded once per process
 
 
 def csrc_root() -> Path:
@@ -106,34 +105,44 @@ class MTrainingBuilderMixin:
         return os.path.join(self.jit_build_dir(), f"{self.NAME}.so")
 
     def load(self, verbose=False):
-        """The compiled module: cached, else prebuilt, else JIT-compiled."""
-        if self.name in OpBuilder._loaded_ops:
-            return OpBuilder._loaded_ops[self.name]
-        module = None
-        if self.prebuilt_available():
-            try:
-                module = importlib.import_module(self.absolute_name())
-            except ImportError as err:  # e.g. built against another torch
-                if os.environ.get(NO_JIT_VAR) == "1":
-                    raise RuntimeError(f"the prebuilt {self.NAME} op does not import ({err}) and "
-                                       f"{NO_JIT_VAR}=1 forbids compiling it") from err
-                self.warning(f"prebuilt {self.absolute_name()} does not import ({err}); "
-                             f"JIT-compiling it instead")
-        if module is None:
+        """The compiled module: already loaded, else prebuilt, else JIT-compiled."""
+        if self.NAME not in _loaded_modules:
+            module = self._prebuilt_module()
+            if module is None:
+                return self.jit_load(verbose)
+            _loaded_modules[self.NAME] = module
+        return _loaded_modules[self.NAME]
+
+    def _prebuilt_module(self):
+        """The prebuilt module, or None when there is none or it does not import."""
+        if not self.prebuilt_available():
+            return None
+        try:
+            return importlib.import_module(self.absolute_name())
+        except ImportError as err:  # e.g. built against another torch
             if os.environ.get(NO_JIT_VAR) == "1":
-                raise RuntimeError(
-                    f"the {self.NAME} op is not prebuilt and {NO_JIT_VAR}=1 forbids compiling it; "
-                    f"install with {BUILD_VAR}=1 pip install --no-build-isolation . or unset "
-                    f"{NO_JIT_VAR}")
-            reasons = self.missing_for_jit()
-            if reasons:
-                raise RuntimeError(f"cannot JIT-compile the {self.NAME} op: " + "; ".join(reasons))
-            if not verbose and not os.path.exists(self.jit_library()):
-                print(f"ds-mtraining: compiling the {self.NAME} op (once; cached in "
-                      f"{self.jit_build_dir()})", file=sys.stderr, flush=True)
-            module = self.jit_load(verbose)
-        OpBuilder._loaded_ops[self.name] = module
-        return module
+                raise RuntimeError(f"the prebuilt {self.NAME} op does not import ({err}) and "
+                                   f"{NO_JIT_VAR}=1 forbids compiling it") from err
+            self.warning(f"prebuilt {self.absolute_name()} does not import ({err}); "
+                         f"JIT-compiling it instead")
+            return None
+
+    def jit_load(self, verbose=True):
+        """DeepSpeed's JIT build (cached in TORCH_EXTENSIONS_DIR), unless ``DS_MTRAINING_NO_JIT=1``
+        forbids it; :meth:`load` then reuses the module."""
+        if os.environ.get(NO_JIT_VAR) == "1":
+            raise RuntimeError(
+                f"the {self.NAME} op is not prebuilt and {NO_JIT_VAR}=1 forbids compiling it; "
+                f"install with {BUILD_VAR}=1 pip install --no-build-isolation . or unset "
+                f"{NO_JIT_VAR}")
+        reasons = self.missing_for_jit()
+        if reasons:
+            raise RuntimeError(f"cannot JIT-compile the {self.NAME} op: " + "; ".join(reasons))
+        if not verbose and not os.path.exists(self.jit_library()):
+            print(f"ds-mtraining: compiling the {self.NAME} op (once; cached in "
+                  f"{self.jit_build_dir()})", file=sys.stderr, flush=True)
+        _loaded_modules[self.NAME] = super().jit_load(verbose)
+        return _loaded_modules[self.NAME]
 
     @staticmethod
     def _sorted_glob(*patterns: str) -> list[str]:

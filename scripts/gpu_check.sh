@@ -9,6 +9,7 @@
 #   BENCH_ARGS="--seq-lens 131072" bash scripts/gpu_check.sh      # a shorter benchmark
 #   VARIANTS="no_tma:DS_MTRAINING_CUDA_TMA=0" bash scripts/gpu_check.sh   # one other path only
 #   SKIP_TESTS=1 / SKIP_SANITIZER=1 / SKIP_BENCH=1 / SKIP_VARIANT=1 / SKIP_PROFILE=1 / SKIP_NCU=1
+#   SKIP_MULTI=1: not the two-GPU stage (scripts/multi_gpu_check.sh, run when two GPUs are visible)
 #   DIAGNOSE_OSTREAM=1: toolchain, libstdc++ linkage and a number-formatting probe (diagnose.log)
 # (each variant and the ncu stage add a file; the device tool returns 8, so trim VARIANTS or skip a stage)
 set -uo pipefail
@@ -21,6 +22,12 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     && export PYTHONPATH=/tmp/site:$PWD || { echo "wheel install failed"; exit 1; }
 else
   export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+fi
+# the op builder imports as ds_mtraining_op_builder (setup.py's name for op_builder/): link it for
+# a plain checkout on PYTHONPATH
+if ! python3 -c "import ds_mtraining_op_builder" >/dev/null 2>&1; then
+  mkdir -p /tmp/ds_mtraining_site && ln -sfn "$PWD/op_builder" /tmp/ds_mtraining_site/ds_mtraining_op_builder
+  export PYTHONPATH=/tmp/ds_mtraining_site:$PYTHONPATH
 fi
 summary=()
 stage() {  # stage NAME TIMEOUT_S LOG COMMAND...: runs (appending to LOG), records status and seconds
@@ -92,8 +99,7 @@ for device, dtype in (("cuda", torch.bfloat16), ("cpu", torch.float32)):
     index = SparseIndex.from_blocks(torch.zeros(1, 4, 1, dtype=torch.long), torch.zeros(1, 4, 1, dtype=torch.long),
                                     128, 64).to(device)
     try:
-        ops.op_module(device).forward(q, kv, kv, index.slash, index.slash_count, index.vertical,
-                                      index.vertical_count, 64, 0.125, 1, 0, 0)
+        ops.op_module(device).forward(q, kv, kv, ops.op_index(index), 0.125)
         print(f"{device} op: no error raised")
         raise SystemExit(1)
     except ValueError as err:
@@ -147,6 +153,7 @@ from ds_mtraining.index import SparseIndex, Stripe
 g = torch.Generator().manual_seed(0)
 for mma, block, seq, dim in ((m, *shape) for m in ("auto", "warp") for shape in ((64, 300, 64), (128, 512, 128))):
     os.environ["DS_MTRAINING_CUDA_MMA"] = mma
+    ops.op_module("cuda").reload_kernel_options()  # read once otherwise
     q, dout = (torch.randn(1, seq, 4, dim, generator=g).cuda().bfloat16() for _ in range(2))
     k, v = (torch.randn(1, seq, 2, dim, generator=g).cuda().bfloat16() for _ in range(2))
     blocks = -(-seq // block)
@@ -154,6 +161,7 @@ for mma, block, seq, dim in ((m, *shape) for m in ("auto", "warp") for shape in 
                                     torch.randint(0, seq, (1, 4, 70), generator=g), seq, block).to("cuda")
     for rows in ("16", "32"):
         os.environ["DS_MTRAINING_CUDA_FORWARD_ROWS"] = rows
+        ops.op_module("cuda").reload_kernel_options()
         out, lse = ops.attention_forward(q, k, v, index, 0.1)
     ops.attention_backward(dout, q, k, v, out, lse, index, 0.1)
     if seq % (2 * block) == 0:
@@ -219,5 +227,11 @@ if [ -z "${SKIP_NCU:-}" ]; then
     --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
     --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --print-details all python3 /tmp/case_128k.py
   grep -E "query_kernel|key_kernel|Duration|Compute \(SM\) Throughput|L2 Cache Throughput|DRAM Throughput|Achieved Occupancy|Registers Per|Warp Cycles Per Issued|Issue Slots Busy|[Ss]tall" "$OUT/ncu.txt" | head -90
+fi
+# Two GPUs visible: the two-GPU checks and the ring scaling benchmark (scripts/multi_gpu_check.sh,
+# its own PASS/FAIL table; 3 more files in $OUT). Alone it fits one 600 s call; SKIP_MULTI=1 skips it.
+if [ -z "${SKIP_MULTI:-}" ] && [ "$(python3 -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)" -ge 2 ]; then
+  stage multi_gpu 600 /dev/null env SKIP_BUILD=1 OUT="$OUT" BUDGET_S=590 bash scripts/multi_gpu_check.sh
+  cat "$OUT/multi_gpu_summary.txt"
 fi
 finish

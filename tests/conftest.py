@@ -1,20 +1,32 @@
-"""Shared fixtures: the CPU op (compiled or loaded once per session) and random sparse indices."""
+"""Shared fixtures: the CPU op (compiled or loaded once per session, only for the tests that ask
+for it) and random sparse indices. Shared helper functions live in helpers.py."""
+import multiprocessing
+
 import pytest
 import torch
 
+from ds_mtraining.distributed import spawn
 from ds_mtraining.index import SparseIndex
+
+# Modules the spawned ranks need, imported once by the forkserver that forks every rank (a fresh
+# interpreter per rank spends seconds of CPU on these imports, and a run starts ~40 ranks).
+FORKSERVER_PRELOAD = ["torch", "torch.distributed", "ds_mtraining", "deepspeed", "transformers", "helpers"]
 
 
 def pytest_configure(config):
     config.addinivalue_line(
         "markers", "slow: builds or installs the package (minutes); CI runs it, "
                    "deselect locally with -m 'not slow'")
+    multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)
+    spawn.START_METHOD = "forkserver"
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(scope="session")
 def cpu_op():
-    """The compiled CPU module (prebuilt or JIT-compiled on first use), built before any test so
-    that spawned ranks and launched processes load it from the cache instead of all compiling."""
+    """The compiled CPU module (prebuilt, or JIT-compiled once into the extension cache). Tests
+    that call the op in this process ask for it; multi-process tests that call it ask for it too
+    (``usefixtures``), so that it is built before their spawned ranks or launched processes start
+    and they all load it from the cache instead of compiling at once."""
     from ds_mtraining import ops
     return ops.op_module("cpu")
 

@@ -1,7 +1,7 @@
 """The CPU sparse attention kernels against float64 dense masked attention.
 
 Forward output, log-sum-exp and all three gradients are compared with
-``ds_mtraining.reference.dense_attention_with_lse`` on ``index.to_dense_mask()``: single device
+``ds_mtraining.reference.dense_attention_with_lse`` on ``reference.dense_mask(index)``: single device
 (full and partial last block, GQA, both block sizes, fp32/bf16/fp16, indices from explicit lists
 and from the estimator) and every (query rank, key rank) pair of a striped ring step.
 """
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ds_mtraining import SparseConfig, Stripe, estimate_vertical_slash, ops, sparse_attention_with_lse
-from ds_mtraining.reference import dense_attention_with_lse
+from ds_mtraining.reference import dense_attention_with_lse, dense_mask, vertical_lists
 
 # relative tolerance (of the largest reference magnitude) per input dtype: fp32 math throughout;
 # bf16/fp16 results are rounded to the input dtype
@@ -24,7 +24,7 @@ CASES = [
     (2, 4, 4, 128, 64, 300, "estimate", torch.float32),
     (1, 8, 2, 64, 128, 384, "estimate", torch.float32),
     (2, 8, 2, 64, 64, 300, "lists", torch.bfloat16),
-    (1, 4, 4, 128, 128, 300, "estimate", torch.float16),
+    (1, 4, 4, 128, 128, 428, "estimate", torch.float16),
     (1, 8, 2, 128, 64, 256, "estimate", torch.bfloat16),
     (1, 4, 2, 40, 64, 300, "lists", torch.float32),  # head_dim not a multiple of the CPU vector width
 ]
@@ -61,16 +61,16 @@ def test_single_device_matches_dense(cpu_op, random_index, batch, heads, kv_head
         index = random_index(batch, heads, seq, block, n_slash=2, seed=seq + dim)
     else:
         config = SparseConfig(block_size=block, last_q=64, p_vertical=0.5, p_slash=0.5,
-                              max_vertical=24, max_slash=block, sink_tokens=2)
+                              max_vertical=24, max_slash_diagonals=1, sink_tokens=2)
         index = estimate_vertical_slash(q.detach(), k.detach(), config)
     # the case must skip some entries and read some vertical columns outside its slash blocks
-    assert index.density() < 1.0 and index.vertical_lists().indices.numel() > 0
+    assert index.density() < 1.0 and vertical_lists(index).indices.numel() > 0
     out, lse = sparse_attention_with_lse(q, k, v, index)
     assert out.dtype == dtype and lse.dtype == torch.float32
     dout = torch.randn(out.shape, generator=generator).to(dtype)
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
 
-    ref_out, ref_lse, ref_grads = dense_reference(q, k, v, index.to_dense_mask(), dout)
+    ref_out, ref_lse, ref_grads = dense_reference(q, k, v, dense_mask(index), dout)
     rel = TOLERANCE[dtype]
     assert torch.isfinite(lse).all(), "every row sees its diagonal block"
     assert_matches(lse, ref_lse, 1e-5, "lse")  # fp32 from exactly upcast inputs
@@ -82,7 +82,7 @@ def test_single_device_matches_dense(cpu_op, random_index, batch, heads, kv_head
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_striped_pairs_match_dense(cpu_op, random_index, world):
-    """Each ring step (q_rank, k_rank) computes exactly to_dense_mask(stripe), with global
+    """Each ring step (q_rank, k_rank) computes exactly dense_mask(index, stripe), with global
     positions; rows that see no key give out 0 and lse -inf, and no NaN anywhere."""
     block, local_blocks, heads, kv_heads, dim = 64, 3, 4, 2, 64
     local = local_blocks * block
@@ -98,7 +98,7 @@ def test_striped_pairs_match_dense(cpu_op, random_index, world):
             out, lse = ops.attention_forward(q, k, v, index, scale, stripe)
             dout = torch.randn(out.shape, generator=generator)
             dq, dk, dv = ops.attention_backward(dout, q, k, v, out, lse, index, scale, stripe)
-            mask = index.to_dense_mask(stripe)
+            mask = dense_mask(index, stripe)
             ref_out, ref_lse, ref_grads = dense_reference(q, k, v, mask, dout, scale)
             where = f"stripe {stripe}"
             empty = ~mask.any(-1)  # [B, H, Sq]
@@ -139,16 +139,18 @@ def test_deterministic_across_runs_and_thread_counts(cpu_op, random_index):
 
 # ---------------------------------------------------------------------------- bad inputs
 def _call_args(q, k, v, index, world=1, q_rank=0, k_rank=0, block=None):
-    return (q, k, v, index.slash, index.slash_count, index.vertical, index.vertical_count,
-            block or index.block_size, 0.125, world, q_rank, k_rank)
+    op_index = ops.op_index(index, Stripe(world, q_rank, k_rank))
+    return (q, k, v, {**op_index, "block_size": block or index.block_size}, 0.125)
 
 
 def raw_lists(slash, vertical, heads, device="cpu"):
-    """The op's index arguments with the same slash and vertical list for every head."""
+    """The op's index argument (block 64, one device) with the same slash and vertical list for
+    every head."""
     slash = torch.tensor(slash, dtype=torch.int32).expand(1, heads, -1).contiguous()
     vertical = torch.tensor(vertical, dtype=torch.int32).expand(1, heads, -1).contiguous()
     counts = [torch.full((1, heads), t.shape[-1], dtype=torch.int32) for t in (slash, vertical)]
-    return tuple(t.to(device) for t in (slash, counts[0], vertical, counts[1]))
+    return dict(slash=slash.to(device), slash_count=counts[0].to(device), vertical=vertical.to(device),
+                vertical_count=counts[1].to(device), block_size=64, world=1, q_rank=0, k_rank=0)
 
 
 @pytest.fixture
@@ -204,9 +206,9 @@ def test_op_rejects_bad_inputs(cpu_op, small_problem, random_index):
                                      ([0, 1, 1], [5], "is not strictly ascending"),
                                      ([0], [9, 5], "must be strictly ascending key positions")):
         with pytest.raises(ValueError, match=message):
-            cpu_op.forward(q, k, v, *raw_lists(slash, vertical, heads=4), 64, 0.125, 1, 0, 0)
+            cpu_op.forward(q, k, v, raw_lists(slash, vertical, heads=4), 0.125)
     with pytest.raises(ValueError, match="slash is on meta but q is on cpu"):
-        cpu_op.forward(q, k, v, *raw_lists([0], [5], heads=4, device="meta"), 64, 0.125, 1, 0, 0)
+        cpu_op.forward(q, k, v, raw_lists([0], [5], heads=4, device="meta"), 0.125)
 
     out, lse = cpu_op.forward(*_call_args(q, k, v, index))
     call = _call_args(q, k, v, index)

@@ -7,6 +7,7 @@ import torch
 from ds_mtraining import SparseConfig, SparseIndex
 from ds_mtraining.bench import balance
 from ds_mtraining.index import Stripe
+from ds_mtraining.reference import dense_mask, mask_between
 from ds_mtraining.ring import StripedLayout, ZigzagLayout, imbalance, pair_work, step_work
 
 BLOCK = 64
@@ -26,7 +27,7 @@ def test_striped_pair_work_counts_the_kernels_dense_masks(world):
     work = pair_work(index, StripedLayout(world, BLOCK))
     for r in range(world):
         for s in range(world):
-            assert work[r, s] == index.to_dense_mask(Stripe(world, r, s)).sum(), (r, s)
+            assert work[r, s] == dense_mask(index, Stripe(world, r, s)).sum(), (r, s)
     assert work.sum() == index.num_entries().sum()
 
 
@@ -38,7 +39,7 @@ def test_zigzag_pair_work_counts_the_dense_mask_at_zigzag_positions(world):
     work = pair_work(index, layout)
     for r in range(world):
         for s in range(world):
-            dense = index.mask_for(layout.positions(seq_len, r), layout.positions(seq_len, s))
+            dense = mask_between(index, layout.positions(seq_len, r), layout.positions(seq_len, s))
             assert work[r, s] == dense.sum(), (r, s)
 
 
@@ -69,7 +70,7 @@ def test_step_work_follows_the_ring_and_metrics_match_hand_counts():
 
 
 def test_synthetic_index_is_the_estimators_and_denser_with_more_slashes():
-    config = SparseConfig(block_size=BLOCK, max_slash=8192)
+    config = SparseConfig(block_size=BLOCK, max_slash_diagonals=8192)
     sparse = balance.synthetic_index(8192, 2, 2, config, seed=0)
     dense = balance.synthetic_index(8192, 2, 24, config, seed=0)
     assert sparse.heads == 2 and sparse.seq_len == 8192

@@ -23,9 +23,31 @@ def test_hierarchical_ring_hides_inter_node_transfers():
     assert hier < flat
 
 
-def test_writes_json(tmp_path):
+def test_tiny_case_by_hand():
+    """2 nodes x 2: 3 GB steps take 3 ms over 1000 GB/s links, 10 ms over 300 GB/s ones; a 2 ms step:
+    flat = 4 steps x max(2, 10) = 40 ms, hierarchical = 2 x max(2 x max(2, 3), 10) = 20 ms."""
+    assert ring_times(2.0, 3e9, nodes=2, per_node=2, intra_gbps=1000, inter_gbps=300) == \
+        pytest.approx((40.0, 20.0, 3.0, 10.0))
+    # compute bound inside the node: hierarchical = 2 x max(2 x 8, 10) = 32, flat = 4 x max(8, 10)
+    assert ring_times(8.0, 3e9, 2, 2, 1000, 300)[:2] == pytest.approx((40.0, 32.0))
+
+
+def test_writes_json_with_the_hand_computed_default_rows(tmp_path):
+    """Defaults: 512K tokens on 4 x 8 ranks, 2 KV heads x 128 dims in bf16, so a shard's K and V
+    are 2 x 16384 x 2 x 128 x 2 B = 16 MiB (backward: 48 MiB with fp32 dK, dV); a step computes
+    1/64 of the 128K anchor time scaled by (512K / 128K)^2 = 16 (so x 1/64 overall), forward 1/3.5 of it."""
     out = tmp_path / "comm.json"
     main(["--out", str(out)])
     rows = json.loads(out.read_text())["rows"]
-    assert {r["direction"] for r in rows} == {"forward", "backward"}
-    assert all(r["hierarchical_ms"] <= r["flat_ms"] for r in rows)
+    assert len(rows) == 6 and {r["direction"] for r in rows} == {"forward", "backward"}
+    row = {r["direction"]: r for r in rows if r["density"] == 0.034}
+    # density 3.4%: 46.6 ms fwd+bwd at 128K -> forward step 46.6 / 3.5 / 64 = 0.20804 ms,
+    # backward step (46.6 - 13.314) / 64 = 0.52009 ms; 16 MiB over 25 GB/s = 0.67109 ms,
+    # over 300 GB/s = 0.055924 ms (48 MiB: 2.0133 and 0.16777 ms)
+    expected = {"forward": dict(step_compute_ms=0.20804, step_mb=16, inter_ms=0.67109, intra_ms=0.055924,
+                                flat_ms=32 * 0.67109, hierarchical_ms=4 * 8 * 0.20804),
+                "backward": dict(step_compute_ms=0.52009, step_mb=48, inter_ms=2.0133, intra_ms=0.16777,
+                                 flat_ms=32 * 2.0133, hierarchical_ms=4 * 8 * 0.52009)}
+    for direction, values in expected.items():
+        for key, value in values.items():
+            assert row[direction][key] == pytest.approx(value, rel=1e-4), (direction, key)

@@ -1,7 +1,7 @@
 """GPU tests of the CUDA sparse attention kernels against float64 dense attention.
 
 Every check compares with ``reference.dense_attention_with_lse`` in float64 on the mask
-``index.to_dense_mask()`` (or ``index.mask_for`` rows, for the long shape), outputs and
+``reference.dense_mask(index)`` (or ``reference.mask_between`` rows, for the long shape), outputs and
 gradients, by relative Frobenius error. Skipped without a CUDA device.
 """
 from __future__ import annotations
@@ -13,7 +13,8 @@ import torch
 
 from ds_mtraining import ops
 from ds_mtraining.index import PAD, SparseIndex, Stripe
-from ds_mtraining.reference import dense_attention_with_lse
+from ds_mtraining.reference import dense_attention_with_lse, dense_mask, mask_between
+from ds_mtraining.ring.layout import StripedLayout
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -90,31 +91,46 @@ def test_matches_dense_reference(shape):
     index = random_index(batch, heads, seq, block, n_slash, n_vertical, generator)
     dout = torch.randn(batch, seq, heads, dim, generator=generator).to("cuda", dtype)
     scale = 1.0 / math.sqrt(dim)
-    reference = reference_with_grads(q, k, v, index.to_dense_mask().cuda(), dout, scale)
+    reference = reference_with_grads(q, k, v, dense_mask(index).cuda(), dout, scale)
     assert_matches(kernel_with_grads(q, k, v, index, dout, scale), reference, str(shape))
 
 
+@pytest.fixture
+def kernel_env(monkeypatch):
+    """Sets DS_MTRAINING_CUDA_* kernel options for one test: the module reads them once, so each
+    change and the restore at the end reload them."""
+    module = ops.op_module("cuda")
+
+    def set_options(**options):
+        for name, value in options.items():
+            monkeypatch.setenv(f"DS_MTRAINING_CUDA_{name}", value)
+        module.reload_kernel_options()
+
+    yield set_options
+    monkeypatch.undo()
+    module.reload_kernel_options()
+
+
 @pytest.mark.parametrize("rows_per_warp", ["16", "32"])
-def test_forward_row_tilings_agree(rows_per_warp, monkeypatch):
+def test_forward_row_tilings_agree(rows_per_warp, kernel_env):
     """Block 128's two forward tilings (16 or 32 query rows per warp) both match the reference."""
-    monkeypatch.setenv("DS_MTRAINING_CUDA_FORWARD_ROWS", rows_per_warp)
+    kernel_env(FORWARD_ROWS=rows_per_warp)
     generator = torch.Generator().manual_seed(int(rows_per_warp))
     q, k, v = random_qkv(1, 1100, 4, 2, 128, torch.bfloat16, generator)
     index = random_index(1, 4, 1100, 128, 3, 90, generator)
     poison_allocator()
     out, lse = ops.attention_forward(q, k, v, index, 0.09)
-    ref_out, ref_lse = dense_attention_with_lse(q.double(), k.double(), v.double(), index.to_dense_mask().cuda(), 0.09)
+    ref_out, ref_lse = dense_attention_with_lse(q.double(), k.double(), v.double(), dense_mask(index).cuda(), 0.09)
     assert relative_error(out, ref_out) <= TOLERANCE
     assert float((lse.double() - ref_lse).abs().max()) < 5e-2
 
 
 @pytest.mark.parametrize("mma, tma", [("warp", "1"), ("auto", "1"), ("auto", "0")])
-def test_tensor_core_paths_agree(mma, tma, monkeypatch):
+def test_tensor_core_paths_agree(mma, tma, kernel_env):
     """Every kernel path (mma.sync; wgmma on Hopper, else mma.sync again; with TMA copies of the
     contiguous tiles or cp.async only) matches the reference, forward and gradients, at both head
     dims and block sizes."""
-    monkeypatch.setenv("DS_MTRAINING_CUDA_MMA", mma)
-    monkeypatch.setenv("DS_MTRAINING_CUDA_TMA", tma)
+    kernel_env(MMA=mma, TMA=tma)
     paths = ops.op_module("cuda").kernel_paths(torch.cuda.current_device())
     assert paths["tma"] == (paths["tensor_cores"] == "wgmma" and tma == "1")
     for dim, block, dtype in ((128, 128, torch.bfloat16), (64, 64, torch.float16)):
@@ -122,7 +138,7 @@ def test_tensor_core_paths_agree(mma, tma, monkeypatch):
         q, k, v = random_qkv(1, 1500, 4, 2, dim, dtype, generator)
         index = random_index(1, 4, 1500, block, 4, 120, generator)
         dout = torch.randn(1, 1500, 4, dim, generator=generator).to("cuda", dtype)
-        reference = reference_with_grads(q, k, v, index.to_dense_mask().cuda(), dout, 0.1)
+        reference = reference_with_grads(q, k, v, dense_mask(index).cuda(), dout, 0.1)
         assert_matches(kernel_with_grads(q, k, v, index, dout, 0.1), reference, f"{paths} D{dim} bs{block}")
 
 
@@ -144,10 +160,10 @@ def test_striped_ring_calls_match_dense(world):
     index = random_index(1, heads, seq, block, 5, 30, generator)
     dout = torch.randn(1, seq, heads, dim, generator=generator).to("cuda", torch.bfloat16)
     scale = 1.0 / math.sqrt(dim)
-    ref_out, ref_lse, ref_dq, ref_dk, ref_dv = reference_with_grads(q, k, v, index.to_dense_mask().cuda(), dout, scale)
+    ref_out, ref_lse, ref_dq, ref_dk, ref_dv = reference_with_grads(q, k, v, dense_mask(index).cuda(), dout, scale)
 
     local = seq // world
-    positions = [Stripe(world).positions(local, block, rank).cuda() for rank in range(world)]
+    positions = [StripedLayout(world, block).positions(seq, rank).cuda() for rank in range(world)]
     parts = {}
     for r in range(world):
         for s in range(world):
@@ -186,8 +202,7 @@ def test_step_index_matches_the_contract():
     module = ops.op_module("cuda")
     for q_rank, k_rank in [(0, 0), (2, 1), (1, 3)]:
         offsets, num_offsets, keys, num_keys = module.step_index(
-            index.slash, index.slash_count, index.vertical, index.vertical_count, block, 8 * block,
-            world, q_rank, k_rank)
+            ops.op_index(index, Stripe(world, q_rank, k_rank)), 8 * block)
         for b in range(2):
             for h in range(3):
                 slash = [d for d in index.slash[b, h].tolist() if d != PAD]
@@ -238,7 +253,7 @@ def test_misaligned_views_give_the_aligned_results():
 
 
 def test_long_sequence_against_row_chunks():
-    """32K tokens: the float64 reference runs over query chunks (mask_for rows), with autograd."""
+    """32K tokens: the float64 reference runs over query chunks (mask_between rows), with autograd."""
     seq, heads, kv_heads, dim, block = 32768, 2, 1, 128, 128
     generator = torch.Generator().manual_seed(32)
     q, k, v = random_qkv(1, seq, heads, kv_heads, dim, torch.bfloat16, generator)
@@ -254,7 +269,7 @@ def test_long_sequence_against_row_chunks():
     for start in range(0, seq, 1024):
         rows = torch.arange(start, min(start + 1024, seq), device="cuda")
         q64 = q[:, rows].double().requires_grad_()
-        ref_out, ref_lse = dense_attention_with_lse(q64, k64, v64, index.mask_for(rows, keys), scale)
+        ref_out, ref_lse = dense_attention_with_lse(q64, k64, v64, mask_between(index, rows, keys), scale)
         ref_out.backward(dout[:, rows].double())
         for name, actual, expected in (("out", out[:, rows], ref_out.detach()), ("dq", dq[:, rows], q64.grad)):
             errors[name][0] += float((actual.double() - expected).pow(2).sum())
@@ -282,7 +297,7 @@ def test_any_finite_scale(scale):
     q, k, v = random_qkv(1, 640, 2, 1, 64, torch.bfloat16, generator)
     index = random_index(1, 2, 640, 64, 3, 20, generator)
     dout = torch.randn(1, 640, 2, 64, generator=generator).to("cuda", torch.bfloat16)
-    reference = reference_with_grads(q, k, v, index.to_dense_mask().cuda(), dout, scale)
+    reference = reference_with_grads(q, k, v, dense_mask(index).cuda(), dout, scale)
     assert_matches(kernel_with_grads(q, k, v, index, dout, scale), reference, f"scale={scale}")
 
 
@@ -293,8 +308,11 @@ def valid_call_arguments():
     kv = torch.randn(1, 128, 2, 64, device="cuda", dtype=torch.bfloat16)
     index = SparseIndex.from_blocks(torch.zeros(1, 4, 1, dtype=torch.long), torch.zeros(1, 4, 1, dtype=torch.long),
                                     128, 64).to("cuda")
-    return dict(q=q, k=kv, v=kv, slash=index.slash, slash_count=index.slash_count, vertical=index.vertical,
-                vertical_count=index.vertical_count, block_size=64, scale=0.125, world=1, q_rank=0, k_rank=0)
+    return dict(q=q, k=kv, v=kv, index=ops.op_index(index), scale=0.125)
+
+
+def with_index_entries(call, **entries):
+    return {**call, "index": {**call["index"], **entries}}
 
 
 def with_kv_heads(call, kv_heads):
@@ -310,9 +328,11 @@ BAD_CALLS = {
     "double": (lambda call: {**call, "scale": float("nan")}, r"scale must be finite, got nan"),
     "shapes": (lambda call: {**call, "v": call["v"][:, :, :1]},
                r"k \[1, 128, 2, 64\] and v \[1, 128, 1, 64\] must have the same shape"),
-    "devices": (lambda call: {**call, "slash": call["slash"].cpu(), "slash_count": call["slash_count"].cpu()},
+    "devices": (lambda call: with_index_entries(call, slash=call["index"]["slash"].cpu(),
+                                                slash_count=call["index"]["slash_count"].cpu()),
                 r"slash is on cpu but q is on cuda:0"),
-    "cuda_limit": (lambda call: {**call, "block_size": 32}, r"block_size must be 64 or 128, got 32"),
+    "cuda_limit": (lambda call: with_index_entries(call, block_size=32), r"block_size must be 64 or 128, got 32"),
+    "unknown_entry": (lambda call: with_index_entries(call, cu_seqlens=None), r"unknown index entry 'cu_seqlens'"),
 }
 
 

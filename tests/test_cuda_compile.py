@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from op_builder.cuda import cutlass_include
+from ds_mtraining_op_builder.cuda import cutlass_include
 
 CUDA_DIR = Path(__file__).resolve().parents[1] / "csrc" / "cuda"
 NVCC = shutil.which("nvcc")

@@ -52,6 +52,11 @@ def test_stdlib_corpus_holds_every_stdlib_file_in_long_documents():
     assert all(len(doc["text"]) >= 1 << 20 for doc in documents[:-1])
     assert documents[0]["text"].startswith(f"# {files[0].relative_to(root)}\n")
     assert stdlib_documents(document_chars=1 << 20)[5]["text"] == documents[5]["text"]  # deterministic
+    # max_documents: the same first documents, without reading the rest; fresh dicts per call
+    first = stdlib_documents(document_chars=1 << 20, max_documents=2)
+    assert first == documents[:2] and first[0] is not stdlib_documents(1 << 20, max_documents=2)[0]
+    assert load_documents({"source": "stdlib", "document_chars": 1 << 20, "max_documents": 2})["text"] == \
+        [doc["text"] for doc in documents[:2]]
 
 
 @pytest.mark.parametrize("seq_len", [64, 100])
@@ -118,6 +123,10 @@ def test_bad_data_specs_name_the_key_and_the_fix(tmp_path):
         check_data_spec({"files": ["a"], "source": "stdlib"})
     with pytest.raises(DataConfigError, match=r"unknown key\(s\) \['path'\]"):
         check_data_spec({"path": "x"})
+    with pytest.raises(DataConfigError, match=r"max_documents=0: give a positive integer"):
+        check_data_spec({"source": "stdlib", "max_documents": 0})
+    with pytest.raises(DataConfigError, match=r"document_chars=1000: .* with \"source\": \"stdlib\" only"):
+        check_data_spec({"files": [write_jsonl(tmp_path, TEXTS)], "document_chars": 1000})
     with pytest.raises(DataConfigError, match="set mtraining.data.format"):
         (tmp_path / "docs.txt").write_text("x")
         check_data_spec({"files": [str(tmp_path / "docs.txt")]})

@@ -8,18 +8,17 @@ sequence-parallel group, as DeepSpeed does.
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from helpers import MODELS, SMALL, dense_loss, sequence, tiny_model
+from transformers import Qwen2Config
 
 from ds_mtraining import SparseConfig
-from ds_mtraining.data import ByteTokenizer, stdlib_documents
 from ds_mtraining.distributed import initialize_groups, run_on_ranks
 from ds_mtraining.hf import check_model_config, use_mtraining_attention
 from ds_mtraining.layer import AttentionStats, LayoutError, MTrainingAttentionSettings
 from ds_mtraining.ring.layout import StripedLayout
-from ds_mtraining.train import MTrainingCausalLM
+from ds_mtraining.training.model import MTrainingCausalLM
 
-WORLD, BLOCK, SEQ = 2, 64, 512
+WORLD, BLOCK, SEQ = 2, 64, 512  # SEQ: the length of helpers.sequence()
 TIMEOUT_S = 240
 LOSS_TOL = dict(rtol=1e-5, atol=1e-5)      # fp32, different summation order
 GRAD_TOL = dict(rtol=1e-4, atol=2e-5)
@@ -27,37 +26,11 @@ SPARSE_LOSS_RTOL = 0.01   # sparse (density ~0.42) vs dense loss at each of STEP
 STEPS = 4
 LR = 3e-3
 
-SMALL = dict(vocab_size=257, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, intermediate_size=128, tie_word_embeddings=False)
-MODELS = {"qwen2": (Qwen2Config, Qwen2ForCausalLM, dict(rope_theta=1e6)),
-          "llama": (LlamaConfig, LlamaForCausalLM, dict(rope_theta=5e5))}
 # p = 1 and caps >= S: every causal entry is selected
 FULL = SparseConfig(block_size=BLOCK, last_q=64, p_vertical=1.0, p_slash=1.0, max_vertical=SEQ,
-                    max_slash=SEQ)
+                    max_slash_diagonals=SEQ)
 SPARSE = SparseConfig(block_size=BLOCK, last_q=64, p_vertical=0.5, p_slash=0.5, max_vertical=16,
-                      max_slash=2 * BLOCK)
-
-
-def tiny_model(kind: str, seed: int = 0, attn: str = "eager"):
-    config_class, model_class, extra = MODELS[kind]
-    torch.manual_seed(seed)
-    return model_class(config_class(**SMALL, **extra, attn_implementation=attn)).float()
-
-
-def text_tokens(length: int) -> torch.Tensor:
-    """``length`` byte tokens of real text (the standard library's sources)."""
-    ids = ByteTokenizer().encode(stdlib_documents()[3]["text"])[:length]
-    return torch.from_numpy(ids).long()
-
-
-def sequence(batch: int = 1):
-    tokens = text_tokens(batch * (SEQ + 1)).view(batch, SEQ + 1)
-    return tokens[:, :-1], tokens[:, 1:]
-
-
-def dense_loss(model, input_ids, labels):
-    logits = model(input_ids=input_ids).logits
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
+                      max_slash_diagonals=2)
 
 
 def _mtraining_loss(model, settings, group, rank, input_ids, labels):
@@ -100,7 +73,7 @@ def _full_index_worker(rank, world):
 
 
 @pytest.fixture(scope="module")
-def full_index_results():
+def full_index_results(cpu_op):  # the op is built before the ranks start
     return run_on_ranks(_full_index_worker, WORLD, timeout=TIMEOUT_S)
 
 
@@ -144,6 +117,7 @@ def _sparse_training_worker(rank, world):
     return {"losses": losses, **stats.summary()}
 
 
+@pytest.mark.usefixtures("cpu_op")  # built before the ranks start
 def test_sparse_two_ranks_track_dense_training():
     """A genuinely sparse index (density checked) keeps the loss within SPARSE_LOSS_RTOL of dense
     training with the same data and optimizer for STEPS steps, while the loss falls."""
@@ -169,7 +143,7 @@ def test_sparse_two_ranks_track_dense_training():
 def test_single_rank_matches_dense_and_model_loads_from_local_dir(tmp_path):
     """No process group: the single-device path; a model saved to a local directory is loaded
     offline by the training entry point's builder and gives the same loss."""
-    from ds_mtraining.train import build_model
+    from ds_mtraining.training.model import build_model
     model = tiny_model("llama")
     model.save_pretrained(tmp_path)
     loaded = build_model({"name_or_path": str(tmp_path), "config_overrides": {}})

@@ -63,6 +63,7 @@ def compare_topologies(rank, world, topologies):
 
 
 @pytest.mark.parametrize("world,topologies", [(4, [(2, 2), (1, 4), (4, 1)]), (6, [(2, 3), (3, 2)])])
+@pytest.mark.usefixtures("cpu_op")  # built before the ranks start
 def test_hierarchical_ring_equals_flat_ring_and_single_process(world, topologies):
     results = run_on_ranks(compare_topologies, world, topologies, timeout=240)
     for rank, members in enumerate(results):
@@ -105,6 +106,7 @@ def test_bad_topologies_fail_before_any_communication(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("cpu_op")  # built before the launched ranks start
 def test_deepspeed_launcher_two_fake_nodes_build_groups_and_match_flat_ring(tmp_path):
     """Two `deepspeed --hostfile --no_ssh --node_rank N` commands on one machine = 2 nodes x 2."""
     import json

@@ -3,6 +3,8 @@ import pytest
 import torch
 
 from ds_mtraining.index import PAD, SparseIndex, Stripe
+from ds_mtraining.reference import dense_mask, key_block_lists, query_block_lists, vertical_lists
+from ds_mtraining.ring.layout import StripedLayout
 
 
 def random_index(seed, batch=2, heads=3, seq_len=700, block=64, nv=20, ns=6):
@@ -17,7 +19,7 @@ def random_index(seed, batch=2, heads=3, seq_len=700, block=64, nv=20, ns=6):
 @pytest.mark.parametrize("seq_len,block", [(700, 64), (512, 128), (1024, 64)])
 def test_mask_is_causal_nonempty_and_covers_requests(seq_len, block):
     index, vertical, slash = random_index(seq_len, seq_len=seq_len, block=block)
-    mask = index.to_dense_mask()
+    mask = dense_mask(index)
     assert mask.shape == (2, 3, seq_len, seq_len)
     assert not (mask & ~torch.ones(seq_len, seq_len, dtype=torch.bool).tril()).any()
     assert mask.any(-1).all(), "every row must see at least one key"
@@ -45,7 +47,7 @@ def test_lists_sorted_unique_and_padded():
 def test_num_entries_and_density_match_dense_mask():
     for seq_len, block in ((700, 64), (640, 128), (130, 128)):
         index, _, _ = random_index(seq_len + 1, seq_len=seq_len, block=block)
-        mask = index.to_dense_mask()
+        mask = dense_mask(index)
         assert torch.equal(index.num_entries(), mask.sum((-1, -2)))
         causal = seq_len * (seq_len + 1) / 2
         assert index.density() == pytest.approx(mask.sum().item() / (6 * causal), rel=1e-12)
@@ -53,9 +55,9 @@ def test_num_entries_and_density_match_dense_mask():
 
 def test_derived_lists_equal_dense_mask_and_transpose():
     index, _, _ = random_index(7, seq_len=700, block=64)
-    mask = index.to_dense_mask()
+    mask = dense_mask(index)
     nb, bs, s = index.num_blocks, index.block_size, index.seq_len
-    rows, cols, vert = index.query_block_lists(), index.key_block_lists(), index.vertical_lists()
+    rows, cols, vert = query_block_lists(index), key_block_lists(index), vertical_lists(index)
     for b in range(2):
         for h in range(3):
             transposed = {(int(j), i) for i in range(nb) for j in rows.row(b, h, i)}
@@ -84,14 +86,14 @@ def test_memory_is_independent_of_sequence_squared():
 
 def test_striped_masks_partition_the_full_mask():
     index, _, _ = random_index(11, seq_len=768, block=64)
-    full = index.to_dense_mask()
+    full = dense_mask(index)
     world, local, bs = 3, 256, 64
     for r in range(world):
         for s in range(world):
-            stripe = Stripe(world, r, s)
-            qp = stripe.positions(local, bs, r)
-            kp = stripe.positions(local, bs, s)
-            assert torch.equal(index.to_dense_mask(stripe), full[:, :, qp][:, :, :, kp])
+            layout = StripedLayout(world, bs)
+            qp = layout.positions(world * local, r)
+            kp = layout.positions(world * local, s)
+            assert torch.equal(dense_mask(index, Stripe(world, r, s)), full[:, :, qp][:, :, :, kp])
 
 
 @pytest.mark.parametrize("kwargs,message", [
@@ -111,7 +113,7 @@ def test_dense_mask_refuses_large_sizes():
     index = SparseIndex.from_vertical_slash(torch.zeros(1, 16, 1, dtype=torch.long),
                                             torch.zeros(1, 16, 1, dtype=torch.long), 1 << 17, 128)
     with pytest.raises(ValueError, match="too large"):
-        index.to_dense_mask()
+        dense_mask(index)
 
 
 def test_columns_under_the_leading_diagonals_are_dropped_without_changing_the_mask():
@@ -123,5 +125,5 @@ def test_columns_under_the_leading_diagonals_are_dropped_without_changing_the_ma
     index = SparseIndex.from_blocks(slash, vertical, seq_len, block)
     assert index.vertical[0, 0, :index.vertical_count[0, 0]].tolist() == [5, 400]
     keep_all = SparseIndex(index.slash, torch.tensor([[[5, 400, 520, 639]]], dtype=torch.int32), seq_len, block)
-    assert torch.equal(index.to_dense_mask(), keep_all.to_dense_mask())
+    assert torch.equal(dense_mask(index), dense_mask(keep_all))
     assert torch.equal(index.num_entries(), keep_all.num_entries())

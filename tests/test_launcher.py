@@ -63,7 +63,7 @@ def loss_rows(save_dir) -> list[tuple[int, float]]:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference(tmp_path_factory, cpu_op):  # the op is built before the launched ranks start
     """An uninterrupted ``deepspeed --num_gpus 2`` run: {step: loss}."""
     save_dir = tmp_path_factory.mktemp("reference")
     run(train_command(save_dir, "--num_gpus", "2", "--master_port", str(free_port())), save_dir / "log.txt")

@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[1]
 CHECK = textwrap.dedent("""
     import torch
     from ds_mtraining import SparseIndex
-    from ds_mtraining.reference import dense_attention_with_lse
+    from ds_mtraining.reference import dense_attention_with_lse, dense_mask
 
     def check(module):
         g = torch.Generator().manual_seed(0)
@@ -24,12 +24,12 @@ CHECK = textwrap.dedent("""
         vertical = torch.tensor([3, 70, 150]).expand(1, 4, 3)
         slash = torch.tensor([130]).expand(1, 4, 1)
         index = SparseIndex.from_vertical_slash(vertical, slash, 200, 64)
-        lists = (index.slash, index.slash_count, index.vertical, index.vertical_count, 64, 0.2, 1, 0, 0)
-        out, lse = module.forward(q, k, v, *lists)
+        from ds_mtraining.ops import op_index
+        out, lse = module.forward(q, k, v, op_index(index), 0.2)
         dout = torch.randn(out.shape, generator=g)
-        dq, dk, dv = module.backward(dout, q, k, v, out, lse, *lists)
+        dq, dk, dv = module.backward(dout, q, k, v, out, lse, op_index(index), 0.2)
         leaves = [t.double().requires_grad_() for t in (q, k, v)]
-        ref_out, ref_lse = dense_attention_with_lse(*leaves, index.to_dense_mask(), 0.2)
+        ref_out, ref_lse = dense_attention_with_lse(*leaves, dense_mask(index), 0.2)
         ref_grads = torch.autograd.grad(ref_out, leaves, dout.double())
         for name, got, want in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, dq, dk, dv),
                                    (ref_out.detach(), ref_lse.detach(), *ref_grads)):
@@ -50,7 +50,7 @@ def test_jit_build_in_fresh_extension_dir(tmp_path):
     env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(extensions), PYTHONPATH=str(REPO))
     env.pop("DS_MTRAINING_NO_JIT", None)
     code = CHECK + textwrap.dedent(f"""
-        from op_builder import MTrainingCPUBuilder
+        from ds_mtraining_op_builder import MTrainingCPUBuilder
         builder = MTrainingCPUBuilder()
         module = builder.jit_load(verbose=False)
         assert module.__file__.startswith({str(extensions)!r}), module.__file__
@@ -79,10 +79,10 @@ def test_prebuilt_install_imports_without_compiling(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(target), TORCH_EXTENSIONS_DIR=str(extensions),
                DS_MTRAINING_NO_JIT="1")
     code = CHECK + textwrap.dedent(f"""
-        import ds_mtraining, op_builder
+        import ds_mtraining, ds_mtraining_op_builder
         from ds_mtraining import ops
         assert ds_mtraining.__file__.startswith({str(target)!r}), ds_mtraining.__file__
-        assert str(op_builder.csrc_root()).startswith({str(target)!r}), "csrc/ is not shipped"
+        assert str(ds_mtraining_op_builder.csrc_root()).startswith({str(target)!r}), "csrc/ is not shipped"
         module = ops.op_module("cpu")
         assert module.__file__.startswith({str(target / "ds_mtraining")!r}), module.__file__
         check(module)

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "mtraining/checks.h"
+#include "mtraining/op_index.h"
 #include "mtraining/pattern.h"
 
 namespace mtraining {
@@ -625,51 +626,42 @@ void dkdv_kernel(const Inputs& in, const GradInputs& grad, float* dk, float* dv)
 
 // Fp32 contiguous copies (no copy when the input already is one) and the kernel view.
 struct Prepared {
-    at::Tensor q, k, v, slash, slash_count, vertical, vertical_count;
+    at::Tensor q, k, v;
+    OpIndex index;
     Inputs inputs;
 };
 
-Prepared prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                 const at::Tensor& slash, const at::Tensor& slash_count,
-                 const at::Tensor& vertical, const at::Tensor& vertical_count, int64_t block,
-                 double scale, int64_t world, int64_t q_rank, int64_t k_rank) {
-    const Geometry geo = check_call(q, k, v, slash, slash_count, vertical, vertical_count, block,
-                                    scale, world, q_rank, k_rank, c10::DeviceType::CPU, kOpName);
-    check_list_contents(geo, slash, slash_count, vertical, vertical_count, kOpName);
+Prepared prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const OpIndex& index,
+                 double scale) {
+    const Geometry geo = check_call(q, k, v, index, scale, c10::DeviceType::CPU, kOpName);
     Prepared p;
+    p.index = index.contiguous();
+    check_list_contents(geo, p.index, kOpName);
     p.q = q.to(at::kFloat).contiguous();
     p.k = k.to(at::kFloat).contiguous();
     p.v = v.to(at::kFloat).contiguous();
-    p.slash = slash.contiguous();
-    p.slash_count = slash_count.contiguous();
-    p.vertical = vertical.contiguous();
-    p.vertical_count = vertical_count.contiguous();
     Inputs& in = p.inputs;
     in.q = p.q.data_ptr<float>();
     in.k = p.k.data_ptr<float>();
     in.v = p.v.data_ptr<float>();
-    in.slash = p.slash.data_ptr<int32_t>();
-    in.slash_count = p.slash_count.data_ptr<int32_t>();
-    in.vertical = p.vertical.data_ptr<int32_t>();
-    in.vertical_count = p.vertical_count.data_ptr<int32_t>();
+    in.slash = p.index.slash.data_ptr<int32_t>();
+    in.slash_count = p.index.slash_count.data_ptr<int32_t>();
+    in.vertical = p.index.vertical.data_ptr<int32_t>();
+    in.vertical_count = p.index.vertical_count.data_ptr<int32_t>();
     in.batch = q.size(0);
     in.heads = q.size(2);
     in.kv_heads = k.size(2);
     in.head_dim = q.size(3);
-    in.slash_width = slash.size(2);
-    in.vertical_width = vertical.size(2);
+    in.slash_width = index.slash.size(2);
+    in.vertical_width = index.vertical.size(2);
     in.scale = static_cast<float>(scale);
     in.geo = geo;
     return p;
 }
 
 std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                const at::Tensor& slash, const at::Tensor& slash_count,
-                                const at::Tensor& vertical, const at::Tensor& vertical_count,
-                                int64_t block_size, double scale, int64_t world, int64_t q_rank,
-                                int64_t k_rank) {
-    const Prepared p = prepare(q, k, v, slash, slash_count, vertical, vertical_count, block_size,
-                               scale, world, q_rank, k_rank);
+                                const OpIndex& index, double scale) {
+    const Prepared p = prepare(q, k, v, index, scale);
     auto out = at::zeros(q.sizes(), q.options().dtype(at::kFloat));
     auto lse = at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(at::kFloat));
     forward_kernel(p.inputs, out.data_ptr<float>(), lse.data_ptr<float>());
@@ -678,12 +670,8 @@ std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const 
 
 std::vector<at::Tensor> backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
                                  const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
-                                 const at::Tensor& slash, const at::Tensor& slash_count,
-                                 const at::Tensor& vertical, const at::Tensor& vertical_count,
-                                 int64_t block_size, double scale, int64_t world, int64_t q_rank,
-                                 int64_t k_rank) {
-    const Prepared p = prepare(q, k, v, slash, slash_count, vertical, vertical_count, block_size,
-                               scale, world, q_rank, k_rank);
+                                 const OpIndex& index, double scale) {
+    const Prepared p = prepare(q, k, v, index, scale);
     check_backward_tensors(q, dout, out, lse, kOpName);
     const auto dout32 = dout.to(at::kFloat).contiguous();
     const auto out32 = out.to(at::kFloat).contiguous();
@@ -706,14 +694,5 @@ std::vector<at::Tensor> backward(const at::Tensor& dout, const at::Tensor& q, co
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.doc() = "ds-mtraining vertical-slash sparse attention, C++/OpenMP CPU kernels";
-    m.def("forward", &mtraining::forward, "sparse attention forward -> (out fp32, lse fp32)",
-          py::arg("q"), py::arg("k"), py::arg("v"), py::arg("slash"), py::arg("slash_count"),
-          py::arg("vertical"), py::arg("vertical_count"), py::arg("block_size"), py::arg("scale"),
-          py::arg("world"), py::arg("q_rank"), py::arg("k_rank"),
-          py::call_guard<py::gil_scoped_release>());
-    m.def("backward", &mtraining::backward, "sparse attention backward -> (dq, dk, dv) fp32",
-          py::arg("dout"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"),
-          py::arg("lse"), py::arg("slash"), py::arg("slash_count"), py::arg("vertical"),
-          py::arg("vertical_count"), py::arg("block_size"), py::arg("scale"), py::arg("world"),
-          py::arg("q_rank"), py::arg("k_rank"), py::call_guard<py::gil_scoped_release>());
+    mtraining::define_attention_ops(m, mtraining::kOpName, &mtraining::forward, &mtraining::backward);
 }

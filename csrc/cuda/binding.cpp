@@ -1,7 +1,8 @@
 // Torch binding of the CUDA sparse attention kernels (docs/KERNEL_CONTRACT.md): tensor checks,
 // output and scratch allocation, then raw pointers, sizes and the current stream to the kernels
 // (which include no ATen header). Exposes forward, backward, step_index (the per-call index
-// lists, for tests and the benchmark) and kernel_paths (which kernels a call takes).
+// lists, for tests and the benchmark), kernel_paths (which kernels a call takes) and
+// reload_kernel_options.
 #include <torch/extension.h>
 
 #include <ATen/cuda/CUDAContext.h>
@@ -9,8 +10,13 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include <cstdlib>
+#include <mutex>
+#include <optional>
+#include <string>
 
 #include "mtraining/checks.h"
+#include "mtraining/estimate.h"
+#include "mtraining/op_index.h"
 #include "params.h"
 
 namespace mtraining {
@@ -36,65 +42,93 @@ struct StepLists {
 
 // The index part of the params, shared by the kernels and step_index: the contiguous compact lists
 // [batch, heads, n] in, freshly allocated per-call lists out, the block size and the ring position.
-StepLists set_index_params(mtr::AttentionParams& p, const at::Tensor& slash, const at::Tensor& slash_count,
-                           const at::Tensor& vertical, const at::Tensor& vertical_count, int64_t block,
-                           int64_t world, int64_t q_rank, int64_t k_rank) {
-    const StepLists lists{at::empty_like(slash), at::empty_like(slash_count), at::empty_like(vertical),
-                          at::empty_like(vertical_count)};
-    p.slash = slash.data_ptr<int32_t>();
-    p.slash_count = slash_count.data_ptr<int32_t>();
-    p.vertical = vertical.data_ptr<int32_t>();
-    p.vertical_count = vertical_count.data_ptr<int32_t>();
+StepLists set_index_params(mtr::AttentionParams& p, const OpIndex& index) {
+    const StepLists lists{at::empty_like(index.slash), at::empty_like(index.slash_count),
+                          at::empty_like(index.vertical), at::empty_like(index.vertical_count)};
+    p.slash = index.slash.data_ptr<int32_t>();
+    p.slash_count = index.slash_count.data_ptr<int32_t>();
+    p.vertical = index.vertical.data_ptr<int32_t>();
+    p.vertical_count = index.vertical_count.data_ptr<int32_t>();
     p.local_offsets = lists.local_offsets.data_ptr<int32_t>();
     p.num_offsets = lists.num_offsets.data_ptr<int32_t>();
     p.local_keys = lists.local_keys.data_ptr<int32_t>();
     p.num_keys = lists.num_keys.data_ptr<int32_t>();
-    p.batch = static_cast<int>(slash.size(0));
-    p.heads = static_cast<int>(slash.size(1));
-    p.block_size = static_cast<int>(block);
-    p.slash_len = static_cast<int>(slash.size(2));
-    p.vertical_len = static_cast<int>(vertical.size(2));
-    p.world = static_cast<int>(world);
-    p.q_rank = static_cast<int>(q_rank);
-    p.k_rank = static_cast<int>(k_rank);
+    p.batch = static_cast<int>(index.slash.size(0));
+    p.heads = static_cast<int>(index.slash.size(1));
+    p.block_size = static_cast<int>(index.block_size);
+    p.slash_len = static_cast<int>(index.slash.size(2));
+    p.vertical_len = static_cast<int>(index.vertical.size(2));
+    p.world = static_cast<int>(index.world);
+    p.q_rank = static_cast<int>(index.q_rank);
+    p.k_rank = static_cast<int>(index.k_rank);
     return lists;
 }
 
-// Which kernels run on `device`: wgmma (sm_90a) on compute capability 9.x, unless
-// DS_MTRAINING_CUDA_MMA=warp forces mma.sync; on the wgmma path TMA copies contiguous tiles unless
-// DS_MTRAINING_CUDA_TMA=0 (the benchmark compares all three).
+// The kernel choices the environment makes (the benchmark compares them; results are the same):
+//  * DS_MTRAINING_CUDA_MMA=warp: mma.sync even on compute capability 9.x (else wgmma there);
+//  * DS_MTRAINING_CUDA_TMA=0: on the wgmma path, cp.async for every tile (else TMA copies the
+//    contiguous ones);
+//  * DS_MTRAINING_CUDA_FORWARD_ROWS=16: 16 forward query rows per warp at block 128 (else 32).
+// Read at the module's first forward, backward or kernel_paths call, and again only by
+// reload_kernel_options: every call in between takes the same kernels.
+struct KernelOptions {
+    bool force_warp_mma;
+    bool tma;
+    int forward_rows_per_warp;  // 0: the default
+};
+
+KernelOptions read_kernel_options() {
+    const char* mma = std::getenv("DS_MTRAINING_CUDA_MMA");
+    const char* tma = std::getenv("DS_MTRAINING_CUDA_TMA");
+    const char* rows = std::getenv("DS_MTRAINING_CUDA_FORWARD_ROWS");
+    return {mma != nullptr && std::string(mma) == "warp", !(tma != nullptr && std::string(tma) == "0"),
+            rows != nullptr ? std::atoi(rows) : 0};
+}
+
+std::mutex kernel_options_mutex;
+std::optional<KernelOptions> kernel_options_read;
+
+KernelOptions kernel_options() {
+    const std::lock_guard<std::mutex> lock(kernel_options_mutex);
+    if (!kernel_options_read) kernel_options_read = read_kernel_options();
+    return *kernel_options_read;
+}
+
+void reload_kernel_options() {
+    const std::lock_guard<std::mutex> lock(kernel_options_mutex);
+    kernel_options_read = read_kernel_options();
+}
+
+// Which kernels run on `device`: wgmma (sm_90a) on compute capability 9.x unless the options force
+// mma.sync; TMA on the wgmma path unless the options turn it off.
 struct KernelPaths {
     bool warpgroup_mma;
     bool tma;
 };
 
-KernelPaths kernel_paths_for(int device) {
-    const char* mma = std::getenv("DS_MTRAINING_CUDA_MMA");
-    const char* tma = std::getenv("DS_MTRAINING_CUDA_TMA");
-    const bool warpgroup = at::cuda::getDeviceProperties(device)->major == 9 && !(mma && std::string(mma) == "warp");
-    return {warpgroup, warpgroup && !(tma && std::string(tma) == "0")};
+KernelPaths kernel_paths_for(int device, const KernelOptions& options) {
+    const bool warpgroup = at::cuda::getDeviceProperties(device)->major == 9 && !options.force_warp_mma;
+    return {warpgroup, warpgroup && options.tma};
 }
 
 // One call of the kernels: its inputs (contiguous, q/k/v 16-byte aligned), the per-call lists, the
 // kernel paths of its device and the params pointing at all of them.
 struct Call {
-    at::Tensor q, k, v, slash, slash_count, vertical, vertical_count;
+    at::Tensor q, k, v;
+    OpIndex index;
     StepLists lists;
     KernelPaths paths;
     mtr::AttentionParams p;
 };
 
 // Checks a call (shared with the CPU op), then the CUDA-only limits, and fills the params.
-Call prepare_call(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& slash_in,
-                  const at::Tensor& slash_count_in, const at::Tensor& vertical_in,
-                  const at::Tensor& vertical_count_in, int64_t block, double scale, int64_t world, int64_t q_rank,
-                  int64_t k_rank) {
-    Call call{contiguous_aligned(q_in), contiguous_aligned(k_in),    contiguous_aligned(v_in),
-              slash_in.contiguous(),    slash_count_in.contiguous(), vertical_in.contiguous(),
-              vertical_count_in.contiguous(), {}, {}, {}};
+Call prepare_call(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const OpIndex& index,
+                  double scale) {
+    Call call{contiguous_aligned(q_in), contiguous_aligned(k_in), contiguous_aligned(v_in), index.contiguous(),
+              {}, {}, {}};
     const at::Tensor &q = call.q, &k = call.k, &v = call.v;
-    const Geometry geo = check_call(q, k, v, call.slash, call.slash_count, call.vertical, call.vertical_count, block,
-                                    scale, world, q_rank, k_rank, c10::DeviceType::CUDA, kOpName);
+    const Geometry geo = check_call(q, k, v, call.index, scale, c10::DeviceType::CUDA, kOpName);
+    const int64_t block = index.block_size;
     TORCH_CHECK_TYPE(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf, kOpName,
                      ": the CUDA kernels take bfloat16 or float16 q/k/v, got ", text(q.scalar_type()),
                      "; cast them (float32 runs on the CPU op)");
@@ -106,13 +140,12 @@ Call prepare_call(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tens
                       text(std::max(geo.q_blocks, geo.k_blocks)), " local blocks exceed the kernels' limit of ",
                       text(mtr::kMaxLocalBlocks), "; use a larger block_size or more ranks");
     TORCH_CHECK_VALUE(q.numel() < (int64_t{1} << 31) * 64, kOpName, ": q is too large");
-    for (const at::Tensor* t :
-         {&call.q, &call.k, &call.v, &call.slash, &call.slash_count, &call.vertical, &call.vertical_count})
+    for (const at::Tensor* t : {&call.q, &call.k, &call.v, &call.index.slash, &call.index.slash_count,
+                                &call.index.vertical, &call.index.vertical_count})
         TORCH_CHECK_VALUE(t->is_contiguous(), kOpName, ": inputs must be contiguous (the caller makes them so)");
 
     mtr::AttentionParams& p = call.p;
-    call.lists = set_index_params(p, call.slash, call.slash_count, call.vertical, call.vertical_count, block, world,
-                                  q_rank, k_rank);
+    call.lists = set_index_params(p, call.index);
     p.q = q.data_ptr();
     p.k = k.data_ptr();
     p.v = v.data_ptr();
@@ -121,8 +154,9 @@ Call prepare_call(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tens
     p.seq_k = static_cast<int>(k.size(1));
     p.head_dim = static_cast<int>(q.size(3));
     p.scale = static_cast<float>(scale);
-    if (const char* rows = std::getenv("DS_MTRAINING_CUDA_FORWARD_ROWS")) p.forward_rows_per_warp = std::atoi(rows);
-    call.paths = kernel_paths_for(q.get_device());
+    const KernelOptions options = kernel_options();
+    p.forward_rows_per_warp = options.forward_rows_per_warp;
+    call.paths = kernel_paths_for(q.get_device(), options);
     p.warpgroup_mma = call.paths.warpgroup_mma;
     return call;
 }
@@ -157,13 +191,10 @@ void launch(Call& call, bool backward) {
                  backward ? "backward" : "forward");
 }
 
-std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                const at::Tensor& slash, const at::Tensor& slash_count,
-                                const at::Tensor& vertical, const at::Tensor& vertical_count, int64_t block,
-                                double scale, int64_t world, int64_t q_rank, int64_t k_rank) {
+std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const OpIndex& index,
+                                double scale) {
     const c10::cuda::OptionalCUDAGuard guard(q.device());
-    Call call =
-        prepare_call(q, k, v, slash, slash_count, vertical, vertical_count, block, scale, world, q_rank, k_rank);
+    Call call = prepare_call(q, k, v, index, scale);
     const auto float_options = call.q.options().dtype(at::kFloat);
     at::Tensor out = at::empty(call.q.sizes(), float_options);
     at::Tensor lse = at::empty({q.size(0), q.size(2), q.size(1)}, float_options);
@@ -175,12 +206,9 @@ std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const 
 
 std::vector<at::Tensor> backward(const at::Tensor& dout_in, const at::Tensor& q, const at::Tensor& k,
                                  const at::Tensor& v, const at::Tensor& out_in, const at::Tensor& lse_in,
-                                 const at::Tensor& slash, const at::Tensor& slash_count,
-                                 const at::Tensor& vertical, const at::Tensor& vertical_count, int64_t block,
-                                 double scale, int64_t world, int64_t q_rank, int64_t k_rank) {
+                                 const OpIndex& index, double scale) {
     const c10::cuda::OptionalCUDAGuard guard(q.device());
-    Call call =
-        prepare_call(q, k, v, slash, slash_count, vertical, vertical_count, block, scale, world, q_rank, k_rank);
+    Call call = prepare_call(q, k, v, index, scale);
     check_backward_tensors(call.q, dout_in, out_in, lse_in, kOpName);
     const at::Tensor dout = contiguous_aligned(dout_in.to(q.scalar_type()));
     const at::Tensor out = out_in.to(at::kFloat).contiguous();
@@ -190,9 +218,9 @@ std::vector<at::Tensor> backward(const at::Tensor& dout_in, const at::Tensor& q,
     at::Tensor dk = at::empty(k.sizes(), float_options);
     at::Tensor dv = at::empty(v.sizes(), float_options);
     at::Tensor delta = at::empty({q.size(0), q.size(2), q.size(1)}, float_options);
-    const int query_blocks = static_cast<int>((q.size(1) + block - 1) / block);
+    const int query_blocks = static_cast<int>((q.size(1) + index.block_size - 1) / index.block_size);
     const std::vector<int64_t> partial_shape = {mtr::vertical_chunks(query_blocks), q.size(0), q.size(2),
-                                                vertical.size(2), q.size(3)};
+                                                index.vertical.size(2), q.size(3)};
     at::Tensor vertical_dk = at::empty(partial_shape, float_options);
     at::Tensor vertical_dv = at::empty(partial_shape, float_options);
     mtr::AttentionParams& p = call.p;
@@ -209,22 +237,16 @@ std::vector<at::Tensor> backward(const at::Tensor& dout_in, const at::Tensor& q,
     return {dq, dk, dv};
 }
 
-// The per-call lists for (q_rank, k_rank): (local_offsets, num_offsets, local_keys, num_keys).
-std::vector<at::Tensor> step_index(const at::Tensor& slash, const at::Tensor& slash_count, const at::Tensor& vertical,
-                                   const at::Tensor& vertical_count, int64_t block, int64_t seq_k, int64_t world,
-                                   int64_t q_rank, int64_t k_rank) {
-    TORCH_CHECK_VALUE(slash.is_cuda() && slash.dim() == 3 && vertical.dim() == 3, kOpName,
+// The per-call lists of the index's (q_rank, k_rank) for seq_k local keys:
+// (local_offsets, num_offsets, local_keys, num_keys).
+std::vector<at::Tensor> step_index(const OpIndex& index_in, int64_t seq_k) {
+    TORCH_CHECK_VALUE(index_in.slash.is_cuda() && index_in.slash.dim() == 3 && index_in.vertical.dim() == 3, kOpName,
                       ": step_index takes CUDA int32 lists [batch, heads, n]");
-    const c10::cuda::OptionalCUDAGuard guard(slash.device());
-    const int64_t batch = slash.size(0), heads = slash.size(1);
-    check_list(slash, slash_count, "slash", batch, heads, slash.device(), kOpName);
-    check_list(vertical, vertical_count, "vertical", batch, heads, slash.device(), kOpName);
-    TORCH_CHECK_VALUE(world >= 1 && 0 <= q_rank && q_rank < world && 0 <= k_rank && k_rank < world && block >= 1,
-                      kOpName, ": need block >= 1, world >= 1 and ranks in [0, world)");
-    const at::Tensor s = slash.contiguous(), sc = slash_count.contiguous();
-    const at::Tensor vt = vertical.contiguous(), vc = vertical_count.contiguous();
+    const c10::cuda::OptionalCUDAGuard guard(index_in.slash.device());
+    check_index(index_in, index_in.slash.size(0), index_in.slash.size(1), index_in.slash.device(), kOpName);
+    const OpIndex index = index_in.contiguous();
     mtr::AttentionParams p;
-    const StepLists lists = set_index_params(p, s, sc, vt, vc, block, world, q_rank, k_rank);
+    const StepLists lists = set_index_params(p, index);
     p.seq_k = static_cast<int>(seq_k);
     check_status(mtr::build_step_index(p, c10::cuda::getCurrentCUDAStream().stream()), "build_step_index");
     return {lists.local_offsets, lists.num_offsets, lists.local_keys, lists.num_keys};
@@ -232,7 +254,7 @@ std::vector<at::Tensor> step_index(const at::Tensor& slash, const at::Tensor& sl
 
 // The kernel paths a call on CUDA device `device` takes: {"tensor_cores": "wgmma" | "mma.sync", "tma": bool}.
 py::dict kernel_paths(int64_t device) {
-    const KernelPaths paths = kernel_paths_for(static_cast<int>(device));
+    const KernelPaths paths = kernel_paths_for(static_cast<int>(device), kernel_options());
     py::dict result;
     result["tensor_cores"] = paths.warpgroup_mma ? "wgmma" : "mma.sync";
     result["tma"] = paths.tma;
@@ -243,18 +265,16 @@ py::dict kernel_paths(int64_t device) {
 }  // namespace mtraining
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-    m.def("forward", &mtraining::forward, "sparse attention forward -> (out fp32, lse fp32)", py::arg("q"),
-          py::arg("k"), py::arg("v"), py::arg("slash"), py::arg("slash_count"), py::arg("vertical"),
-          py::arg("vertical_count"), py::arg("block_size"), py::arg("scale"), py::arg("world"), py::arg("q_rank"),
-          py::arg("k_rank"));
-    m.def("backward", &mtraining::backward, "sparse attention backward -> (dq, dk, dv) fp32", py::arg("dout"),
-          py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("slash"),
-          py::arg("slash_count"), py::arg("vertical"), py::arg("vertical_count"), py::arg("block_size"),
-          py::arg("scale"), py::arg("world"), py::arg("q_rank"), py::arg("k_rank"));
+    mtraining::define_attention_ops(m, mtraining::kOpName, &mtraining::forward, &mtraining::backward);
     m.def("kernel_paths", &mtraining::kernel_paths, "the tensor-core path and TMA use of a call on a device",
           py::arg("device"));
-    m.def("step_index", &mtraining::step_index,
-          "per-call lists -> (local_offsets, num_offsets, local_keys, num_keys)", py::arg("slash"),
-          py::arg("slash_count"), py::arg("vertical"), py::arg("vertical_count"), py::arg("block_size"),
-          py::arg("seq_k"), py::arg("world"), py::arg("q_rank"), py::arg("k_rank"));
+    m.def("reload_kernel_options", &mtraining::reload_kernel_options,
+          "re-reads the DS_MTRAINING_CUDA_* kernel options from the environment (read once otherwise)");
+    m.def(
+        "step_index",
+        [](const py::dict& index, int64_t seq_k) {
+            return mtraining::step_index(mtraining::op_index_from_python(index, mtraining::kOpName), seq_k);
+        },
+        "per-call lists -> (local_offsets, num_offsets, local_keys, num_keys)", py::arg("index"), py::arg("seq_k"));
+    mtraining::register_estimator(m);  // estimate_binding.cpp: the fused vertical-slash estimator
 }

@@ -15,15 +15,13 @@ __global__ void __launch_bounds__(kIndexThreads) build_step_index_kernel(const A
     bool done = false;
 
     // Diagonal d joins query rank r to key rank s iff (d - (r - s)) % W == 0; local offset (d - (r - s)) / W.
+    static_assert(kSkip == -1, "stripe_local_distance returns -1 for a diagonal to drop");
     int cursor = 0;
     const int num_slash = min(p.slash_count[bh], p.slash_len);
     const int offsets = compact_in_order<kIndexThreads>(
         p.slash + static_cast<size_t>(bh) * p.slash_len, num_slash, cursor,
         p.local_offsets + static_cast<size_t>(bh) * p.slash_len, num_slash + kIndexThreads, warp_counts, done,
-        [=](int d) {
-            const int t = d - rank_gap;
-            return (t >= 0 && t % world == 0) ? t / world : kSkip;
-        });
+        [=](int d) { return mtraining::stripe_local_distance(d, rank_gap, world); });
 
     // Global token c lies in global block c / bs, held by rank (c / bs) % W as local block (c / bs) / W.
     cursor = 0;
@@ -34,9 +32,8 @@ __global__ void __launch_bounds__(kIndexThreads) build_step_index_kernel(const A
         p.vertical + static_cast<size_t>(bh) * p.vertical_len, num_vertical, cursor,
         p.local_keys + static_cast<size_t>(bh) * p.vertical_len, num_vertical + kIndexThreads, warp_counts, done,
         [=](int c) {
-            const int global_block = c / block;
-            if (c < 0 || global_block % world != k_rank) return kSkip;
-            const int key = (global_block / world) * block + c % block;
+            if (c < 0 || !mtraining::stripe_column_on_rank(c, block, world, k_rank)) return kSkip;
+            const int key = mtraining::stripe_local_token(c, block, world);
             return key < seq_k ? key : kSkip;
         });
 

@@ -13,12 +13,13 @@
 
 #include <math.h>
 
+#include "epilogue.cuh"
+#include "mask.cuh"
+#include "softmax.cuh"
 #include "step_index.cuh"
 #include "warpgroup_mma.cuh"
 
 namespace mtr {
-
-constexpr int kQueryStep = 64;  // queries per step of the key-side kernels
 
 template <typename Arch, typename T, int D, int BS, bool kVertical>
 struct KeyKernelConfig {
@@ -33,14 +34,6 @@ struct KeyKernelConfig {
         return Arch::kTileAlignment + sizeof(T) * (2 * static_cast<size_t>(kKeyRows) * D + 4 * kStepElements) +
                sizeof(float) * 4 * kQueryStep + sizeof(uint64_t) * 2 + sizeof(int) * kKeyTile + sizeof(uint32_t) * bit_words;
     }
-};
-
-// 64 queries of one head and query block.
-struct QueryStep {
-    int head;
-    int first;
-    int block;
-    bool causal;
 };
 
 // Slash pass: the query blocks that read local key block `key_block`, head after head of the group.
@@ -216,7 +209,8 @@ __global__ void __launch_bounds__(KeyKernelConfig<Arch, T, D, BS, kVertical>::kT
     };
 
     const bool query_rank_after = p.q_rank > p.k_rank;
-    const float scale_log2 = exponent_scale(p.scale);
+    const TransposedSoftmax softmax{exponent_scale(p.scale)};
+    const QueryStepMask<BS, kVertical> mask{key_first, row0, p.seq_q, key_count, tile_keys, query_rank_after, bits};
     float dk[1][D / 8][4];
     float dv[1][D / 8][4];
     zero_fill(dk);
@@ -228,56 +222,14 @@ __global__ void __launch_bounds__(KeyKernelConfig<Arch, T, D, BS, kVertical>::kT
         const float* lse = lse_tiles + buffer * kQueryStep;
         const float* delta = delta_tiles + buffer * kQueryStep;
         if (by_tma(step)) tma.wait(buffer);
-        bool row_reads[2] = {true, true};  // vertical pass: does this key row read step.block?
-        if constexpr (kVertical) {
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                const int row = row0 + fragment_row(2 * half);
-                row_reads[half] = row < key_count &&
-                                  reads_as_column(step.block, tile_keys[row] / BS, query_rank_after, bits);
-            }
-        }
+        const auto rows_reading = mask.rows_reading(step);
         float s[1][8][4];
         float dp[1][8][4];
         // S^T = K Q^T and dP^T = V dO^T
         Arch::template scores_pair<1, D>(s, key_tile, query_tile, dp, value_tile, dout_tile, row0);
         orient_scores(s, p.scale < 0.f);
-        // Hidden entries get score -inf (so P^T = 0). Only the vertical pass, diagonal and partial
-        // steps need the mask: the common step runs the lean loop below alone.
-        if (kVertical || step.causal || step.first + kQueryStep > p.seq_q) {
-            // Query column col of a key row is visible iff low <= col < high: high is the queries
-            // left in the sequence (0 for a vertical key row that does not read this block), low the
-            // row's own key on the diagonal. No branches: col - fragment_col(0, 0) is a constant.
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                const int high = (row_reads[half] ? p.seq_q - step.first : 0) - fragment_col(0, 0);
-                const int low = (!kVertical && step.causal ? key_first + row0 + fragment_row(2 * half) - step.first : 0) -
-                                fragment_col(0, 0);
-#pragma unroll
-                for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-                    for (int odd = 0; odd < 2; ++odd) {
-                        const int col = nt * 8 + odd;
-                        if (col < low || col >= high) s[0][nt][2 * half + odd] = -INFINITY;
-                    }
-            }
-        }
-#pragma unroll
-        for (int nt = 0; nt < 8; ++nt) {
-            const int col0 = fragment_col(nt, 0);  // the thread's two columns col0, col0 + 1
-            const float2 lse_pair = *reinterpret_cast<const float2*>(lse + col0);
-            const float2 delta_pair = *reinterpret_cast<const float2*>(delta + col0);
-            // +inf for a query row without keys (lse = -inf): its P is 0, not NaN
-            const float lse_log2[2] = {lse_pair.x == -INFINITY ? INFINITY : lse_pair.x * kLog2e,
-                                       lse_pair.y == -INFINITY ? INFINITY : lse_pair.y * kLog2e};
-            const float delta_col[2] = {delta_pair.x, delta_pair.y};
-#pragma unroll
-            for (int c = 0; c < 4; ++c) {
-                const float prob = exp2f(fmaf(s[0][nt][c], scale_log2, -lse_log2[c & 1]));
-                s[0][nt][c] = prob;                                           // P^T
-                dp[0][nt][c] = prob * (dp[0][nt][c] - delta_col[c & 1]);     // dS^T / scale
-            }
-        }
+        mask.apply(s, step, rows_reading);
+        softmax.dscores(s, dp, lse, delta);
         Arch::template accumulate_pair<1, D>(dv, s, dout_tile, dk, dp, query_tile);  // dV += P^T dO, dK += dS^T Q
     };
 
@@ -311,36 +263,7 @@ __global__ void __launch_bounds__(KeyKernelConfig<Arch, T, D, BS, kVertical>::kT
         store_rows<1, D>(dk, row0, Arch::kSliceStride, p.scale, [&](int row) { return key_out_row(p.dk, row); });
         store_rows<1, D>(dv, row0, Arch::kSliceStride, 1.f, [&](int row) { return key_out_row(p.dv, row); });
         __syncthreads();  // this CTA's dk/dv rows are visible to all its threads from here
-
-        // Add the vertical pass's partials for the vertical keys of this block, head by head.
-        const int chunks = vertical_chunks(query_blocks);
-        const size_t chunk_stride = static_cast<size_t>(p.batch) * p.heads * p.vertical_len * D;
-        for (int head = kv_head * group; head < (kv_head + 1) * group; ++head) {
-            const size_t bh = batch_heads + head;
-            const int* keys = p.local_keys + bh * p.vertical_len;
-            const int num_keys = p.num_keys[bh];
-            int lo = 0, hi = num_keys;  // first key >= key_first
-            while (lo < hi) {
-                const int mid = (lo + hi) >> 1;
-                if (keys[mid] < key_first) lo = mid + 1; else hi = mid;
-            }
-            int end = lo;
-            while (end < num_keys && keys[end] < key_first + key_count) ++end;
-            for (int index = threadIdx.x; index < (end - lo) * D; index += kThreads) {
-                const int entry = lo + index / D;
-                const int d = index % D;
-                const size_t out = ((static_cast<size_t>(batch) * p.seq_k + keys[entry]) * p.kv_heads + kv_head) * D + d;
-                const size_t partial = (bh * p.vertical_len + entry) * D + d;
-                float dk_sum = 0.f, dv_sum = 0.f;
-                for (int c = 0; c < chunks; ++c) {
-                    dk_sum += p.vertical_dk[partial + c * chunk_stride];
-                    dv_sum += p.vertical_dv[partial + c * chunk_stride];
-                }
-                p.dk[out] += dk_sum;
-                p.dv[out] += dv_sum;
-            }
-            __syncthreads();  // the next head may hold the same keys
-        }
+        add_vertical_partials<D, kThreads>(p, batch, kv_head, group, key_first, key_count, query_blocks);
     }
 }
 

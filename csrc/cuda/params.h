@@ -6,11 +6,7 @@
 #include <cuda.h>  // CUtensorMap
 #include <cuda_runtime_api.h>
 
-#ifdef __CUDACC__
-#define MTR_HOST_DEVICE __host__ __device__
-#else
-#define MTR_HOST_DEVICE
-#endif
+#include "mtraining/pattern.h"  // the striping arithmetic and MT_HOST_DEVICE
 
 namespace mtr {
 
@@ -90,7 +86,7 @@ cudaError_t run_backward(const AttentionParams& params, cudaStream_t stream);
 // The vertical dK/dV pass splits each column tile's query blocks into chunks of this many, so
 // that no CTA loops over the whole sequence (the tiles of sink columns would otherwise dominate).
 constexpr int kVerticalChunkBlocks = 64;
-MTR_HOST_DEVICE inline int vertical_chunks(int query_blocks) { return (query_blocks + kVerticalChunkBlocks - 1) / kVerticalChunkBlocks; }
+MT_HOST_DEVICE inline int vertical_chunks(int query_blocks) { return (query_blocks + kVerticalChunkBlocks - 1) / kVerticalChunkBlocks; }
 
 // Largest number of local key blocks the kernels' shared-memory bitmap of offsets supports.
 constexpr int kMaxLocalBlocks = 1 << 17;

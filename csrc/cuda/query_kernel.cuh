@@ -7,6 +7,11 @@
 
 #include <math.h>
 
+#include <type_traits>
+
+#include "epilogue.cuh"
+#include "mask.cuh"
+#include "softmax.cuh"
 #include "step_index.cuh"
 #include "warpgroup_mma.cuh"
 
@@ -103,24 +108,17 @@ __global__ void __launch_bounds__(QueryKernelConfig<Arch, T, D, BS, MA, kBackwar
     const float scale_log2 = exponent_scale(p.scale);
     float acc[MA][D / 8][4];  // forward: unnormalised out; backward: dQ / scale
     zero_fill(acc);
-    // Per owned row (ma, half): forward running max (unscaled score) and partial sum; backward lse
-    // (log2 units, +inf for rows without keys so that P = 0) and delta.
-    float row_a[MA][2];
-    float row_b[MA][2];
-#pragma unroll
-    for (int ma = 0; ma < MA; ++ma)
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            if constexpr (kBackward) {
-                const int t = query_first + row0 + ma * Arch::kSliceStride + fragment_row(2 * half);
-                const float lse = t < p.seq_q ? p.lse_in[static_cast<size_t>(bh) * p.seq_q + t] : -INFINITY;
-                row_a[ma][half] = lse == -INFINITY ? INFINITY : lse * kLog2e;
-                row_b[ma][half] = t < p.seq_q ? p.delta[static_cast<size_t>(bh) * p.seq_q + t] : 0.f;
-            } else {
-                row_a[ma][half] = -INFINITY;
-                row_b[ma][half] = 0.f;
-            }
+    const size_t lse_row = static_cast<size_t>(bh) * p.seq_q;  // this head's row of lse and delta
+    using Softmax = std::conditional_t<kBackward, SavedSoftmax<MA>, OnlineSoftmax<MA>>;
+    Softmax softmax = [&] {
+        if constexpr (kBackward) {
+            return Softmax(scale_log2, p.lse_in + lse_row, p.delta + lse_row, query_first, row0, Arch::kSliceStride,
+                           p.seq_q);
+        } else {
+            return Softmax(scale_log2);
         }
+    }();
+    const KeyTileMask<Arch, MA> mask{query_first, row0, p.seq_k};
 
     auto compute = [&](const KeyTile& tile, int buffer) {
         const T* key_tile = key_tiles + buffer * Config::kKeyTileElements;
@@ -134,78 +132,12 @@ __global__ void __launch_bounds__(QueryKernelConfig<Arch, T, D, BS, MA, kBackwar
             Arch::template scores<MA, D>(s, q_tile, row0, key_tile);
         }
         orient_scores(s, p.scale < 0.f);
-        // Only diagonal, partial-last and partly filled gathered tiles need a mask. Scores stay
-        // unscaled (orient_scores): |scale| is folded into the exponent.
-        const bool masked = tile.gathered ? tile.count < kKeyTile : (tile.causal || tile.first + kKeyTile > p.seq_k);
-        if (masked) {
-            // Column col of a row is visible iff col < limit: the gathered count, or the keys left in
-            // the sequence and, on the diagonal, col <= query - first. One compare per element, no
-            // branches (col - fragment_col(0, 0) is a compile-time constant).
-            const int tile_limit = tile.gathered ? tile.count : min(kKeyTile, p.seq_k - tile.first);
-#pragma unroll
-            for (int ma = 0; ma < MA; ++ma)
-#pragma unroll
-                for (int half = 0; half < 2; ++half) {
-                    const int query = query_first + row0 + ma * Arch::kSliceStride + fragment_row(2 * half);
-                    const int limit = (tile.causal ? min(tile_limit, query - tile.first + 1) : tile_limit) -
-                                      fragment_col(0, 0);
-#pragma unroll
-                    for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-                        for (int odd = 0; odd < 2; ++odd)
-                            if (nt * 8 + odd >= limit) s[ma][nt][2 * half + odd] = -INFINITY;
-                }
-        }
+        mask.apply(s, tile);
         if constexpr (!kBackward) {
-            // Both rows a thread owns (half = 0, 1) go through each step together: independent
-            // instructions interleave, and one vote decides the rescale of both.
-#pragma unroll
-            for (int ma = 0; ma < MA; ++ma) {
-                float tile_max[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-                for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-                    for (int c = 0; c < 4; ++c) tile_max[c >> 1] = fmaxf(tile_max[c >> 1], s[ma][nt][c]);
-                float reference[2], rescale[2];
-#pragma unroll
-                for (int half = 0; half < 2; ++half) {
-                    tile_max[half] = fmaxf(tile_max[half], __shfl_xor_sync(0xffffffffu, tile_max[half], 1));
-                    tile_max[half] = fmaxf(tile_max[half], __shfl_xor_sync(0xffffffffu, tile_max[half], 2));
-                    const float new_max = fmaxf(row_a[ma][half], tile_max[half]);  // unscaled
-                    reference[half] = new_max == -INFINITY ? 0.f : new_max * scale_log2;  // no -inf - -inf
-                    rescale[half] = exp2f(row_a[ma][half] * scale_log2 - reference[half]);
-                    row_a[ma][half] = new_max;
-                }
-                float tile_sum[2] = {0.f, 0.f};
-#pragma unroll
-                for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-                    for (int c = 0; c < 4; ++c) {
-                        const float prob = exp2f(fmaf(s[ma][nt][c], scale_log2, -reference[c >> 1]));
-                        s[ma][nt][c] = prob;
-                        tile_sum[c >> 1] += prob;
-                    }
-#pragma unroll
-                for (int half = 0; half < 2; ++half) row_b[ma][half] = row_b[ma][half] * rescale[half] + tile_sum[half];
-                if (__any_sync(0xffffffffu, rescale[0] != 1.f || rescale[1] != 1.f)) {  // most tiles change no row max
-#pragma unroll
-                    for (int nt = 0; nt < D / 8; ++nt)
-#pragma unroll
-                        for (int c = 0; c < 4; ++c) acc[ma][nt][c] *= rescale[c >> 1];
-                }
-            }
+            softmax.template update<D>(s, acc);
             Arch::template accumulate<MA, D>(acc, s, value_tile);
         } else {
-#pragma unroll
-            for (int ma = 0; ma < MA; ++ma)
-#pragma unroll
-                for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-                    for (int c = 0; c < 4; ++c) {
-                        const int half = c >> 1;
-                        const float prob = exp2f(fmaf(s[ma][nt][c], scale_log2, -row_a[ma][half]));
-                        s[ma][nt][c] = prob * (dp[ma][nt][c] - row_b[ma][half]);  // dS / scale
-                    }
+            softmax.dscores(s, dp);
             Arch::template accumulate<MA, D>(acc, s, key_tile);
         }
     };
@@ -217,25 +149,8 @@ __global__ void __launch_bounds__(QueryKernelConfig<Arch, T, D, BS, MA, kBackwar
         return row < query_rows ? base + q_head + static_cast<size_t>(query_first + row) * q_stride : nullptr;
     };
     if constexpr (!kBackward) {
-#pragma unroll
-        for (int ma = 0; ma < MA; ++ma)
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                float sum = row_b[ma][half];
-                sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-                sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-                const float inverse = sum > 0.f ? 1.f / sum : 0.f;
-#pragma unroll
-                for (int nt = 0; nt < D / 8; ++nt) {
-                    acc[ma][nt][2 * half] *= inverse;
-                    acc[ma][nt][2 * half + 1] *= inverse;
-                }
-                const int t = query_first + row0 + ma * Arch::kSliceStride + fragment_row(2 * half);
-                if ((threadIdx.x & 3) == 0 && t < p.seq_q)
-                    p.lse[static_cast<size_t>(bh) * p.seq_q + t] =
-                        sum > 0.f ? row_a[ma][half] * fabsf(p.scale) + logf(sum) : -INFINITY;
-            }
-        store_rows<MA, D>(acc, row0, Arch::kSliceStride, 1.f, [&](int row) { return query_out_row(p.out, row); });
+        store_forward_output<Arch, MA, D>(acc, softmax, query_first, row0, p.seq_q, p.scale, p.lse + lse_row,
+                                          [&](int row) { return query_out_row(p.out, row); });
     } else {
         store_rows<MA, D>(acc, row0, Arch::kSliceStride, p.scale, [&](int row) { return query_out_row(p.dq, row); });
     }

@@ -6,7 +6,7 @@
 //    block i - o), and the vertical tokens of rank s as local key indices: O(|slash| + |vertical|).
 //  * Each CTA turns its offsets into a bitmap in shared memory and walks the lists itself:
 //    KeyTileSource yields the key tiles of one query block (forward, dQ), and the dK/dV kernels
-//    walk the transposed direction (bwd_kernel.cuh). No per-row list is ever materialised.
+//    walk the transposed direction (key_kernel.cuh). No per-row list is ever materialised.
 #pragma once
 
 #include <stdint.h>
@@ -16,6 +16,7 @@
 namespace mtr {
 
 constexpr int kKeyTile = 64;   // keys per tile in every kernel
+constexpr int kQueryStep = 64;  // queries per step of the key-side kernels
 constexpr int kSkip = -1;      // classify(): drop this value
 constexpr int kStop = -2;      // classify(): this value and every later one are past the end
 
@@ -152,6 +153,14 @@ struct KeyTileSource {
         list_position += kKeyTile;
         return true;
     }
+};
+
+// 64 queries of one head and query block: one step of the key-side kernels.
+struct QueryStep {
+    int head;
+    int first;
+    int block;
+    bool causal;
 };
 
 }  // namespace mtr

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from ..attention import resolve_softmax_scale
 from ..config import SparseConfig
 from ..estimate import estimate_vertical_slash
 from ..index import PAD, SparseIndex, Stripe
@@ -144,7 +145,7 @@ def measure_pair_times(index: SparseIndex, world: int, kv_heads: int, head_dim: 
     k = torch.randn(index.batch, local, kv_heads, head_dim, device=device, dtype=torch.bfloat16)
     v = torch.randn_like(k)
     dout = torch.randn_like(q)
-    scale = 1.0 / math.sqrt(head_dim)
+    scale = resolve_softmax_scale(head_dim)
     times = torch.zeros(world, world, dtype=torch.float64)
 
     def run(stripe):
@@ -245,7 +246,7 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     rows, panels, started = [], [], time.time()
     for seq_len in args.seq_lens:
-        config = SparseConfig(block_size=args.block_size, max_slash=seq_len,
+        config = SparseConfig(block_size=args.block_size, max_slash_diagonals=seq_len,
                               max_vertical=args.max_vertical)
         for target in args.sparsity:
             n_slash = calibrate_slashes(seq_len, target, config, args.seed, device)
@@ -293,7 +294,7 @@ def main(argv=None) -> int:
               "synthetic_pattern": {"mass_shares": MASS_SHARES, "local_blocks": LOCAL_BLOCKS,
                                     "columns": NUM_COLUMNS, "sinks": NUM_SINKS,
                                     "heads": args.heads, "block_size": args.block_size,
-                                    "max_vertical": args.max_vertical, "max_slash": "seq_len",
+                                    "max_vertical": args.max_vertical, "max_slash_diagonals": "seq_len",
                                     "p_vertical": 0.9, "p_slash": 0.9, "last_q": 64},
               "goals": {k: v for k, v in goals.items() if k != "lines"},
               "rows": rows, "seconds": round(time.time() - started, 1)}

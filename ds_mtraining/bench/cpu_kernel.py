@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import statistics
 import sys
 import time
@@ -72,12 +71,12 @@ def build_index(heads: int, seq: int, block: int, n_columns: int, n_diagonals: i
 
 def measure(seq, heads, kv_heads, dim, block, target, repeats):
     """Timings of one configuration: (dense row, sparse row)."""
-    from ds_mtraining.attention import sparse_attention
+    from ds_mtraining.attention import resolve_softmax_scale, sparse_attention
     generator = torch.Generator().manual_seed(seq * 1000 + heads * 10 + dim)
     q, k, v, dout = (torch.randn(1, seq, h, dim, generator=generator)
                      for h in (heads, kv_heads, kv_heads, heads))
     q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
-    scale = 1.0 / math.sqrt(dim)
+    scale = resolve_softmax_scale(dim)
     shape = dict(seq_len=seq, heads=heads, kv_heads=kv_heads, head_dim=dim, block_size=block)
 
     qt, kt, vt, dt = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v, dout))

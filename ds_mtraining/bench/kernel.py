@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import os
 import statistics
 import sys
@@ -93,10 +92,10 @@ class FlexMask:
     def for_index(self, index):
         """(BlockMask, fraction of the causal blocks that flex computes)."""
         from torch.nn.attention.flex_attention import BlockMask
-        from ds_mtraining.index import _membership
+        from ds_mtraining.reference import membership
         nb, device = self.blocks, self.in_slash.device
-        self.in_slash.copy_(_membership(index.slash, nb))
-        self.in_vertical.copy_(_membership(index.vertical, self.seq_len))
+        self.in_slash.copy_(membership(index.slash, nb))
+        self.in_vertical.copy_(membership(index.vertical, self.seq_len))
         q_block = torch.arange(nb, device=device)[:, None]
         k_block = torch.arange(nb, device=device)[None, :]
         below = q_block > k_block
@@ -119,12 +118,12 @@ def run(args):
     from rich.table import Table
 
     from ds_mtraining import ops
-    from ds_mtraining.attention import sparse_attention
+    from ds_mtraining.attention import resolve_softmax_scale, sparse_attention
 
     device = torch.device("cuda")
     dtype = torch.bfloat16
     batch, heads, kv_heads, dim, block = 1, args.heads, args.kv_heads, args.head_dim, args.block_size
-    scale = 1.0 / math.sqrt(dim)
+    scale = resolve_softmax_scale(dim)
     module = ops.op_module("cuda")
     paths = dict(module.kernel_paths(torch.cuda.current_device()))  # tensor_cores, tma (env-dependent)
     flex = None
@@ -185,9 +184,7 @@ def run(args):
             ours_fwd = time_ms(lambda: sparse_attention(q, k, v, index, scale), repeats=args.repeats)
             ours_fwd_bwd = time_ms(lambda: fwd_bwd(lambda: sparse_attention(q, k, v, index, scale)),
                                    repeats=args.repeats)
-            index_ms = time_ms(lambda: module.step_index(index.slash, index.slash_count, index.vertical,
-                                                         index.vertical_count, block, seq, 1, 0, 0),
-                               repeats=args.repeats)
+            index_ms = time_ms(lambda: module.step_index(ops.op_index(index), seq), repeats=args.repeats)
             row = dict(impl="mtraining", seq_len=seq, density=density, target_density=target,
                        **paths,
                        forward_rows_per_warp=int(os.environ.get("DS_MTRAINING_CUDA_FORWARD_ROWS", "32")),

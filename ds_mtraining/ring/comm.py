@@ -8,6 +8,18 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+# Tags of the two rotations that can be in flight at once (gloo matches messages by tag).
+KV_TAG, GRAD_TAG = 1, 2
+
+
+def ring_comm(group=None) -> "RingComm | None":
+    """The ring over ``group`` (None: the default group), or None where there is no ring:
+    torch.distributed is not initialised, or the group has one rank."""
+    if group is None and not dist.is_initialized():
+        return None
+    comm = RingComm(group)
+    return comm if comm.world > 1 else None
+
 
 class RingComm:
     """Sends tensors to the next rank of ``group`` while receiving the same shapes from the

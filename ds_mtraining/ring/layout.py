@@ -4,8 +4,9 @@ Two layouts of a length-``S`` sequence over ``world`` ranks, both expressed as t
 positions each rank holds (ascending), so one pair of helpers shards and unshards any tensor:
 
 * :class:`StripedLayout` (what the ring uses): rank ``r`` holds global blocks
-  ``r, r + world, r + 2 world, ...`` of ``block_size`` tokens, exactly :class:`~ds_mtraining.index.Stripe`'s
-  positions. Slash diagonals then spread evenly over ranks and ring steps.
+  ``r, r + world, r + 2 world, ...`` of ``block_size`` tokens, the striping that
+  :class:`~ds_mtraining.index.Stripe` names to the kernels. Slash diagonals then spread evenly
+  over ranks and ring steps.
 * :class:`ZigzagLayout` (the baseline): the sequence cut into ``2 world`` equal chunks, rank ``r``
   holding chunks ``r`` and ``2 world - 1 - r``: balanced for dense causal attention only.
 
@@ -21,7 +22,17 @@ from dataclasses import dataclass
 
 import torch
 
-from ..index import Stripe
+
+def check_divisible(seq_len: int, parts: int, block_size: int, what: str = "seq_len",
+                    factors: str = "world x block_size"):
+    """Raises ValueError unless ``seq_len`` cuts into ``parts`` whole runs of ``block_size``-token
+    blocks; ``what`` and ``factors`` name the length and the two factors in the message."""
+    unit = parts * block_size
+    if seq_len % unit != 0:
+        lower, upper = seq_len // unit * unit, (seq_len // unit + 1) * unit
+        raise ValueError(f"{what}={seq_len} is not divisible by {factors} = {parts} x {block_size} = "
+                         f"{unit}; pad or cut the sequence to a multiple of {unit} (e.g. "
+                         f"{lower or upper} or {upper})")
 
 
 class Layout:
@@ -85,17 +96,14 @@ class StripedLayout(Layout):
     block_size: int
 
     def check(self, seq_len: int):
-        unit = self.world * self.block_size
-        if seq_len % unit != 0:
-            raise ValueError(
-                f"sequence length {seq_len} is not divisible by world x block_size = "
-                f"{self.world} x {self.block_size} = {unit}; pad the sequence to a multiple of {unit}")
+        check_divisible(seq_len, self.world, self.block_size)
 
     def positions(self, seq_len: int, rank: int, device=None) -> torch.Tensor:
         self.check(seq_len)
         self._check_rank(rank)
-        stripe = Stripe(self.world, rank, rank)
-        return stripe.positions(seq_len // self.world, self.block_size, rank, device=device)
+        local = torch.arange(seq_len // self.world, device=device)
+        block, offset = local // self.block_size, local % self.block_size
+        return (block * self.world + rank) * self.block_size + offset
 
 
 @dataclass(frozen=True)
@@ -107,11 +115,7 @@ class ZigzagLayout(Layout):
     block_size: int = 1
 
     def check(self, seq_len: int):
-        unit = 2 * self.world * self.block_size
-        if seq_len % unit != 0:
-            raise ValueError(
-                f"sequence length {seq_len} is not divisible by 2 x world x block_size = {unit} "
-                f"(zigzag cuts 2 x {self.world} chunks of whole blocks); pad it to a multiple of {unit}")
+        check_divisible(seq_len, 2 * self.world, self.block_size, factors="2 x world x block_size")
 
     def positions(self, seq_len: int, rank: int, device=None) -> torch.Tensor:
         self.check(seq_len)

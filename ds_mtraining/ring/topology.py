@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from ..distributed.groups import local_world_size
+
 
 def read_hostfile(path: str) -> list[tuple[str, int]]:
     """(host, slots) per line of a DeepSpeed/OpenMPI hostfile (``host slots=N``; # comments)."""
@@ -58,8 +60,8 @@ class Topology:
     @classmethod
     def from_env(cls, world_size: int | None = None, hostfile: str | None = None) -> "Topology":
         """From the launcher: a hostfile's slots (all nodes must have the same number), else the
-        ranks per node that the launcher exported (LOCAL_WORLD_SIZE from torchrun, LOCAL_SIZE from
-        ``deepspeed``, OMPI_COMM_WORLD_LOCAL_SIZE from Open MPI), checked against WORLD_SIZE."""
+        ranks per node that the launcher exported (:func:`~ds_mtraining.distributed.local_world_size`),
+        checked against WORLD_SIZE."""
         world = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
         if hostfile:
             slots = {s for _, s in read_hostfile(hostfile)}
@@ -67,8 +69,7 @@ class Topology:
                 raise ValueError(f"hostfile {hostfile}: every node needs the same slots, got {sorted(slots)}")
             per_node = slots.pop()
         else:
-            names = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE")
-            per_node = next((int(os.environ[n]) for n in names if n in os.environ), world)
+            per_node = local_world_size() or world
         if world % per_node:
             raise ValueError(f"world size {world} is not divisible by the {per_node} ranks per node; "
                              f"check LOCAL_WORLD_SIZE / the hostfile's slots")

@@ -26,7 +26,8 @@ def pair_work(index: SparseIndex, layout: Layout) -> torch.Tensor:
     """Float64 [W, W]: entries computed for queries held by rank ``r`` (row) against keys held
     by rank ``s`` (column), summed over batch and heads: row sums are per-rank totals.
 
-    Equal to ``index.mask_for(positions(r), positions(s)).sum()`` (tests check it at small S).
+    Equal to ``reference.mask_between(index, positions(r), positions(s)).sum()`` (tests check it
+    at small S).
     """
     if index.seq_len % index.block_size != 0:
         raise ValueError(f"seq_len={index.seq_len} must be whole blocks of {index.block_size}")

@@ -14,6 +14,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "mtraining/op_index.h"
 #include "mtraining/pattern.h"
 
 namespace mtraining {
@@ -94,13 +95,25 @@ inline void check_list(const at::Tensor& list, const at::Tensor& count, const ch
                       "; move the index with index.to(q.device)");
 }
 
+// Checks the index of a call whose q has `batch` and `heads` on `device`: the block size, the
+// ring position and the shapes, dtypes and device of the lists (not their contents).
+inline void check_index(const OpIndex& index, int64_t batch, int64_t heads, const at::Device& device,
+                        const char* op_name) {
+    const int64_t world = index.world, q_rank = index.q_rank, k_rank = index.k_rank;
+    TORCH_CHECK_VALUE(index.block_size >= 1, op_name, ": block_size must be >= 1, got ",
+                      text(index.block_size));
+    TORCH_CHECK_VALUE(world >= 1 && 0 <= q_rank && q_rank < world && 0 <= k_rank && k_rank < world,
+                      op_name, ": need world >= 1 and 0 <= q_rank, k_rank < world, got world=",
+                      text(world), ", q_rank=", text(q_rank), ", k_rank=", text(k_rank));
+    check_list(index.slash, index.slash_count, "slash", batch, heads, device, op_name);
+    check_list(index.vertical, index.vertical_count, "vertical", batch, heads, device, op_name);
+}
+
 // Validates a forward call and returns its geometry. Backward calls it too, then
 // check_backward_tensors for the extra tensors.
 inline Geometry check_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                           const at::Tensor& slash, const at::Tensor& slash_count,
-                           const at::Tensor& vertical, const at::Tensor& vertical_count,
-                           int64_t block, double scale, int64_t world, int64_t q_rank,
-                           int64_t k_rank, c10::DeviceType device_type, const char* op_name) {
+                           const OpIndex& index, double scale, c10::DeviceType device_type,
+                           const char* op_name) {
     check_bshd(q, "q", device_type, op_name);
     check_bshd(k, "k", device_type, op_name);
     check_bshd(v, "v", device_type, op_name);
@@ -119,11 +132,9 @@ inline Geometry check_call(const at::Tensor& q, const at::Tensor& k, const at::T
                       text(q.size(2)), ") must be a multiple of key/value heads (", text(k.size(2)),
                       ") for GQA");
     TORCH_CHECK_VALUE(q.size(3) >= 1, op_name, ": head_dim must be >= 1");
-    TORCH_CHECK_VALUE(block >= 1, op_name, ": block_size must be >= 1, got ", text(block));
     TORCH_CHECK_VALUE(std::isfinite(scale), op_name, ": scale must be finite, got ", text(scale));
-    TORCH_CHECK_VALUE(world >= 1 && 0 <= q_rank && q_rank < world && 0 <= k_rank && k_rank < world,
-                      op_name, ": need world >= 1 and 0 <= q_rank, k_rank < world, got world=",
-                      text(world), ", q_rank=", text(q_rank), ", k_rank=", text(k_rank));
+    check_index(index, q.size(0), q.size(2), q.device(), op_name);
+    const int64_t block = index.block_size, world = index.world;
     TORCH_CHECK_VALUE(q.size(1) == k.size(1), op_name, ": q has ", text(q.size(1)),
                       " tokens but k has ", text(k.size(1)),
                       "; queries and keys must be the same length");
@@ -131,15 +142,12 @@ inline Geometry check_call(const at::Tensor& q, const at::Tensor& k, const at::T
                       ": with striping (world=", text(world), ") the local length ",
                       text(q.size(1)), " must be a multiple of block_size=", text(block),
                       "; pad the sequence to world * block_size tokens");
-    const int64_t batch = q.size(0), heads = q.size(2);
-    check_list(slash, slash_count, "slash", batch, heads, q.device(), op_name);
-    check_list(vertical, vertical_count, "vertical", batch, heads, q.device(), op_name);
 
     Geometry geo;
     geo.block = block;
     geo.world = world;
-    geo.q_rank = q_rank;
-    geo.k_rank = k_rank;
+    geo.q_rank = index.q_rank;
+    geo.k_rank = index.k_rank;
     geo.q_len = q.size(1);
     geo.k_len = k.size(1);
     geo.q_blocks = (geo.q_len + block - 1) / block;
@@ -176,19 +184,16 @@ inline void check_backward_tensors(const at::Tensor& q, const at::Tensor& dout,
 
 // Validates the contents of host-resident index lists: counts in range, diagonal 0 present,
 // entries strictly ascending and inside the global sequence. O(batch * heads * width).
-inline void check_list_contents(const Geometry& geo, const at::Tensor& slash,
-                                const at::Tensor& slash_count, const at::Tensor& vertical,
-                                const at::Tensor& vertical_count, const char* op_name) {
+inline void check_list_contents(const Geometry& geo, const OpIndex& index, const char* op_name) {
     const int64_t global_len = geo.world == 1 ? geo.q_len : geo.q_len * geo.world;
     const int64_t global_blocks = (global_len + geo.block - 1) / geo.block;
-    const int64_t rows = slash_count.numel();
-    const int64_t slash_width = slash.size(2), vertical_width = vertical.size(2);
-    const auto slash_c = slash.contiguous(), vertical_c = vertical.contiguous();
-    const auto slash_n = slash_count.contiguous(), vertical_n = vertical_count.contiguous();
-    const int32_t* s = slash_c.data_ptr<int32_t>();
-    const int32_t* vt = vertical_c.data_ptr<int32_t>();
-    const int32_t* sn = slash_n.data_ptr<int32_t>();
-    const int32_t* vn = vertical_n.data_ptr<int32_t>();
+    const int64_t rows = index.slash_count.numel();
+    const int64_t slash_width = index.slash.size(2), vertical_width = index.vertical.size(2);
+    const OpIndex lists = index.contiguous();
+    const int32_t* s = lists.slash.data_ptr<int32_t>();
+    const int32_t* vt = lists.vertical.data_ptr<int32_t>();
+    const int32_t* sn = lists.slash_count.data_ptr<int32_t>();
+    const int32_t* vn = lists.vertical_count.data_ptr<int32_t>();
     for (int64_t row = 0; row < rows; ++row) {
         const int32_t* list = s + row * slash_width;
         TORCH_CHECK_VALUE(sn[row] >= 1 && sn[row] <= slash_width && list[0] == 0, op_name,

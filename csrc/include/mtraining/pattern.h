@@ -1,13 +1,15 @@
 // Derivation of a (query rank, key rank) pair's work from the compact vertical-slash lists.
 //
-// Shared by the CPU and CUDA kernels (plain integer arithmetic, host and device). See
-// docs/KERNEL_CONTRACT.md: per head the pattern is a sorted list of block diagonals (query block
-// minus key block, always holding 0) and a sorted list of global key token columns. Under
-// striping over `world` ranks, global block g lives on rank g % world as local block g / world.
+// Plain integer arithmetic, included by the CPU kernel (csrc/cpu) and the CUDA code (csrc/cuda:
+// build_step_index and, through params.h, the kernels). See docs/KERNEL_CONTRACT.md: per head the
+// pattern is a sorted list of block diagonals (query block minus key block, always holding 0) and
+// a sorted list of global key token columns. Under striping over `world` ranks, global block g
+// lives on rank g % world as local block g / world.
 #pragma once
 
-#include <cstdint>
+#include <stdint.h>
 
+// Host and device functions under nvcc, plain functions elsewhere.
 #if defined(__CUDACC__)
 #define MT_HOST_DEVICE __host__ __device__
 #else
@@ -15,6 +17,30 @@
 #endif
 
 namespace mtraining {
+
+// The striping arithmetic, templated on the integer type: the CPU kernel computes in int64_t, the
+// CUDA kernels in int (32-bit division is several times cheaper on the GPU).
+
+// Local block distance (query minus key) that slash diagonal d reaches between a query rank and a
+// key rank rank_gap = q_rank - k_rank apart, or -1 when d connects no blocks of the two ranks: the
+// global distance is local_distance * world + rank_gap.
+template <typename Int>
+MT_HOST_DEVICE inline Int stripe_local_distance(Int d, Int rank_gap, Int world) {
+    const Int shifted = d - rank_gap;
+    return (shifted >= 0 && shifted % world == 0) ? shifted / world : Int(-1);
+}
+
+// Whether global key token `column` lives on `rank`.
+template <typename Int>
+MT_HOST_DEVICE inline bool stripe_column_on_rank(Int column, Int block, Int world, Int rank) {
+    return (column / block) % world == rank;
+}
+
+// Local token, on its own rank, of global key token `column`.
+template <typename Int>
+MT_HOST_DEVICE inline Int stripe_local_token(Int column, Int block, Int world) {
+    return column / block / world * block + column % block;
+}
 
 // Padding value of the slash and vertical lists (2^30), as in ds_mtraining/index.py.
 constexpr int32_t kListPad = 1 << 30;
@@ -43,9 +69,7 @@ struct Geometry {
     // Local block distance (query minus key) reached by slash diagonal d, or -1 when d does not
     // connect this rank pair: the global distance is (i - j) * world + q_rank - k_rank.
     MT_HOST_DEVICE int64_t local_distance(int64_t d) const {
-        const int64_t shifted = d - (q_rank - k_rank);
-        if (shifted < 0 || shifted % world != 0) return -1;
-        return shifted / world;
+        return stripe_local_distance(d, q_rank - k_rank, world);
     }
 
     // Local key block that query block i reads through diagonal d, or -1 when none.
@@ -64,13 +88,12 @@ struct Geometry {
 
     // Local token of a global key column that lives on k_rank.
     MT_HOST_DEVICE int64_t local_key_token(int64_t column) const {
-        const int64_t global_block = column / block;
-        return global_block / world * block + column % block;
+        return stripe_local_token(column, block, world);
     }
 
     // Whether a global key column lives on k_rank.
     MT_HOST_DEVICE bool column_on_key_rank(int64_t column) const {
-        return (column / block) % world == k_rank;
+        return stripe_column_on_rank(column, block, world, k_rank);
     }
 
     // First local query block whose global block lies after global key block key_global.

@@ -1,0 +1,78 @@
+// Epilogues: what the kernels write after their main loop, from the fp32 accumulators in the
+// mma.sync fragment layout (store_rows in warp_mma.cuh writes them row by row).
+//  * Forward: out normalised by the softmax sum, and lse.
+//  * dQ: store_rows alone (scaled), called from the kernel.
+//  * dK/dV: the vertical pass's partials, the slash pass's rows plus those partials.
+#pragma once
+
+#include <math.h>
+
+#include "softmax.cuh"
+
+namespace mtr {
+
+// Normalises acc by each row's softmax sum and writes lse (natural log, scaled logits; -inf for a
+// row without keys, whose out stays 0), then out. lse points at this head's [seq_q] row;
+// out_row(local row) is the row's output pointer (nullptr past the sequence).
+template <typename Arch, int MA, int D, typename RowPointer>
+__device__ __forceinline__ void store_forward_output(float (&acc)[MA][D / 8][4], const OnlineSoftmax<MA>& softmax,
+                                                     int query_first, int row0, int seq_q, float scale, float* lse,
+                                                     RowPointer out_row) {
+#pragma unroll
+    for (int ma = 0; ma < MA; ++ma)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            float sum = softmax.row_sum[ma][half];
+            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+            sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+            const float inverse = sum > 0.f ? 1.f / sum : 0.f;
+#pragma unroll
+            for (int nt = 0; nt < D / 8; ++nt) {
+                acc[ma][nt][2 * half] *= inverse;
+                acc[ma][nt][2 * half + 1] *= inverse;
+            }
+            const int t = query_first + row0 + ma * Arch::kSliceStride + fragment_row(2 * half);
+            if ((threadIdx.x & 3) == 0 && t < seq_q)
+                lse[t] = sum > 0.f ? softmax.row_max[ma][half] * fabsf(scale) + logf(sum) : -INFINITY;
+        }
+    store_rows<MA, D>(acc, row0, Arch::kSliceStride, 1.f, out_row);
+}
+
+// Slash pass, after the CTA's own dK/dV rows are written and visible to all its threads: adds the
+// vertical pass's partials for the vertical keys among rows [key_first, key_first + key_count) of
+// kv head kv_head, head by head of its GQA group and chunk by chunk (a fixed order: deterministic).
+template <int D, int kThreads>
+__device__ __forceinline__ void add_vertical_partials(const AttentionParams& p, int batch, int kv_head, int group,
+                                                      int key_first, int key_count, int query_blocks) {
+    const size_t batch_heads = static_cast<size_t>(batch) * p.heads;
+    const int chunks = vertical_chunks(query_blocks);
+    const size_t chunk_stride = static_cast<size_t>(p.batch) * p.heads * p.vertical_len * D;
+    for (int head = kv_head * group; head < (kv_head + 1) * group; ++head) {
+        const size_t bh = batch_heads + head;
+        const int* keys = p.local_keys + bh * p.vertical_len;
+        const int num_keys = p.num_keys[bh];
+        int lo = 0, hi = num_keys;  // first key >= key_first
+        while (lo < hi) {
+            const int mid = (lo + hi) >> 1;
+            if (keys[mid] < key_first) lo = mid + 1; else hi = mid;
+        }
+        int end = lo;
+        while (end < num_keys && keys[end] < key_first + key_count) ++end;
+        for (int index = threadIdx.x; index < (end - lo) * D; index += kThreads) {
+            const int entry = lo + index / D;
+            const int d = index % D;
+            const size_t out = ((static_cast<size_t>(batch) * p.seq_k + keys[entry]) * p.kv_heads + kv_head) * D + d;
+            const size_t partial = (bh * p.vertical_len + entry) * D + d;
+            float dk_sum = 0.f, dv_sum = 0.f;
+            for (int c = 0; c < chunks; ++c) {
+                dk_sum += p.vertical_dk[partial + c * chunk_stride];
+                dv_sum += p.vertical_dv[partial + c * chunk_stride];
+            }
+            p.dk[out] += dk_sum;
+            p.dv[out] += dv_sum;
+        }
+        __syncthreads();  // the next head may hold the same keys
+    }
+}
+
+}  // namespace mtr

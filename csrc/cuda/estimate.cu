@@ -1,0 +1,107 @@
+// Launchers of the fused vertical-slash estimator kernels (estimate_kernels.cuh); raw pointers and
+// a stream in, no ATen (the binding is estimate_binding.cpp).
+#include <type_traits>
+
+#include "estimate_kernels.cuh"
+
+namespace mtr {
+namespace est {
+namespace {
+
+template <typename T, int D>
+int score_smem(int chunks, bool masses) {
+    return static_cast<int>((chunks + 2) * kTile * D * sizeof(T)) +
+           (masses ? static_cast<int>(kTile * kProbStride * sizeof(float)) : 0);
+}
+
+template <typename Run>
+cudaError_t dispatch(Elem elem, int head_dim, Run run) {
+    if (head_dim != 64 && head_dim != 128) return cudaErrorInvalidValue;
+    if (elem == Elem::kBF16)
+        return head_dim == 64 ? run(__nv_bfloat16{}, std::integral_constant<int, 64>{})
+                              : run(__nv_bfloat16{}, std::integral_constant<int, 128>{});
+    return head_dim == 64 ? run(__half{}, std::integral_constant<int, 64>{})
+                          : run(__half{}, std::integral_constant<int, 128>{});
+}
+
+bool valid_scores(const ScoreParams& p) {
+    return p.batch >= 1 && p.kv_heads >= 1 && p.heads % p.kv_heads == 0 && p.lq >= 1 &&
+           p.lq <= kTile * kMaxChunks && p.chunks == (p.lq + kTile - 1) / kTile && p.sk >= 1 &&
+           p.num_tiles == (p.sk + kTile - 1) / kTile && p.splits >= 1 && p.tiles_per_split >= 1 &&
+           (p.splits - 1) * p.tiles_per_split < p.num_tiles && p.splits * p.tiles_per_split >= p.num_tiles &&
+           p.block % kTile == 0 && p.world >= 1 && p.rank >= 0 && p.rank < p.world && p.seq_len >= 1;
+}
+
+unsigned score_grid(const ScoreParams& p) {
+    return static_cast<unsigned>(p.batch) * static_cast<unsigned>(p.heads) * static_cast<unsigned>(p.splits);
+}
+
+}  // namespace
+
+int score_smem_bytes(int head_dim, int chunks, bool masses) {
+    return head_dim == 64 ? score_smem<__nv_bfloat16, 64>(chunks, masses)
+                          : score_smem<__nv_bfloat16, 128>(chunks, masses);
+}
+
+int select_smem_bytes() { return kRadixBins * 32 * static_cast<int>(sizeof(unsigned long long)); }
+
+cudaError_t run_row_stats(const ScoreParams& p, Elem elem, cudaStream_t stream) {
+    if (!valid_scores(p)) return cudaErrorInvalidValue;
+    cudaError_t status = dispatch(elem, p.head_dim, [&](auto element, auto dim) {
+        using T = decltype(element);
+        constexpr int D = decltype(dim)::value;
+        const int smem = score_smem<T, D>(p.chunks, false);
+        cudaError_t s = cudaFuncSetAttribute(row_stats_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+        if (s != cudaSuccess) return s;
+        row_stats_kernel<T, D><<<score_grid(p), kScoreThreads, smem, stream>>>(p);
+        return cudaGetLastError();
+    });
+    if (status != cudaSuccess) return status;
+    const long long rows = static_cast<long long>(p.batch) * p.heads * p.lq;
+    combine_row_stats_kernel<<<static_cast<unsigned>((rows + kStatsThreads - 1) / kStatsThreads), kStatsThreads, 0,
+                               stream>>>(p);
+    return cudaGetLastError();
+}
+
+cudaError_t run_masses(const ScoreParams& p, Elem elem, cudaStream_t stream) {
+    if (!valid_scores(p)) return cudaErrorInvalidValue;
+    cudaError_t status = dispatch(elem, p.head_dim, [&](auto element, auto dim) {
+        using T = decltype(element);
+        constexpr int D = decltype(dim)::value;
+        const int smem = score_smem<T, D>(p.chunks, true);
+        cudaError_t s = cudaFuncSetAttribute(masses_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+        if (s != cudaSuccess) return s;
+        masses_kernel<T, D><<<score_grid(p), kScoreThreads, smem, stream>>>(p);
+        return cudaGetLastError();
+    });
+    if (status != cudaSuccess) return status;
+    const dim3 grid(static_cast<unsigned>((p.seq_len + kGatherThreads - 1) / kGatherThreads),
+                    static_cast<unsigned>(p.batch * p.heads));
+    gather_diagonals_kernel<<<grid, kGatherThreads, 0, stream>>>(p);
+    return cudaGetLastError();
+}
+
+cudaError_t run_select(const SelectParams& p, cudaStream_t stream) {
+    if (p.rows < 1 || p.n < 1 || p.n > kMaxSelectLen || p.cap < 1 || p.width != (p.cap < p.n ? p.cap : p.n))
+        return cudaErrorInvalidValue;
+    const int smem = select_smem_bytes();
+    cudaError_t s = cudaFuncSetAttribute(select_top_p_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (s != cudaSuccess) return s;
+    select_top_p_kernel<<<p.rows, kSelectThreads, smem, stream>>>(p);
+    return cudaGetLastError();
+}
+
+cudaError_t run_finalize(const FinalizeParams& p, cudaStream_t stream) {
+    if (p.rows < 1 || p.num_blocks < 1 || p.block < 1 || p.slash_width < 1 || p.vertical_width < 1)
+        return cudaErrorInvalidValue;
+    const int smem = (p.num_blocks + 15) / 16 * 16;
+    if (smem > 48 * 1024) {
+        cudaError_t s = cudaFuncSetAttribute(finalize_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+        if (s != cudaSuccess) return s;
+    }
+    finalize_kernel<<<p.rows, kFinalizeThreads, smem, stream>>>(p);
+    return cudaGetLastError();
+}
+
+}  // namespace est
+}  // namespace mtr

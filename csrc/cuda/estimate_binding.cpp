@@ -1,0 +1,275 @@
+// Torch binding of the fused vertical-slash estimator (estimate_api.cuh): checks, output and
+// scratch allocation on the caller's stream (no host synchronisation anywhere), then the launchers.
+#include <torch/extension.h>
+
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+
+#include "estimate_api.cuh"
+#include "mtraining/estimate.h"
+
+namespace mtraining {
+namespace {
+
+namespace est = mtr::est;
+constexpr const char* kName = "mtraining_cuda estimator";
+constexpr int64_t kIntMax = std::numeric_limits<int32_t>::max();
+
+void check_launch(cudaError_t status, const char* what) {
+    TORCH_CHECK(status == cudaSuccess, kName, ": ", what, " failed: ", cudaGetErrorString(status));
+}
+
+cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
+
+// A [B, n, heads, D] view the kernels can read with cp.async: head and element dims packed,
+// strides multiples of 8 elements and a 16-byte aligned start; copied when it is not.
+at::Tensor readable_rows(const at::Tensor& t) {
+    const auto ok = [](const at::Tensor& x) {
+        return x.stride(3) == 1 && x.stride(2) == x.size(3) && x.stride(1) % 8 == 0 && x.stride(0) % 8 == 0 &&
+               reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0;
+    };
+    if (ok(t)) return t;
+    at::Tensor c = t.contiguous();
+    return ok(c) ? c : c.clone();
+}
+
+struct ScoreCall {
+    at::Tensor q, k;
+    est::ScoreParams p;
+    est::Elem elem;
+};
+
+// Checks q_last [B, lq, H, D] and k [B, sk, Hkv, D] and fills the geometry; outputs are set by
+// the caller.
+ScoreCall score_call(const at::Tensor& q_in, const at::Tensor& k_in, int64_t q_start, int64_t seq_len,
+                     int64_t world, int64_t rank, int64_t block, double scale) {
+    TORCH_CHECK_VALUE(q_in.dim() == 4 && k_in.dim() == 4, kName,
+                      ": q_last and k must be [batch, seq, heads, head_dim], got ", q_in.sizes(), " and ",
+                      k_in.sizes());
+    TORCH_CHECK_VALUE(q_in.is_cuda() && k_in.device() == q_in.device(), kName,
+                      ": q_last and k must be on the same CUDA device, got ", q_in.device(), " and ", k_in.device());
+    TORCH_CHECK_TYPE(q_in.scalar_type() == k_in.scalar_type() &&
+                         (q_in.scalar_type() == at::kBFloat16 || q_in.scalar_type() == at::kHalf),
+                     kName, ": q_last and k must both be bfloat16 or both float16, got ", q_in.scalar_type(), " and ",
+                     k_in.scalar_type());
+    const int64_t batch = q_in.size(0), lq = q_in.size(1), heads = q_in.size(2), dim = q_in.size(3);
+    const int64_t sk = k_in.size(1), kv_heads = k_in.size(2);
+    TORCH_CHECK_VALUE(k_in.size(0) == batch && k_in.size(3) == dim, kName, ": q_last ", q_in.sizes(), " and k ",
+                      k_in.sizes(), " must share batch and head_dim");
+    TORCH_CHECK_VALUE(dim == 64 || dim == 128, kName, ": head_dim must be 64 or 128, got ", dim);
+    TORCH_CHECK_VALUE(kv_heads >= 1 && heads % kv_heads == 0, kName, ": query heads (", heads,
+                      ") must be a multiple of key/value heads (", kv_heads, ")");
+    TORCH_CHECK_VALUE(lq >= 1 && lq <= est::kTile * est::kMaxChunks, kName, ": last_q rows must be in [1, ",
+                      est::kTile * est::kMaxChunks, "], got ", lq);
+    TORCH_CHECK_VALUE(sk >= 1 && batch >= 1, kName, ": empty batch or key sequence");
+    TORCH_CHECK_VALUE(block == 64 || block == 128, kName, ": block_size must be 64 or 128, got ", block);
+    TORCH_CHECK_VALUE(world >= 1 && rank >= 0 && rank < world, kName, ": need world >= 1 and 0 <= rank < world");
+    TORCH_CHECK_VALUE(seq_len >= 1 && seq_len < kIntMax / 2 && q_start >= 0 && q_start + lq <= seq_len, kName,
+                      ": query rows [", q_start, ", ", q_start + lq, ") must lie in [0, seq_len=", seq_len, ")");
+    const int64_t last_key = ((sk - 1) / block * world + rank) * block + (sk - 1) % block;
+    TORCH_CHECK_VALUE(last_key < kIntMax / 2, kName, ": key positions overflow int32");
+    TORCH_CHECK_VALUE(batch * heads * std::max<int64_t>(sk, seq_len) < (int64_t{1} << 40), kName,
+                      ": the mass outputs are too large");
+
+    ScoreCall call{readable_rows(q_in), readable_rows(k_in), {}, est::Elem::kBF16};
+    call.elem = q_in.scalar_type() == at::kBFloat16 ? est::Elem::kBF16 : est::Elem::kFP16;
+    est::ScoreParams& p = call.p;
+    p.q = call.q.data_ptr();
+    p.k = call.k.data_ptr();
+    p.q_batch_stride = call.q.stride(0);
+    p.q_row_stride = call.q.stride(1);
+    p.k_batch_stride = call.k.stride(0);
+    p.k_row_stride = call.k.stride(1);
+    p.batch = static_cast<int>(batch);
+    p.heads = static_cast<int>(heads);
+    p.kv_heads = static_cast<int>(kv_heads);
+    p.head_dim = static_cast<int>(dim);
+    p.lq = static_cast<int>(lq);
+    p.chunks = static_cast<int>((lq + est::kTile - 1) / est::kTile);
+    p.sk = static_cast<int>(sk);
+    p.q_start = static_cast<int>(q_start);
+    p.seq_len = static_cast<int>(seq_len);
+    p.world = static_cast<int>(world);
+    p.rank = static_cast<int>(rank);
+    p.block = static_cast<int>(block);
+    p.scale = static_cast<float>(scale);
+    p.num_tiles = static_cast<int>((sk + est::kTile - 1) / est::kTile);
+    // about six CTAs per SM over all heads (three fit at once): a function of the shape and the
+    // device only, so the split-order reductions are reproducible
+    int sms = 0;
+    check_launch(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, q_in.get_device()),
+                 "reading the SM count");
+    const int64_t wanted = (6 * static_cast<int64_t>(sms) + batch * heads - 1) / (batch * heads);
+    const int64_t splits = std::clamp<int64_t>(wanted, 1, p.num_tiles);
+    p.tiles_per_split = static_cast<int>((p.num_tiles + splits - 1) / splits);
+    p.splits = (p.num_tiles + p.tiles_per_split - 1) / p.tiles_per_split;
+    TORCH_CHECK_VALUE(batch * heads * p.splits < kIntMax, kName, ": too many CTAs");
+    return call;
+}
+
+// Pass A: (row_max, row_sum) float32 [B, H, lq]: the max logit of each query row over the local
+// keys and the sum of exp(logit - row_max) (-inf and 0 for a row that sees no local key).
+std::vector<at::Tensor> row_stats(const at::Tensor& q_last, const at::Tensor& k, int64_t q_start, int64_t seq_len,
+                                  int64_t world, int64_t rank, int64_t block, double scale) {
+    const c10::cuda::OptionalCUDAGuard guard(q_last.device());
+    ScoreCall call = score_call(q_last, k, q_start, seq_len, world, rank, block, scale);
+    est::ScoreParams& p = call.p;
+    const auto options = q_last.options().dtype(at::kFloat);
+    at::Tensor part_max = at::empty({p.batch, p.heads, p.lq, p.splits}, options);
+    at::Tensor part_sum = at::empty({p.batch, p.heads, p.lq, p.splits}, options);
+    at::Tensor row_max = at::empty({p.batch, p.heads, p.lq}, options);
+    at::Tensor row_sum = at::empty({p.batch, p.heads, p.lq}, options);
+    p.part_max = part_max.data_ptr<float>();
+    p.part_sum = part_sum.data_ptr<float>();
+    p.row_max = row_max.data_ptr<float>();
+    p.row_sum = row_sum.data_ptr<float>();
+    check_launch(est::run_row_stats(p, call.elem, current_stream()), "estimate_row_stats");
+    return {row_max, row_sum};
+}
+
+// Pass B: (columns [B, H, sk], diagonals [B, H, seq_len]) float32, given the (global) row
+// statistics: column masses of the local keys and token-diagonal masses of the local keys'
+// entries, both divided by lq.
+std::vector<at::Tensor> masses(const at::Tensor& q_last, const at::Tensor& k, const at::Tensor& row_max_in,
+                               const at::Tensor& row_sum_in, int64_t q_start, int64_t seq_len, int64_t world,
+                               int64_t rank, int64_t block, double scale) {
+    const c10::cuda::OptionalCUDAGuard guard(q_last.device());
+    ScoreCall call = score_call(q_last, k, q_start, seq_len, world, rank, block, scale);
+    est::ScoreParams& p = call.p;
+    for (const at::Tensor* t : {&row_max_in, &row_sum_in})
+        TORCH_CHECK_VALUE(t->scalar_type() == at::kFloat && t->device() == q_last.device() && t->dim() == 3 &&
+                              t->size(0) == p.batch && t->size(1) == p.heads && t->size(2) == p.lq,
+                          kName, ": row_max and row_sum must be float32 [", p.batch, ", ", p.heads, ", ", p.lq,
+                          "] on q_last's device, got ", t->scalar_type(), " ", t->sizes());
+    const at::Tensor row_max = row_max_in.contiguous(), row_sum = row_sum_in.contiguous();
+    const auto options = q_last.options().dtype(at::kFloat);
+    at::Tensor partials = at::empty({p.batch, p.heads, p.chunks, p.num_tiles, est::kDiagSlots}, options);
+    at::Tensor columns = at::empty({p.batch, p.heads, p.sk}, options);
+    at::Tensor diagonals = at::empty({p.batch, p.heads, p.seq_len}, options);
+    p.row_max = const_cast<float*>(row_max.data_ptr<float>());
+    p.row_sum = const_cast<float*>(row_sum.data_ptr<float>());
+    p.diag_partials = partials.data_ptr<float>();
+    p.columns = columns.data_ptr<float>();
+    p.diagonals = diagonals.data_ptr<float>();
+    check_launch(est::run_masses(p, call.elem, current_stream()), "estimate_masses");
+    return {columns, diagonals};
+}
+
+// Top-p of each row of mass [..., n] (float32, >= 0): (indices [..., min(cap, n)] int32 ascending,
+// PAD padded; count [...] int32).
+std::vector<at::Tensor> select(const at::Tensor& mass_in, double p_top, int64_t cap) {
+    TORCH_CHECK_VALUE(mass_in.is_cuda() && mass_in.scalar_type() == at::kFloat && mass_in.dim() >= 1, kName,
+                      ": estimate_select takes a float32 CUDA tensor [..., n], got ", mass_in.scalar_type(), " ",
+                      mass_in.sizes(), " on ", mass_in.device());
+    TORCH_CHECK_VALUE(p_top > 0.0 && p_top <= 1.0 && cap >= 1, kName, ": need 0 < p <= 1 and cap >= 1, got p=", p_top,
+                      " cap=", cap);
+    const c10::cuda::OptionalCUDAGuard guard(mass_in.device());
+    const int64_t n = mass_in.size(-1);
+    TORCH_CHECK_VALUE(n >= 1 && n <= est::kMaxSelectLen, kName, ": rows must hold 1 .. ", est::kMaxSelectLen,
+                      " entries, got ", n);
+    const at::Tensor mass = mass_in.contiguous();
+    const int64_t rows = mass.numel() / n;
+    TORCH_CHECK_VALUE(rows >= 1 && rows < kIntMax, kName, ": no rows to select from");
+    const int64_t width = std::min(cap, n);
+    std::vector<int64_t> index_shape(mass.sizes().begin(), mass.sizes().end());
+    index_shape.back() = width;
+    std::vector<int64_t> count_shape(mass.sizes().begin(), mass.sizes().end() - 1);
+    at::Tensor indices = at::empty(index_shape, mass.options().dtype(at::kInt));
+    at::Tensor count = at::empty(count_shape, mass.options().dtype(at::kInt));
+    est::SelectParams p;
+    p.mass = mass.data_ptr<float>();
+    p.row_stride = n;
+    p.rows = static_cast<int>(rows);
+    p.n = static_cast<int>(n);
+    p.p = static_cast<float>(p_top);
+    p.cap = static_cast<int>(std::min<int64_t>(cap, kIntMax));
+    p.width = static_cast<int>(width);
+    p.indices = indices.data_ptr<int32_t>();
+    p.count = count.data_ptr<int32_t>();
+    check_launch(est::run_select(p, current_stream()), "estimate_select");
+    return {indices, count};
+}
+
+void check_list(const at::Tensor& list, const at::Tensor& count, const char* name, const at::Tensor& like) {
+    TORCH_CHECK_VALUE(list.scalar_type() == at::kInt && count.scalar_type() == at::kInt && list.dim() == 3 &&
+                          count.dim() == 2 && list.size(0) == like.size(0) && list.size(1) == like.size(1) &&
+                          count.size(0) == like.size(0) && count.size(1) == like.size(1) && list.size(2) >= 1 &&
+                          list.device() == like.device() && count.device() == like.device(),
+                      kName, ": ", name, " must be int32 [B, H, n >= 1] with int32 counts [B, H] on one device, got ",
+                      list.scalar_type(), " ", list.sizes(), " and ", count.scalar_type(), " ", count.sizes());
+}
+
+// The compact index from selected token diagonals [B, H, a] (counts [B, H]) and selected
+// columns [B, H, c] (ascending, counts [B, H]): (slash, slash_count, vertical, vertical_count)
+// as SparseIndex.from_vertical_slash builds them, in fixed widths.
+std::vector<at::Tensor> finalize(const at::Tensor& slash_tokens_in, const at::Tensor& slash_token_count_in,
+                                 const at::Tensor& columns_in, const at::Tensor& column_count_in, int64_t seq_len,
+                                 int64_t block, int64_t local_blocks, int64_t sink_tokens) {
+    TORCH_CHECK_VALUE(slash_tokens_in.is_cuda(), kName, ": estimate_finalize takes CUDA tensors");
+    const c10::cuda::OptionalCUDAGuard guard(slash_tokens_in.device());
+    check_list(slash_tokens_in, slash_token_count_in, "slash tokens", slash_tokens_in);
+    check_list(columns_in, column_count_in, "columns", slash_tokens_in);
+    TORCH_CHECK_VALUE(block == 64 || block == 128, kName, ": block_size must be 64 or 128, got ", block);
+    TORCH_CHECK_VALUE(seq_len >= 1 && seq_len < kIntMax / 2 && local_blocks >= 1 && sink_tokens >= 0, kName,
+                      ": need seq_len >= 1, local_blocks >= 1, sink_tokens >= 0");
+    const at::Tensor slash_tokens = slash_tokens_in.contiguous(), slash_token_count = slash_token_count_in.contiguous();
+    const at::Tensor columns = columns_in.contiguous(), column_count = column_count_in.contiguous();
+    const int64_t batch = slash_tokens.size(0), heads = slash_tokens.size(1);
+    const int64_t num_blocks = (seq_len + block - 1) / block;
+    const int64_t slash_width =
+        std::max<int64_t>(1, std::min<int64_t>(num_blocks, std::min(local_blocks, num_blocks) + 2 * slash_tokens.size(2)));
+    const int64_t vertical_width = std::max<int64_t>(1, std::min(sink_tokens, seq_len) + columns.size(2));
+    const auto options = slash_tokens.options();
+    at::Tensor slash = at::empty({batch, heads, slash_width}, options);
+    at::Tensor slash_count = at::empty({batch, heads}, options);
+    at::Tensor vertical = at::empty({batch, heads, vertical_width}, options);
+    at::Tensor vertical_count = at::empty({batch, heads}, options);
+    est::FinalizeParams p;
+    p.slash_tokens = slash_tokens.data_ptr<int32_t>();
+    p.slash_token_count = slash_token_count.data_ptr<int32_t>();
+    p.slash_token_width = static_cast<int>(slash_tokens.size(2));
+    p.columns = columns.data_ptr<int32_t>();
+    p.column_count = column_count.data_ptr<int32_t>();
+    p.column_width = static_cast<int>(columns.size(2));
+    p.rows = static_cast<int>(batch * heads);
+    p.seq_len = static_cast<int>(seq_len);
+    p.block = static_cast<int>(block);
+    p.num_blocks = static_cast<int>(num_blocks);
+    p.local_blocks = static_cast<int>(std::min(local_blocks, num_blocks));
+    p.sink_tokens = static_cast<int>(std::min(sink_tokens, seq_len));
+    p.slash = slash.data_ptr<int32_t>();
+    p.slash_count = slash_count.data_ptr<int32_t>();
+    p.slash_width = static_cast<int>(slash_width);
+    p.vertical = vertical.data_ptr<int32_t>();
+    p.vertical_count = vertical_count.data_ptr<int32_t>();
+    p.vertical_width = static_cast<int>(vertical_width);
+    check_launch(est::run_finalize(p, current_stream()), "estimate_finalize");
+    return {slash, slash_count, vertical, vertical_count};
+}
+
+}  // namespace
+
+void register_estimator(pybind11::module_& m) {
+    namespace py = pybind11;
+    m.def("estimate_row_stats", &row_stats,
+          "estimator pass A -> (row_max, row_sum) float32 [B, H, lq] over the local keys", py::arg("q_last"),
+          py::arg("k"), py::arg("q_start"), py::arg("seq_len"), py::arg("world"), py::arg("rank"),
+          py::arg("block_size"), py::arg("scale"));
+    m.def("estimate_masses", &masses,
+          "estimator pass B -> (columns [B, H, sk], diagonals [B, H, seq_len]) float32 masses / lq",
+          py::arg("q_last"), py::arg("k"), py::arg("row_max"), py::arg("row_sum"), py::arg("q_start"),
+          py::arg("seq_len"), py::arg("world"), py::arg("rank"), py::arg("block_size"), py::arg("scale"));
+    m.def("estimate_select", &select,
+          "top-p of each row of mass [..., n] -> (indices [..., min(cap, n)] ascending PAD padded, count) int32",
+          py::arg("mass"), py::arg("p"), py::arg("cap"));
+    m.def("estimate_finalize", &finalize,
+          "selected token diagonals and columns -> (slash, slash_count, vertical, vertical_count) int32",
+          py::arg("slash_tokens"), py::arg("slash_token_count"), py::arg("columns"), py::arg("column_count"),
+          py::arg("seq_len"), py::arg("block_size"), py::arg("local_blocks"), py::arg("sink_tokens"));
+}
+
+}  // namespace mtraining

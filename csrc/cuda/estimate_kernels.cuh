@@ -1,0 +1,726 @@
+// Kernels of the fused vertical-slash estimator (interface and rule: estimate_api.cuh).
+//
+// Score kernels (pass A: row statistics, pass B: masses). One CTA of 4 warps per (batch, query
+// head, key split); CTAs of the query heads that share a KV head and a split are adjacent in launch
+// order, so the K tiles they stream are read from L2 once per group. The CTA keeps its head's lq
+// query rows in shared memory (chunks of 64 rows) and streams 64-key tiles through a two-stage
+// cp.async pipeline; warp w computes rows 16 w .. 16 w + 15 of a chunk against the tile with
+// mma.sync m16n8k16 (bf16/fp16 in, fp32 accumulate). A 64-key tile is 64-aligned in local keys and
+// block is a multiple of 64, so its keys are 64 consecutive global positions.
+//
+// Pass A keeps a running (max, sum of exp) per row, merges the four lanes of a row and writes one
+// partial per (row, split); a second kernel combines the splits in order. Pass B writes the tile's
+// probabilities to shared memory; thread j < 64 sums column j over the rows, thread d < 127 sums
+// token diagonal d (row i, key i - d + 63) over the rows, and the 127 diagonal sums of each
+// (chunk, tile) go to global memory; a gather kernel adds, per global token diagonal, the at most
+// two tiles per chunk that hold it, in a fixed order. Nothing uses float atomics: every result is
+// bitwise reproducible.
+//
+// Select kernel: one CTA per row. Four radix passes over the float bits (masses >= 0 order like
+// their bits) build 256-bin histograms of (count, fixed-point mass) with integer shared-memory
+// atomics (exact, so order-free), replicated per lane so a warp's atomics never collide; each pass
+// picks the bin holding the last selected entry. Then one pass compacts, in ascending index order,
+// the entries above the threshold value plus the first ties by index.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdint.h>
+
+#include "estimate_api.cuh"
+
+namespace mtr {
+namespace est {
+
+constexpr int kScoreThreads = 128;   // 4 warps x 16 rows of a 64-row chunk
+constexpr int kProbStride = 72;      // floats per row of the probability tile (conflict-free float2 stores)
+constexpr int kStatsThreads = 128;
+constexpr int kGatherThreads = 256;
+constexpr int kSelectThreads = 1024;
+constexpr int kSelectWarps = kSelectThreads / 32;
+constexpr int kRadixBins = 256;
+constexpr int kSelectUnroll = 8;
+constexpr int kFinalizeThreads = 256;
+constexpr float kLog2e = 1.4426950408889634f;
+// Packed histogram entry: count << kCountShift | mass in fixed point (2^kFixedBits per unit).
+constexpr int kCountShift = 42;
+constexpr unsigned long long kMassMask = (1ull << kCountShift) - 1;
+constexpr float kFixedOne = 274877906944.0f;  // 2^38: masses up to 16 sum into 42 bits
+constexpr float kMaxMass = 15.0f;
+
+// ------------------------------------------------------------------ primitives
+__device__ __forceinline__ uint32_t shared_address(const void* pointer) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(pointer));
+}
+
+// Copies 16 bytes, or writes 16 zero bytes when !valid (the source is then not read).
+__device__ __forceinline__ void copy_16(void* smem, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(shared_address(smem)), "l"(src),
+                 "r"(valid ? 16 : 0)
+                 : "memory");
+}
+
+__device__ __forceinline__ void copy_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+
+template <int kPending>
+__device__ __forceinline__ void copy_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+
+__device__ __forceinline__ void load_matrix_x4(uint32_t (&r)[4], uint32_t address) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(address));
+}
+
+template <typename T> struct TensorCore;
+
+template <> struct TensorCore<__nv_bfloat16> {
+    static __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+            "{%8, %9}, {%0, %1, %2, %3};\n"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+};
+
+template <> struct TensorCore<__half> {
+    static __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+            "{%8, %9}, {%0, %1, %2, %3};\n"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+};
+
+// exp(x) for x <= 0 (and -inf -> 0) through ex2.
+__device__ __forceinline__ float exp_of(float x) { return exp2f(x * kLog2e); }
+
+// Element offset of (row, 16-byte chunk) in a [rows][D] tile whose chunks are XOR-swizzled by
+// row % 8: the 8 rows of an ldmatrix and the 16-byte stores of cp.async hit distinct banks.
+template <int D>
+__device__ __forceinline__ int tile_offset(int row, int chunk) {
+    return row * D + ((chunk ^ (row & 7)) << 3);
+}
+
+// Rows 0 .. 63 of a [64][D] tile from rows at `stride` elements (rows >= valid_rows zero-filled).
+template <int D, typename T>
+__device__ __forceinline__ void load_tile_async(T* tile, const T* base, long long stride, int valid_rows) {
+    constexpr int kChunks = D / 8;
+    constexpr int kRowsPerStep = kScoreThreads / kChunks;
+    static_assert(kScoreThreads % kChunks == 0 && kTile % kRowsPerStep == 0, "tile split");
+    const int chunk = threadIdx.x % kChunks;
+    const int row0 = threadIdx.x / kChunks;
+#pragma unroll
+    for (int step = 0; step < kTile / kRowsPerStep; ++step) {
+        const int row = row0 + step * kRowsPerStep;
+        const bool valid = row < valid_rows;
+        const T* src = valid ? base + row * stride + chunk * 8 : base;
+        copy_16(tile + tile_offset<D>(row, chunk), src, valid);
+    }
+}
+
+// acc = Q[16 w .. 16 w + 15] K^T for the 64 x D query chunk and the 64 x D key tile of this warp w.
+// Accumulator (nt, c) is row 16 w + lane / 4 + 8 (c / 2), key 8 nt + 2 (lane % 4) + c % 2.
+template <int D, typename T>
+__device__ __forceinline__ void tile_scores(float (&acc)[8][4], const T* q_tile, const T* k_tile) {
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) acc[nt][c] = 0.f;
+    const int a_row = warp * 16 + (lane & 15);
+    const int a_half = lane >> 4;
+    const int b_row = (lane & 7) + ((lane >> 4) << 3);
+    const int b_half = (lane >> 3) & 1;
+#pragma unroll
+    for (int kc = 0; kc < D / 16; ++kc) {
+        uint32_t a[4];
+        load_matrix_x4(a, shared_address(q_tile + tile_offset<D>(a_row, 2 * kc + a_half)));
+#pragma unroll
+        for (int np = 0; np < 4; ++np) {
+            uint32_t b[4];
+            load_matrix_x4(b, shared_address(k_tile + tile_offset<D>(np * 16 + b_row, 2 * kc + b_half)));
+            TensorCore<T>::mma(acc[2 * np], a, b[0], b[1]);
+            TensorCore<T>::mma(acc[2 * np + 1], a, b[2], b[3]);
+        }
+    }
+}
+
+// Global position of local key kk.
+__device__ __forceinline__ int key_position(const ScoreParams& p, int kk) {
+    return ((kk / p.block) * p.world + p.rank) * p.block + kk % p.block;
+}
+
+// The CTA's work: batch, query head, its KV head, and its key tiles [tile_begin, tile_end).
+struct ScoreWork {
+    int b, h, kvh, split, tile_begin, tile_end;
+};
+
+__device__ __forceinline__ ScoreWork score_work(const ScoreParams& p) {
+    const int group = p.heads / p.kv_heads;
+    int linear = blockIdx.x;
+    ScoreWork w;
+    const int g = linear % group;
+    linear /= group;
+    w.split = linear % p.splits;
+    linear /= p.splits;
+    w.kvh = linear % p.kv_heads;
+    w.b = linear / p.kv_heads;
+    w.h = w.kvh * group + g;
+    w.tile_begin = w.split * p.tiles_per_split;
+    w.tile_end = min(p.num_tiles, w.tile_begin + p.tiles_per_split);
+    return w;
+}
+
+// Loads the CTA's query chunks and runs compute(tile, k_tile) over its key tiles, the next tile
+// loading while one computes. compute runs between two CTA barriers.
+template <int D, typename T, typename Compute>
+__device__ __forceinline__ void stream_key_tiles(const ScoreParams& p, const ScoreWork& w, T* q_s, T* k_s,
+                                                 Compute&& compute) {
+    const T* q_base = static_cast<const T*>(p.q) + w.b * p.q_batch_stride + static_cast<long long>(w.h) * D;
+    const T* k_base = static_cast<const T*>(p.k) + w.b * p.k_batch_stride + static_cast<long long>(w.kvh) * D;
+    for (int ch = 0; ch < p.chunks; ++ch)
+        load_tile_async<D>(q_s + ch * kTile * D, q_base + ch * kTile * p.q_row_stride, p.q_row_stride,
+                           p.lq - ch * kTile);
+    auto load_keys = [&](int tile, int buffer) {
+        load_tile_async<D>(k_s + buffer * kTile * D, k_base + tile * kTile * p.k_row_stride, p.k_row_stride,
+                           p.sk - tile * kTile);
+    };
+    if (w.tile_begin < w.tile_end) load_keys(w.tile_begin, 0);
+    copy_commit();
+    for (int tile = w.tile_begin; tile < w.tile_end; ++tile) {
+        const int buffer = (tile - w.tile_begin) & 1;
+        if (tile + 1 < w.tile_end) load_keys(tile + 1, buffer ^ 1);
+        copy_commit();
+        copy_wait<1>();
+        __syncthreads();
+        compute(tile, k_s + buffer * kTile * D);
+        __syncthreads();  // the buffer just read is the next one refilled
+    }
+    copy_wait<0>();
+}
+
+// Largest visible key index j (0 .. 63) of the tile for query row i, or -1: keys must exist locally
+// and lie at or before the query position.
+__device__ __forceinline__ int visible_limit(const ScoreParams& p, int i, int tile, int tile_position) {
+    if (i >= p.lq) return -1;
+    return min(p.sk - tile * kTile - 1, p.q_start + i - tile_position);
+}
+
+// ------------------------------------------------------------------ pass A: row statistics
+template <typename T, int D>
+__global__ void __launch_bounds__(kScoreThreads, 2) row_stats_kernel(const ScoreParams p) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    T* q_s = reinterpret_cast<T*>(smem);
+    T* k_s = q_s + p.chunks * kTile * D;
+    const ScoreWork w = score_work(p);
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+
+    float row_max[kMaxChunks][2], row_sum[kMaxChunks][2];
+#pragma unroll
+    for (int ch = 0; ch < kMaxChunks; ++ch)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            row_max[ch][half] = -INFINITY;
+            row_sum[ch][half] = 0.f;
+        }
+
+    stream_key_tiles<D>(p, w, q_s, k_s, [&](int tile, const T* k_tile) {
+        const int tile_position = key_position(p, tile * kTile);
+#pragma unroll
+        for (int ch = 0; ch < kMaxChunks; ++ch) {
+            if (ch >= p.chunks) break;
+            float acc[8][4];
+            tile_scores<D>(acc, q_s + ch * kTile * D, k_tile);
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int i = ch * kTile + warp * 16 + (lane >> 2) + 8 * half;
+                const int limit = visible_limit(p, i, tile, tile_position);
+                float tile_max = -INFINITY;
+#pragma unroll
+                for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+                    for (int c = 0; c < 2; ++c) {
+                        const int j = nt * 8 + 2 * (lane & 3) + c;
+                        if (j <= limit) tile_max = fmaxf(tile_max, acc[nt][2 * half + c] * p.scale);
+                    }
+                if (tile_max == -INFINITY) continue;  // nothing visible in this row of the tile
+                const float new_max = fmaxf(row_max[ch][half], tile_max);
+                float sum = row_sum[ch][half] * exp_of(row_max[ch][half] - new_max);
+#pragma unroll
+                for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+                    for (int c = 0; c < 2; ++c) {
+                        const int j = nt * 8 + 2 * (lane & 3) + c;
+                        if (j <= limit) sum += exp_of(acc[nt][2 * half + c] * p.scale - new_max);
+                    }
+                row_max[ch][half] = new_max;
+                row_sum[ch][half] = sum;
+            }
+        }
+    });
+
+    // merge the four lanes of each row (commutative: every lane ends with the same bits)
+#pragma unroll
+    for (int ch = 0; ch < kMaxChunks; ++ch) {
+        if (ch >= p.chunks) break;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            float m = row_max[ch][half], s = row_sum[ch][half];
+#pragma unroll
+            for (int offset = 1; offset <= 2; offset <<= 1) {
+                const float om = __shfl_xor_sync(0xffffffffu, m, offset);
+                const float os = __shfl_xor_sync(0xffffffffu, s, offset);
+                const float nm = fmaxf(m, om);
+                if (nm != -INFINITY) s = s * exp_of(m - nm) + os * exp_of(om - nm);
+                m = nm;
+            }
+            const int i = ch * kTile + warp * 16 + (lane >> 2) + 8 * half;
+            if ((lane & 3) == 0 && i < p.lq) {
+                const long long at = (static_cast<long long>(w.b * p.heads + w.h) * p.lq + i) * p.splits + w.split;
+                p.part_max[at] = m;
+                p.part_sum[at] = s;
+            }
+        }
+    }
+}
+
+// Combines the splits of each row in split order.
+__global__ void __launch_bounds__(kStatsThreads) combine_row_stats_kernel(const ScoreParams p) {
+    const long long row = static_cast<long long>(blockIdx.x) * kStatsThreads + threadIdx.x;
+    const long long rows = static_cast<long long>(p.batch) * p.heads * p.lq;
+    if (row >= rows) return;
+    const float* pm = p.part_max + row * p.splits;
+    const float* ps = p.part_sum + row * p.splits;
+    float m = -INFINITY;
+    for (int s = 0; s < p.splits; ++s) m = fmaxf(m, pm[s]);
+    float sum = 0.f;
+    if (m != -INFINITY)
+        for (int s = 0; s < p.splits; ++s)
+            if (pm[s] != -INFINITY) sum += ps[s] * exp_of(pm[s] - m);
+    p.row_max[row] = m;
+    p.row_sum[row] = sum;
+}
+
+// ------------------------------------------------------------------ pass B: masses
+template <typename T, int D>
+__global__ void __launch_bounds__(kScoreThreads, 2) masses_kernel(const ScoreParams p) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    T* q_s = reinterpret_cast<T*>(smem);
+    T* k_s = q_s + p.chunks * kTile * D;
+    float* prob = reinterpret_cast<float*>(k_s + 2 * kTile * D);  // [64][kProbStride]
+    const ScoreWork w = score_work(p);
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int tid = threadIdx.x;
+    const long long head_row = static_cast<long long>(w.b) * p.heads + w.h;
+    const float inv_rows = 1.f / static_cast<float>(p.lq);
+
+    // this thread's rows: the row max and 1 / row sum (0 for absent rows)
+    float row_max[kMaxChunks][2], row_inv[kMaxChunks][2];
+#pragma unroll
+    for (int ch = 0; ch < kMaxChunks; ++ch)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int i = ch * kTile + warp * 16 + (lane >> 2) + 8 * half;
+            const bool present = ch < p.chunks && i < p.lq;
+            const float m = present ? p.row_max[head_row * p.lq + i] : 0.f;
+            const float s = present ? p.row_sum[head_row * p.lq + i] : 0.f;
+            row_max[ch][half] = m == -INFINITY ? 0.f : m;
+            row_inv[ch][half] = s > 0.f ? 1.f / s : 0.f;
+        }
+
+    stream_key_tiles<D>(p, w, q_s, k_s, [&](int tile, const T* k_tile) {
+        const int tile_position = key_position(p, tile * kTile);
+        float column = 0.f;
+#pragma unroll
+        for (int ch = 0; ch < kMaxChunks; ++ch) {
+            if (ch >= p.chunks) break;
+            float acc[8][4];
+            tile_scores<D>(acc, q_s + ch * kTile * D, k_tile);
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int r = warp * 16 + (lane >> 2) + 8 * half;
+                const int limit = visible_limit(p, ch * kTile + r, tile, tile_position);
+                const float m = row_max[ch][half], inv = row_inv[ch][half];
+#pragma unroll
+                for (int nt = 0; nt < 8; ++nt) {
+                    const int j = nt * 8 + 2 * (lane & 3);
+                    float2 value;
+                    value.x = j <= limit ? exp_of(acc[nt][2 * half] * p.scale - m) * inv : 0.f;
+                    value.y = j + 1 <= limit ? exp_of(acc[nt][2 * half + 1] * p.scale - m) * inv : 0.f;
+                    *reinterpret_cast<float2*>(prob + r * kProbStride + j) = value;
+                }
+            }
+            __syncthreads();
+            if (tid < kTile) {
+                float sum = 0.f;
+#pragma unroll 8
+                for (int i = 0; i < kTile; ++i) sum += prob[i * kProbStride + tid];
+                column += sum;
+            }
+            // token diagonal d = i - j + 63 of the tile: rows max(0, d - 63) .. min(63, d)
+            {
+                const int d = tid;
+                float sum = 0.f;
+                if (d < 2 * kTile - 1) {
+                    const int first = max(0, d - (kTile - 1)), last = min(kTile - 1, d);
+                    for (int i = first; i <= last; ++i) sum += prob[i * kProbStride + i - d + (kTile - 1)];
+                }
+                const long long slot =
+                    ((head_row * p.chunks + ch) * p.num_tiles + tile) * static_cast<long long>(kDiagSlots) + d;
+                p.diag_partials[slot] = sum;
+            }
+            __syncthreads();  // before the next chunk overwrites the probabilities
+        }
+        const int kk = tile * kTile + tid;
+        if (tid < kTile && kk < p.sk) p.columns[head_row * p.sk + kk] = column * inv_rows;
+    });
+}
+
+// Token diagonal t: the sum over chunks of the (at most two) local tiles holding it, in order.
+__global__ void __launch_bounds__(kGatherThreads) gather_diagonals_kernel(const ScoreParams p) {
+    const int t = blockIdx.x * kGatherThreads + threadIdx.x;
+    const long long head_row = blockIdx.y;
+    if (t >= p.seq_len) return;
+    float sum = 0.f;
+    for (int ch = 0; ch < p.chunks; ++ch) {
+        const int q0 = p.q_start + ch * kTile;  // rows q0 .. q0 + 63 see keys q0 - t .. q0 + 63 - t
+        const int hi = q0 + kTile - 1 - t;
+        if (hi < 0) continue;
+        const int lo = max(q0 - t, 0);
+        for (int window = lo / kTile; window <= hi / kTile; ++window) {
+            const int position = window * kTile;
+            const int global_block = position / p.block;
+            if (global_block % p.world != p.rank) continue;
+            const int tile = ((global_block / p.world) * p.block + position % p.block) / kTile;
+            if (tile >= p.num_tiles) continue;
+            const int d = t - (q0 - position) + (kTile - 1);
+            sum += p.diag_partials[((head_row * p.chunks + ch) * p.num_tiles + tile) * kDiagSlots + d];
+        }
+    }
+    p.diagonals[head_row * p.seq_len + t] = sum / static_cast<float>(p.lq);
+}
+
+// ------------------------------------------------------------------ block scans
+// Exclusive scan over the CTA of kThreads threads (all must call it); `total` gets the CTA's sum.
+// `scratch` holds kThreads / 32 + 1 values.
+template <int kThreads, typename V>
+__device__ __forceinline__ V block_exclusive_scan(V value, V& total, V* scratch) {
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    V inclusive = value;
+#pragma unroll
+    for (int offset = 1; offset < 32; offset <<= 1) {
+        const V other = __shfl_up_sync(0xffffffffu, inclusive, offset);
+        if (lane >= offset) inclusive += other;
+    }
+    if (lane == 31) scratch[warp] = inclusive;
+    __syncthreads();
+    if (warp == 0) {
+        constexpr int kWarps = kThreads / 32;
+        V warp_total = lane < kWarps ? scratch[lane] : V(0);
+        V warp_inclusive = warp_total;
+#pragma unroll
+        for (int offset = 1; offset < 32; offset <<= 1) {
+            const V other = __shfl_up_sync(0xffffffffu, warp_inclusive, offset);
+            if (lane >= offset) warp_inclusive += other;
+        }
+        if (lane < kWarps) scratch[lane] = warp_inclusive - warp_total;
+        if (lane == kWarps - 1) scratch[kWarps] = warp_inclusive;
+    }
+    __syncthreads();
+    const V result = scratch[warp] + inclusive - value;
+    total = scratch[kThreads / 32];
+    __syncthreads();  // scratch may be reused by the next call
+    return result;
+}
+
+// ------------------------------------------------------------------ top-p selection
+__device__ __forceinline__ uint32_t mass_bits(float x) { return x > 0.f ? __float_as_uint(x) : 0u; }
+
+__device__ __forceinline__ unsigned long long fixed_mass(float x) {
+    return x > 0.f ? __float2ull_rn(fminf(x, kMaxMass) * kFixedOne) : 0ull;
+}
+
+struct SelectState {
+    uint32_t prefix, prefix_mask;
+    unsigned long long above_count, above_mass;  // entries ranked before the current bin range
+    unsigned long long range_count;              // entries in the chosen bin (last pass: ties)
+    double target;                               // p * total * (1 - 1e-6), fixed point
+    int selected, ties_taken;
+};
+
+// Whether bin (count, mass), preceded by `count_before` entries of mass `mass_before`, holds the
+// last selected entry (given that it is not before it): the selection ends within it.
+__device__ __forceinline__ bool ends_in(unsigned long long count_before, unsigned long long mass_before,
+                                        unsigned long long count, unsigned long long mass, int cap_n,
+                                        double target) {
+    return count > 0 && (count_before + count >= static_cast<unsigned long long>(cap_n) ||
+                         static_cast<double>(mass_before + mass) >= target);
+}
+
+__global__ void __launch_bounds__(kSelectThreads) select_top_p_kernel(const SelectParams p) {
+    extern __shared__ __align__(16) unsigned char select_smem[];
+    unsigned long long* histogram = reinterpret_cast<unsigned long long*>(select_smem);  // [bins][32 lanes]
+    __shared__ unsigned long long bins[kRadixBins];
+    __shared__ unsigned long long scan_scratch[kSelectWarps + 1];
+    __shared__ SelectState state;
+
+    const int tid = threadIdx.x;
+    const int lane = tid & 31;
+    const int warp = tid >> 5;
+    const float* mass = p.mass + static_cast<long long>(blockIdx.x) * p.row_stride;
+    const int n = p.n;
+    const int cap_n = min(p.cap, n);
+
+    if (tid == 0) {
+        state.prefix = 0;
+        state.prefix_mask = 0;
+        state.above_count = 0;
+        state.above_mass = 0;
+        state.range_count = 0;
+        state.target = 0.0;
+        state.selected = 0;
+        state.ties_taken = 0;
+    }
+
+    for (int level = 0; level < 4; ++level) {
+        const int shift = 24 - 8 * level;
+        for (int e = tid; e < kRadixBins * 32; e += kSelectThreads) histogram[e] = 0ull;
+        __syncthreads();
+        const uint32_t prefix = state.prefix, prefix_mask = state.prefix_mask;
+        for (int base = tid; base < n; base += kSelectThreads * kSelectUnroll) {
+            float value[kSelectUnroll];
+#pragma unroll
+            for (int u = 0; u < kSelectUnroll; ++u) {
+                const int e = base + u * kSelectThreads;
+                value[u] = e < n ? mass[e] : 0.f;
+            }
+#pragma unroll
+            for (int u = 0; u < kSelectUnroll; ++u) {
+                const int e = base + u * kSelectThreads;
+                const uint32_t bits = mass_bits(value[u]);
+                if (e < n && (bits & prefix_mask) == prefix) {
+                    const int bin = (bits >> shift) & (kRadixBins - 1);
+                    atomicAdd(&histogram[bin * 32 + lane], (1ull << kCountShift) | fixed_mass(value[u]));
+                }
+            }
+        }
+        __syncthreads();
+        if (tid < kRadixBins) {
+            unsigned long long sum = 0;
+            for (int l = 0; l < 32; ++l) sum += histogram[tid * 32 + ((l + tid) & 31)];
+            bins[tid] = sum;
+        }
+        __syncthreads();
+        if (warp == 0) {
+            // lane l scans bins 255 - 8 l down to 248 - 8 l (descending values)
+            unsigned long long chunk_count = 0, chunk_mass = 0;
+#pragma unroll
+            for (int u = 0; u < 8; ++u) {
+                const unsigned long long v = bins[kRadixBins - 1 - 8 * lane - u];
+                chunk_count += v >> kCountShift;
+                chunk_mass += v & kMassMask;
+            }
+            if (level == 0) {
+                unsigned long long total = chunk_mass;
+#pragma unroll
+                for (int offset = 16; offset > 0; offset >>= 1) total += __shfl_xor_sync(0xffffffffu, total, offset);
+                if (lane == 0) state.target = static_cast<double>(p.p) * static_cast<double>(total) * (1.0 - 1e-6);
+            }
+            __syncwarp();
+            unsigned long long count_before = chunk_count, mass_before = chunk_mass;
+#pragma unroll
+            for (int offset = 1; offset < 32; offset <<= 1) {
+                const unsigned long long c = __shfl_up_sync(0xffffffffu, count_before, offset);
+                const unsigned long long m = __shfl_up_sync(0xffffffffu, mass_before, offset);
+                if (lane >= offset) {
+                    count_before += c;
+                    mass_before += m;
+                }
+            }
+            count_before = count_before - chunk_count + state.above_count;
+            mass_before = mass_before - chunk_mass + state.above_mass;
+            const double target = state.target;
+            int hit_bin = -1;
+            unsigned long long hit_count = 0;
+#pragma unroll
+            for (int u = 0; u < 8; ++u) {
+                const int bin = kRadixBins - 1 - 8 * lane - u;
+                const unsigned long long v = bins[bin];
+                const unsigned long long c = v >> kCountShift, m = v & kMassMask;
+                if (hit_bin < 0) {
+                    if (ends_in(count_before, mass_before, c, m, cap_n, target)) {
+                        hit_bin = bin;
+                        hit_count = c;
+                    } else {
+                        count_before += c;
+                        mass_before += m;
+                    }
+                }
+            }
+            const unsigned hits = __ballot_sync(0xffffffffu, hit_bin >= 0);
+            __syncwarp();
+            // by construction some bin ends the selection; should none (impossible), keep the
+            // state, and the compaction below takes no ties
+            if (hits != 0 && lane == __ffs(hits) - 1) {
+                state.prefix |= static_cast<uint32_t>(hit_bin) << shift;
+                state.prefix_mask |= 0xffu << shift;
+                state.above_count = count_before;
+                state.above_mass = mass_before;
+                state.range_count = hit_count;
+            }
+        }
+        __syncthreads();
+    }
+
+    // the threshold value is state.prefix; its ties are taken in index order
+    if (tid == 0) {
+        const unsigned long long above = state.above_count, ties = state.range_count;
+        const unsigned long long tie_mass = fixed_mass(__uint_as_float(state.prefix));
+        const double target = state.target;
+        // ties r = 1 .. counted by the mass rule: those with above_mass + (r - 1) tie_mass < target
+        unsigned long long by_mass = 0;
+        if (static_cast<double>(state.above_mass) < target) {
+            if (tie_mass == 0) {
+                by_mass = ties;
+            } else {
+                const double estimate = ceil((target - static_cast<double>(state.above_mass)) /
+                                             static_cast<double>(tie_mass));
+                by_mass = estimate < 0.0 ? 0 : (estimate > static_cast<double>(ties) ? ties
+                                                                                     : static_cast<unsigned long long>(estimate));
+                while (by_mass > 0 &&
+                       static_cast<double>(state.above_mass + (by_mass - 1) * tie_mass) >= target)
+                    --by_mass;
+                while (by_mass < ties && static_cast<double>(state.above_mass + by_mass * tie_mass) < target)
+                    ++by_mass;
+            }
+        }
+        long long selected = static_cast<long long>(above + by_mass);
+        selected = selected < 1 ? 1 : selected;
+        selected = selected > cap_n ? cap_n : selected;
+        long long taken = selected - static_cast<long long>(above);
+        taken = taken < 0 ? 0 : (taken > static_cast<long long>(ties) ? static_cast<long long>(ties) : taken);
+        state.ties_taken = static_cast<int>(taken);
+        state.selected = static_cast<int>(above + taken);
+    }
+    __syncthreads();
+
+    const uint32_t threshold = state.prefix;
+    const unsigned long long ties_taken = static_cast<unsigned long long>(state.ties_taken);
+    const int selected = state.selected;
+    int* out = p.indices + static_cast<long long>(blockIdx.x) * p.width;
+    // compaction: chunks of kSelectThreads x 8 entries, 8 consecutive per thread
+    unsigned long long above_running = 0, ties_running = 0;
+    constexpr int kPerThread = 8;
+    for (int base = 0; base < n; base += kSelectThreads * kPerThread) {
+        const int first = base + tid * kPerThread;
+        uint32_t bits[kPerThread];
+        unsigned long long mine = 0;  // above << 32 | ties
+#pragma unroll
+        for (int u = 0; u < kPerThread; ++u) {
+            const int e = first + u;
+            bits[u] = e < n ? mass_bits(mass[e]) : 0u;
+            if (e < n) mine += bits[u] > threshold ? (1ull << 32) : (bits[u] == threshold ? 1ull : 0ull);
+        }
+        unsigned long long chunk_total;
+        const unsigned long long before = block_exclusive_scan<kSelectThreads>(mine, chunk_total, scan_scratch);
+        unsigned long long above_before = above_running + (before >> 32);
+        unsigned long long ties_before = ties_running + (before & 0xffffffffull);
+#pragma unroll
+        for (int u = 0; u < kPerThread; ++u) {
+            const int e = first + u;
+            if (e >= n) continue;
+            const bool is_above = bits[u] > threshold, is_tie = bits[u] == threshold;
+            if (is_above || (is_tie && ties_before < ties_taken)) {
+                const unsigned long long slot = above_before + (ties_before < ties_taken ? ties_before : ties_taken);
+                if (slot < static_cast<unsigned long long>(p.width)) out[slot] = e;
+            }
+            above_before += is_above ? 1 : 0;
+            ties_before += is_tie ? 1 : 0;
+        }
+        above_running += chunk_total >> 32;
+        ties_running += chunk_total & 0xffffffffull;
+    }
+    for (int slot = selected + tid; slot < p.width; slot += kSelectThreads) out[slot] = kPad;
+    if (tid == 0) p.count[blockIdx.x] = selected;
+}
+
+// ------------------------------------------------------------------ finalize
+__global__ void __launch_bounds__(kFinalizeThreads) finalize_kernel(const FinalizeParams p) {
+    extern __shared__ unsigned char keep_block[];  // [num_blocks]
+    __shared__ int scan_scratch[kFinalizeThreads / 32 + 1];
+    __shared__ int leading_run, below_sinks, below_limit;
+    const int tid = threadIdx.x;
+    const long long row = blockIdx.x;
+    const int nb = p.num_blocks;
+
+    for (int i = tid; i < nb; i += kFinalizeThreads) keep_block[i] = i < p.local_blocks ? 1 : 0;
+    if (tid == 0) {
+        leading_run = nb;
+        below_sinks = 0;
+        below_limit = 0;
+    }
+    __syncthreads();
+    const int* tokens = p.slash_tokens + row * p.slash_token_width;
+    const int token_count = min(p.slash_token_count[row], p.slash_token_width);
+    for (int j = tid; j < token_count; j += kFinalizeThreads) {
+        const int t = tokens[j];
+        if (t < 0 || t >= p.seq_len) continue;
+        const int first = t / p.block;
+        keep_block[first] = 1;  // benign race: every writer stores 1
+        if (t % p.block != 0 && first + 1 < nb) keep_block[first + 1] = 1;
+    }
+    __syncthreads();
+
+    int* slash = p.slash + row * p.slash_width;
+    int written = 0;
+    for (int base = 0; base < nb; base += kFinalizeThreads) {
+        const int i = base + tid;
+        const int keep = i < nb ? keep_block[i] : 0;
+        if (i < nb && !keep) atomicMin(&leading_run, i);
+        int total;
+        const int before = block_exclusive_scan<kFinalizeThreads>(keep, total, scan_scratch);
+        if (keep && written + before < p.slash_width) slash[written + before] = i;
+        written += total;
+    }
+    const int slash_count = min(written, p.slash_width);
+    for (int slot = slash_count + tid; slot < p.slash_width; slot += kFinalizeThreads) slash[slot] = kPad;
+    if (tid == 0) p.slash_count[row] = slash_count;
+
+    // columns: sinks 0 .. sinks - 1, then the selected ones >= sinks, all below the first block
+    // that the leading run of diagonals already covers for every later query block
+    __syncthreads();  // leading_run final
+    const long long limit = static_cast<long long>(nb - leading_run) * p.block;
+    const int sinks = min(p.sink_tokens, p.seq_len);
+    const int* columns = p.columns + row * p.column_width;
+    const int column_count = min(p.column_count[row], p.column_width);
+    for (int j = tid; j < column_count; j += kFinalizeThreads) {
+        const int c = columns[j];
+        if (c < sinks) atomicAdd(&below_sinks, 1);
+        if (c < limit) atomicAdd(&below_limit, 1);
+    }
+    __syncthreads();
+    const int kept_sinks = static_cast<int>(min(static_cast<long long>(sinks), limit));
+    const int extra = max(0, below_limit - below_sinks);
+    const int vertical_count = min(kept_sinks + extra, p.vertical_width);
+    int* vertical = p.vertical + row * p.vertical_width;
+    for (int slot = tid; slot < p.vertical_width; slot += kFinalizeThreads) {
+        int value = kPad;
+        if (slot < kept_sinks) value = slot;
+        else if (slot < vertical_count) value = columns[below_sinks + slot - kept_sinks];
+        vertical[slot] = value;
+    }
+    if (tid == 0) p.vertical_count[row] = vertical_count;
+}
+
+}  // namespace est
+}  // namespace mtr

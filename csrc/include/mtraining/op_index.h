@@ -1,0 +1,109 @@
+// The signature of the compiled op, defined once for the CPU and CUDA modules
+// (docs/KERNEL_CONTRACT.md):
+//
+//   forward(q, k, v, index, scale) -> [out, lse]
+//   backward(dout, q, k, v, out, lse, index, scale) -> [dq, dk, dv]
+//
+// `index` is a dict with one entry per field of OpIndex: the compact index of the call and its ring
+// position (ds_mtraining.ops.op_index builds it). A new field is one line of
+// MTRAINING_OP_INDEX_FIELDS: the struct, its contiguous copy and the reading from Python follow
+// (then check it in checks.h and use it in the kernels).
+#pragma once
+
+#include <torch/extension.h>
+
+#include <string>
+#include <type_traits>
+
+// FIELD(type, name) for each field, in the order the docs list them.
+#define MTRAINING_OP_INDEX_FIELDS(FIELD)                                                               \
+    FIELD(at::Tensor, slash)          /* int32 [B, H, Ls]: sorted block diagonals, PAD-padded */      \
+    FIELD(at::Tensor, slash_count)    /* int32 [B, H] */                                              \
+    FIELD(at::Tensor, vertical)       /* int32 [B, H, Lv]: sorted global key tokens, PAD-padded */    \
+    FIELD(at::Tensor, vertical_count) /* int32 [B, H] */                                              \
+    FIELD(int64_t, block_size)        /* tokens per block, also the stripe width */                  \
+    FIELD(int64_t, world)             /* ranks the sequence is striped over (1: one device) */        \
+    FIELD(int64_t, q_rank)            /* rank whose queries q holds */                                \
+    FIELD(int64_t, k_rank)            /* rank whose keys k and v hold */
+
+namespace mtraining {
+
+inline at::Tensor contiguous_field(const at::Tensor& t) { return t.defined() ? t.contiguous() : t; }
+inline int64_t contiguous_field(int64_t value) { return value; }
+
+struct OpIndex {
+#define MTRAINING_DECLARE_FIELD(type, name) type name{};
+    MTRAINING_OP_INDEX_FIELDS(MTRAINING_DECLARE_FIELD)
+#undef MTRAINING_DECLARE_FIELD
+
+    // A copy whose tensors are contiguous (each one copied only if it is not already).
+    OpIndex contiguous() const {
+        OpIndex copy;
+#define MTRAINING_COPY_FIELD(type, name) copy.name = contiguous_field(name);
+        MTRAINING_OP_INDEX_FIELDS(MTRAINING_COPY_FIELD)
+#undef MTRAINING_COPY_FIELD
+        return copy;
+    }
+};
+
+// Field `name` of a Python index dict, converted to Field.
+template <typename Field>
+Field read_index_field(const py::dict& fields, const char* name, const char* op_name) {
+    TORCH_CHECK_VALUE(fields.contains(name), op_name, ": the index has no '", name,
+                      "' entry; build it with ds_mtraining.ops.op_index");
+    try {
+        return fields[name].cast<Field>();
+    } catch (const py::cast_error&) {
+        const std::string type_name = py::str(py::type::of(fields[name]).attr("__name__"));
+        throw py::type_error(std::string(op_name) + ": index entry '" + name + "' has type " + type_name +
+                             (std::is_same_v<Field, at::Tensor> ? ", expected a tensor" : ", expected an int"));
+    }
+}
+
+// The OpIndex of a Python index dict. Unknown entries are rejected, so that an index built for a
+// newer contract never runs with a field silently ignored.
+inline OpIndex op_index_from_python(const py::dict& fields, const char* op_name) {
+    for (const auto& entry : fields) {
+        const std::string key = py::str(entry.first);
+        bool known = false;
+#define MTRAINING_MATCH_FIELD(type, name) known = known || key == #name;
+        MTRAINING_OP_INDEX_FIELDS(MTRAINING_MATCH_FIELD)
+#undef MTRAINING_MATCH_FIELD
+        TORCH_CHECK_VALUE(known, op_name, ": unknown index entry '", key, "'; this build takes ",
+                          "the entries of ds_mtraining.ops.op_index (rebuild the op after updating)");
+    }
+    OpIndex index;
+#define MTRAINING_READ_FIELD(type, name) index.name = read_index_field<type>(fields, #name, op_name);
+    MTRAINING_OP_INDEX_FIELDS(MTRAINING_READ_FIELD)
+#undef MTRAINING_READ_FIELD
+    return index;
+}
+
+// Defines `forward` and `backward` in module m with the signature above. Each reads its index
+// from Python, then runs forward(q, k, v, OpIndex, scale) / backward(dout, q, k, v, out, lse,
+// OpIndex, scale) without the GIL.
+template <typename Forward, typename Backward>
+void define_attention_ops(py::module_& m, const char* op_name, Forward forward, Backward backward) {
+    m.def(
+        "forward",
+        [op_name, forward](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const py::dict& index,
+                           double scale) {
+            const OpIndex call_index = op_index_from_python(index, op_name);
+            const py::gil_scoped_release no_gil;
+            return forward(q, k, v, call_index, scale);
+        },
+        "sparse attention forward -> (out fp32, lse fp32)", py::arg("q"), py::arg("k"), py::arg("v"),
+        py::arg("index"), py::arg("scale"));
+    m.def(
+        "backward",
+        [op_name, backward](const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const at::Tensor& out, const at::Tensor& lse, const py::dict& index, double scale) {
+            const OpIndex call_index = op_index_from_python(index, op_name);
+            const py::gil_scoped_release no_gil;
+            return backward(dout, q, k, v, out, lse, call_index, scale);
+        },
+        "sparse attention backward -> (dq, dk, dv)", py::arg("dout"), py::arg("q"), py::arg("k"), py::arg("v"),
+        py::arg("out"), py::arg("lse"), py::arg("index"), py::arg("scale"));
+}
+
+}  // namespace mtraining

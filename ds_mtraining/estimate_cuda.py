@@ -1,0 +1,179 @@
+"""Fused CUDA estimator of the vertical-slash pattern: the rule of
+:func:`ds_mtraining.estimate.estimate_vertical_slash`, without host synchronisation.
+
+Four kernels (``csrc/cuda/estimate_kernels.cuh``), each exposed here for the distributed path:
+
+* :func:`row_stats` (pass A): per query row, the max logit over the local keys and the sum of
+  ``exp(logit - max)``, from bf16/fp16 tensor-core scores (fp32 accumulate);
+* :func:`masses` (pass B): with the global row statistics, the column masses of the local keys and
+  the token-diagonal masses ``[B, H, S]`` of the local keys' entries (summed over ranks they are
+  the global ones), both divided by the row count;
+* :func:`select_top_p` : the top-p entries of each mass row (radix threshold search, ties to the
+  lower index), as a fixed-width ascending list plus counts;
+* :func:`build_index` : token diagonals and columns to the compact :class:`SparseIndex`
+  (:meth:`SparseIndex.from_vertical_slash`), in fixed widths.
+
+Every list has a width fixed by the shapes and caps (never by the data), so nothing waits for the
+GPU; the index is built through :func:`trusted_index`, which skips ``SparseIndex.__init__``'s
+validation (that reads values back to the host). Reductions are in a fixed order: results are
+bitwise reproducible for a given device and shape.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .attention import resolve_softmax_scale
+from .config import SparseConfig
+from .estimate import check_qk
+from .index import PAD, SparseIndex
+
+MAX_LAST_Q = 256  # query rows the kernels keep in shared memory (4 chunks of 64)
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
+SUPPORTED_HEAD_DIMS = (64, 128)
+
+__all__ = ["estimate_vertical_slash_cuda", "row_stats", "masses", "select_top_p", "build_index",
+           "trusted_index", "merge_row_stats", "distributed_masses", "supports"]
+
+
+def _op():
+    from .ops import op_module
+    return op_module("cuda")
+
+
+def supports(q: torch.Tensor, config: SparseConfig) -> str | None:
+    """Why the fused estimator cannot take ``q`` (``None`` when it can)."""
+    if q.device.type != "cuda":
+        return f"q is on {q.device}, not a CUDA device"
+    if q.dtype not in SUPPORTED_DTYPES:
+        return f"q is {q.dtype}; the fused estimator takes bfloat16 or float16"
+    if q.shape[-1] not in SUPPORTED_HEAD_DIMS:
+        return f"head_dim={q.shape[-1]}; the fused estimator takes {SUPPORTED_HEAD_DIMS}"
+    if min(config.last_q, q.shape[1]) > MAX_LAST_Q:
+        return f"last_q={config.last_q} > {MAX_LAST_Q}"
+    return None
+
+
+def trusted_index(slash: torch.Tensor, slash_count: torch.Tensor, vertical: torch.Tensor,
+                  vertical_count: torch.Tensor, seq_len: int, block_size: int) -> SparseIndex:
+    """A :class:`SparseIndex` from lists the kernels built valid (sorted, PAD padded, diagonal 0
+    first, in range) and their counts, without the constructor's checks, which synchronise."""
+    index = SparseIndex.__new__(SparseIndex)
+    index.seq_len = int(seq_len)
+    index.block_size = int(block_size)
+    index.slash = slash
+    index.vertical = vertical
+    index.slash_count = slash_count
+    index.vertical_count = vertical_count
+    return index
+
+
+# ---------------------------------------------------------------------- the passes
+def row_stats(q_last: torch.Tensor, k: torch.Tensor, q_start: int, seq_len: int, scale: float,
+              world: int = 1, rank: int = 0, block_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pass A. ``q_last`` [B, L, H, D]: the queries at global positions ``q_start .. q_start + L - 1``;
+    ``k`` [B, Sk, Hkv, D]: this rank's keys (local key ``t`` is global position
+    ``((t // block) * world + rank) * block + t % block``).
+
+    Returns (row_max, row_sum) float32 [B, H, L]: the max logit ``scale * q.k`` of each row over the
+    visible local keys and the sum of ``exp(logit - row_max)`` (``-inf`` and 0 if none is visible)."""
+    return tuple(_op().estimate_row_stats(q_last, k, int(q_start), int(seq_len), int(world),
+                                          int(rank), int(block_size), float(scale)))
+
+
+def masses(q_last: torch.Tensor, k: torch.Tensor, row_max: torch.Tensor, row_sum: torch.Tensor,
+           q_start: int, seq_len: int, scale: float, world: int = 1, rank: int = 0,
+           block_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pass B, given the global row statistics (:func:`row_stats`, merged over ranks by
+    :func:`merge_row_stats`). Returns float32 (columns [B, H, Sk]: the mass of each local key,
+    diagonals [B, H, seq_len]: the mass of token diagonal ``t = query - key`` over the local keys),
+    both summed over the L rows and divided by L."""
+    return tuple(_op().estimate_masses(q_last, k, row_max, row_sum, int(q_start), int(seq_len),
+                                       int(world), int(rank), int(block_size), float(scale)))
+
+
+def select_top_p(mass: torch.Tensor, p: float, cap: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top-p rule of :func:`ds_mtraining.estimate.select_top_p` on each row of ``mass``
+    [..., n] (float32, non-negative, summing to at most 16): the fewest largest entries (ties to the
+    lower index) whose mass reaches ``p`` times the row's total, at least 1 and at most ``cap``.
+
+    Returns (indices int32 [..., min(cap, n)] ascending, ``PAD`` padded; count int32 [...])."""
+    return tuple(_op().estimate_select(mass.float(), float(p), int(cap)))
+
+
+def build_index(slash_tokens: torch.Tensor, slash_count: torch.Tensor, columns: torch.Tensor,
+                column_count: torch.Tensor, seq_len: int, config: SparseConfig) -> SparseIndex:
+    """The index of :meth:`SparseIndex.from_vertical_slash` from selected token diagonals
+    [B, H, a] (any order, first ``slash_count`` entries read) and selected key columns [B, H, c]
+    (ascending, first ``column_count`` read), plus the sink tokens and local diagonals; lists of
+    fixed width (``min(nb, local_blocks + 2 a)`` and ``min(sink_tokens, S) + c``)."""
+    slash, s_count, vertical, v_count = _op().estimate_finalize(
+        slash_tokens.int(), slash_count.int(), columns.int(), column_count.int(), int(seq_len),
+        config.block_size, config.local_blocks, config.sink_tokens)
+    return trusted_index(slash, s_count, vertical, v_count, seq_len, config.block_size)
+
+
+# ---------------------------------------------------------------------- distributed helpers
+def merge_row_stats(row_max: torch.Tensor, row_sum: torch.Tensor, group=None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """All-reduces per-rank :func:`row_stats` into the global ones (collective, on the GPU): the max
+    over ranks, and each rank's sum rescaled to it then summed."""
+    global_max = row_max.clone()
+    dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=group)
+    finite = torch.isfinite(row_max)
+    scaled = torch.where(finite, row_sum * torch.exp(torch.where(finite, row_max, global_max) - global_max),
+                         torch.zeros_like(row_sum))
+    dist.all_reduce(scaled, group=group)
+    return global_max, scaled
+
+
+def distributed_masses(q_last: torch.Tensor, k: torch.Tensor, q_start: int, seq_len: int, scale: float,
+                       world: int, rank: int, block_size: int, group=None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pass A, the row-statistics all-reduce, pass B and the diagonal all-reduce: (this rank's
+    column masses [B, H, Sk], the global token-diagonal masses [B, H, seq_len]). Collective.
+    ``q_last`` must be the same on every rank (cast to k's dtype)."""
+    q_last = q_last.to(k.dtype)
+    stats = row_stats(q_last, k, q_start, seq_len, scale, world, rank, block_size)
+    row_max, row_sum = merge_row_stats(*stats, group=group)
+    columns, diagonals = masses(q_last, k, row_max, row_sum, q_start, seq_len, scale, world, rank,
+                                block_size)
+    dist.all_reduce(diagonals, group=group)
+    return columns, diagonals
+
+
+# ---------------------------------------------------------------------- single device
+@torch.no_grad()
+def estimate_vertical_slash_cuda(q: torch.Tensor, k: torch.Tensor, config: SparseConfig,
+                                 softmax_scale: float | None = None) -> SparseIndex:
+    """:func:`ds_mtraining.estimate.estimate_vertical_slash` on the GPU in six kernel launches and
+    no host synchronisation. q [B, S, H, D], k [B, S, Hkv, D] (bfloat16 or float16, D 64 or 128,
+    on CUDA). The lists are fixed-width (``PAD`` tails); the selected entries equal the torch
+    rule's up to float summation order (only entries at the top-p threshold can differ)."""
+    check_qk(q, k)
+    reason = supports(q, config)
+    if reason is not None:
+        raise ValueError(f"estimate_vertical_slash_cuda: {reason}; use ds_mtraining.estimate."
+                         f"estimate_vertical_slash")
+    if k.dtype != q.dtype or k.device != q.device:
+        raise ValueError(f"q ({q.dtype}, {q.device}) and k ({k.dtype}, {k.device}) must share dtype and device")
+    b, s, h, d = q.shape
+    scale = resolve_softmax_scale(d, softmax_scale)
+    lq = min(config.last_q, s)
+    q_last = q[:, s - lq:]
+    stats = row_stats(q_last, k, s - lq, s, scale)
+    columns, diagonals = masses(q_last, k, *stats, s - lq, s, scale)
+    vertical, v_count = select_top_p(columns, config.p_vertical, config.max_vertical)
+    slash, s_count = select_top_p(diagonals, config.p_slash, config.max_slash_diagonals)
+    return build_index(slash, s_count, vertical, v_count, s, config)
+
+
+def trimmed(index: SparseIndex) -> tuple[torch.Tensor, torch.Tensor]:
+    """(slash, vertical) cut to their longest row, as the torch estimator returns them (tests;
+    synchronises)."""
+    ws = max(int(index.slash_count.max()), 1)
+    wv = max(int(index.vertical_count.max()), 1)
+    return index.slash[..., :ws], index.vertical[..., :wv]
+
+
+assert PAD == 1 << 30, "the kernels pad with 2^30 (estimate_api.cuh kPad)"

@@ -1,0 +1,49 @@
+"""Checkpoints through ``engine.save_checkpoint`` with the step, the data position and every
+rank's RNG states, so that a resumed run's losses equal an uninterrupted run's."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from . import MTRAINING_KEY, ConfigError
+from .run_config import RunConfig
+
+def rng_states() -> dict:
+    states = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def set_rng_states(states: dict):
+    torch.set_rng_state(states["torch"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+def save_checkpoint(engine, save_dir: str, step: int, data_position: int, run: RunConfig):
+    """``engine.save_checkpoint`` with the data position and every rank's RNG states."""
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, rng_states())
+    client_state = {"step": step, "data_position": data_position, "rng_states": gathered,
+                    "mtraining": run.to_dict()}
+    engine.save_checkpoint(save_dir, tag=f"step{step}", client_state=client_state)
+
+
+def resume_checkpoint(engine, save_dir: str, run: RunConfig) -> tuple[int, int]:
+    """Loads the latest checkpoint of ``save_dir``; returns (step, data position)."""
+    path, client_state = engine.load_checkpoint(save_dir)
+    if path is None:
+        raise ConfigError(f"--resume: no checkpoint in --save_dir {save_dir} (no 'latest' file); "
+                          f"train without --resume first or point --save_dir at a run")
+    saved = client_state["mtraining"]
+    for key in ("seq_len", "sequence_parallel_size"):
+        if saved[key] != getattr(run, key):
+            raise ConfigError(f"--resume: the checkpoint was trained with {MTRAINING_KEY}.{key}={saved[key]}, "
+                              f"this run has {getattr(run, key)}; resume with the same value")
+    states = client_state["rng_states"]
+    if len(states) != dist.get_world_size():
+        raise ConfigError(f"--resume: the checkpoint has {len(states)} ranks, this run {dist.get_world_size()}; "
+                          f"resume with the same number of ranks")
+    set_rng_states(states[dist.get_rank()])
+    return client_state["step"], client_state["data_position"]

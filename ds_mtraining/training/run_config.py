@@ -1,0 +1,164 @@
+"""The ``mtraining`` section of the DeepSpeed JSON, validated before any process group exists:
+a bad value is one :class:`ConfigError` naming its key and the fix (see :mod:`ds_mtraining.train`)."""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from ..config import SparseConfig
+from ..data import DataConfigError, check_data_spec, load_tokenizer
+from ..distributed import RING_KINDS, ParallelConfigError, check_parallel_sizes
+from ..ring.layout import check_divisible
+from . import MTRAINING_KEY, ConfigError
+from .model import PRESETS, model_config
+
+
+@dataclass
+class RunConfig:
+    """The validated ``mtraining`` section (see :mod:`ds_mtraining.train`)."""
+
+    seq_len: int
+    sequence_parallel_size: int
+    ring: str
+    sparse: SparseConfig
+    model: dict
+    tokenizer: str = "bytes"
+    data: dict = field(default_factory=lambda: {"source": "stdlib"})
+    loss_chunk_tokens: int = 1024
+    gradient_checkpointing: bool = False
+
+    def to_dict(self) -> dict:
+        values = asdict(self)
+        values["sparse"] = self.sparse.to_dict()
+        return values
+
+
+def _positive_int(section: dict, key: str, default=None) -> int:
+    value = section.get(key, default)
+    if value is None:
+        raise ConfigError(f"{MTRAINING_KEY}.{key} is required (a positive integer)")
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{MTRAINING_KEY}.{key}={value!r} must be a positive integer")
+    return value
+
+
+def _model_spec(value) -> dict:
+    spec = {"name_or_path": value} if isinstance(value, str) else dict(value or {})
+    unknown = sorted(set(spec) - {"name_or_path", "config_overrides"})
+    if unknown or "name_or_path" not in spec:
+        raise ConfigError(f"{MTRAINING_KEY}.model must be a preset name {sorted(PRESETS)}, a local model "
+                          f"directory, or {{'name_or_path': ..., 'config_overrides': {{...}}}}; got {value!r}")
+    name = spec["name_or_path"]
+    if name not in PRESETS and not Path(name).is_dir():
+        raise ConfigError(f"{MTRAINING_KEY}.model={name!r} is neither a preset {sorted(PRESETS)} nor an "
+                          f"existing local directory (config.json [+ weights]); models are never downloaded: "
+                          f"pass a preset or a local path (--model)")
+    return {"name_or_path": name, "config_overrides": dict(spec.get("config_overrides", {}))}
+
+
+def check_model(spec: dict, vocab_size: int):
+    """Heads/GQA/feature checks and the tokenizer's vocabulary against the model's."""
+    from ds_mtraining.hf import check_model_config
+    config = model_config(spec)
+    try:
+        check_model_config(config, key=f"{MTRAINING_KEY}.model ({spec['name_or_path']})")
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    if vocab_size > config.vocab_size:
+        raise ConfigError(f"{MTRAINING_KEY}.tokenizer has {vocab_size} tokens but the model's vocab_size is "
+                          f"{config.vocab_size}; use a matching tokenizer or override vocab_size")
+    return config
+
+
+def parse_run_config(section: dict, world_size: int) -> RunConfig:
+    """Validates the ``mtraining`` section against a world of ``world_size`` ranks."""
+    if not isinstance(section, dict):
+        raise ConfigError(f"the DeepSpeed JSON needs a \"{MTRAINING_KEY}\" object, got {section!r}")
+    known = {"seq_len", "sequence_parallel_size", "ring", "stripe_block", "sparse", "model", "tokenizer",
+             "data", "loss_chunk_tokens", "gradient_checkpointing"}
+    unknown = sorted(set(section) - known)
+    if unknown:
+        raise ConfigError(f"unknown key(s) {unknown} in '{MTRAINING_KEY}'; valid keys are {sorted(known)}")
+    sp = section.get("sequence_parallel_size", world_size)
+    try:
+        check_parallel_sizes(world_size, sp, key=f"{MTRAINING_KEY}.sequence_parallel_size")
+    except ParallelConfigError as error:
+        raise ConfigError(str(error)) from None
+    ring = section.get("ring", "auto")
+    if ring not in RING_KINDS:
+        raise ConfigError(f"{MTRAINING_KEY}.ring={ring!r} is not a ring kind; use one of {list(RING_KINDS)}")
+    sparse_values = dict(section.get("sparse", {}))
+    if "stripe_block" in section:
+        block = section["stripe_block"]
+        if "block_size" in sparse_values and sparse_values["block_size"] != block:
+            raise ConfigError(f"{MTRAINING_KEY}.stripe_block={block} differs from {MTRAINING_KEY}.sparse."
+                              f"block_size={sparse_values['block_size']}; the stripe is the kernel block: "
+                              f"give one of them")
+        sparse_values["block_size"] = block
+    try:
+        sparse = SparseConfig.from_dict(sparse_values, where=f"{MTRAINING_KEY}.sparse")
+    except (ValueError, TypeError) as error:
+        raise ConfigError(f"{MTRAINING_KEY}.sparse: {error}") from None
+    seq_len = _positive_int(section, "seq_len")
+    try:
+        check_divisible(seq_len, sp, sparse.block_size, what=f"{MTRAINING_KEY}.seq_len",
+                        factors="sequence_parallel_size x stripe_block")
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    checkpointing = section.get("gradient_checkpointing", False)
+    if not isinstance(checkpointing, bool):
+        raise ConfigError(f"{MTRAINING_KEY}.gradient_checkpointing={checkpointing!r} must be true or false")
+    model = _model_spec(section.get("model", "tiny-qwen2"))
+    tokenizer = section.get("tokenizer", "bytes")
+    if tokenizer == "model":
+        if model["name_or_path"] in PRESETS:
+            raise ConfigError(f"{MTRAINING_KEY}.tokenizer='model' needs a model directory, but the model is "
+                              f"the preset {model['name_or_path']!r}; use tokenizer 'bytes'")
+        tokenizer = model["name_or_path"]
+    return RunConfig(seq_len=seq_len, sequence_parallel_size=sp, ring=ring, sparse=sparse, model=model,
+                     tokenizer=tokenizer, data=dict(section.get("data", {"source": "stdlib"})),
+                     loss_chunk_tokens=_positive_int(section, "loss_chunk_tokens", 1024),
+                     gradient_checkpointing=checkpointing)
+
+
+def _data_override(value: str) -> dict:
+    """``--data``: "stdlib", a saved dataset directory, or comma-separated local files."""
+    if value == "stdlib":
+        return {"source": "stdlib"}
+    if Path(value).is_dir():
+        return {"saved_dataset": value}
+    return {"files": value.split(",")}
+
+
+def load_run_config(ds_config: str | dict, world_size: int, model: str | None = None,
+                    data: str | None = None) -> tuple[RunConfig, dict]:
+    """Reads a DeepSpeed JSON (path or dict), validates its ``mtraining`` section (with the
+    ``--model``/``--data`` overrides) and returns it with the rest for DeepSpeed."""
+    if isinstance(ds_config, dict):
+        values = json.loads(json.dumps(ds_config))
+    else:
+        if not Path(ds_config).is_file():
+            raise ConfigError(f"--deepspeed_config {ds_config!r} does not exist; pass a JSON file "
+                              f"(see ds_configs/)")
+        try:
+            values = json.loads(Path(ds_config).read_text())
+        except json.JSONDecodeError as error:
+            raise ConfigError(f"--deepspeed_config {ds_config}: invalid JSON ({error})") from None
+    section = values.pop(MTRAINING_KEY, None)
+    if section is None:
+        raise ConfigError(f"the DeepSpeed JSON has no \"{MTRAINING_KEY}\" section; add one with at least "
+                          f"\"seq_len\" (see ds_configs/cpu_demo.json)")
+    section = dict(section)
+    if model is not None:
+        section["model"] = model
+    if data is not None:
+        section["data"] = _data_override(data)
+    run = parse_run_config(section, world_size)
+    try:
+        check_data_spec(run.data, key=f"{MTRAINING_KEY}.data")
+        tokenizer = load_tokenizer(run.tokenizer, key=f"{MTRAINING_KEY}.tokenizer")
+    except DataConfigError as error:
+        raise ConfigError(str(error)) from None
+    check_model(run.model, tokenizer.vocab_size)
+    return run, values

@@ -1,0 +1,74 @@
+"""Helpers shared by several test modules (imported as ``helpers``: pytest puts tests/ on sys.path,
+and spawned ranks inherit it): tiny transformers models, a real-text token sequence, the dense
+reference loss, and the launcher/subprocess plumbing with deadlines."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from ds_mtraining.data import ByteTokenizer, stdlib_documents
+
+REPO = Path(__file__).resolve().parents[1]
+
+# ----------------------------------------------------------------------------- tiny HF models
+SEQ = 512  # tokens per sequence of :func:`sequence`
+SMALL = dict(vocab_size=257, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, intermediate_size=128, tie_word_embeddings=False)
+MODELS = {"qwen2": (Qwen2Config, Qwen2ForCausalLM, dict(rope_theta=1e6)),
+          "llama": (LlamaConfig, LlamaForCausalLM, dict(rope_theta=5e5))}
+
+
+def tiny_model(kind: str, seed: int = 0, attn: str = "eager"):
+    config_class, model_class, extra = MODELS[kind]
+    torch.manual_seed(seed)
+    return model_class(config_class(**SMALL, **extra, attn_implementation=attn)).float()
+
+
+def text_tokens(length: int) -> torch.Tensor:
+    """``length`` byte tokens of real text: the start of the standard-library corpus's fourth
+    document (only the first four documents are read)."""
+    ids = ByteTokenizer().encode(stdlib_documents(max_documents=4)[3]["text"])[:length]
+    assert len(ids) == length, f"the corpus document holds fewer than {length} bytes"
+    return torch.from_numpy(ids).long()
+
+
+def sequence(batch: int = 1, seq_len: int = SEQ):
+    """(input_ids, labels) [batch, seq_len] of real text, labels shifted by one token."""
+    tokens = text_tokens(batch * (seq_len + 1)).view(batch, seq_len + 1)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def dense_loss(model, input_ids, labels):
+    """The reference: HF's own forward over the whole sequence, cross-entropy over full logits."""
+    logits = model(input_ids=input_ids).logits
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
+
+
+# ----------------------------------------------------------------------------- processes
+def environment(**extra) -> dict:
+    """The environment for launched processes: the repository importable, one thread per rank."""
+    return dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
+
+
+def start(command, log: Path, env: dict | None = None) -> subprocess.Popen:
+    """A launcher in its own session, so that killing its process group ends every rank."""
+    return subprocess.Popen(command, cwd=REPO, env=env or environment(), stdout=log.open("w"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def finish(process: subprocess.Popen, log: Path, timeout: float):
+    """Waits for a launcher; on timeout kills its whole process group and fails with the log."""
+    try:
+        code = process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+        pytest.fail(f"launcher still running after {timeout}s:\n{log.read_text()[-3000:]}")
+    assert code == 0, f"launcher exited with {code}:\n{log.read_text()[-3000:]}"
