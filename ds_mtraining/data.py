@@ -11,6 +11,10 @@ Sources (the ``mtraining.data`` section of the DeepSpeed JSON, see :func:`load_d
   arrow or csv files, read by ``datasets`` (format from the extension, or ``"format"``).
 * ``{"saved_dataset": "dir", "split": "train"}``: a dataset saved with ``save_to_disk``
   (e.g. a ProLong-style long-document mix prepared elsewhere).
+* any source: ``"passkey_fraction"`` (default 0) turns that share of the samples into passkey
+  retrieval samples (:func:`ds_mtraining.eval.passkey.passkey_training_sample`: a random key at a
+  random depth of the sample's own text, the question and the key at the end), chosen per sample
+  index with a seeded generator, so a resumed run sees the same samples.
 
 Tokenizers: ``"bytes"`` (default), :class:`ByteTokenizer` (UTF-8 bytes 0..255 plus an end-of-
 document token 256, implemented here, nothing to download), or the path of a local tokenizer
@@ -130,7 +134,7 @@ def check_data_spec(spec: dict | None, key: str = "mtraining.data") -> dict:
     returns it with defaults filled in."""
     spec = dict(spec or {"source": "stdlib"})
     known = {"source", "files", "format", "text_field", "saved_dataset", "split", "document_chars",
-             "max_documents"}
+             "max_documents", "passkey_fraction"}
     unknown = sorted(set(spec) - known)
     if unknown:
         raise DataConfigError(f"unknown key(s) {unknown} in '{key}'; valid keys are {sorted(known)}")
@@ -145,6 +149,10 @@ def check_data_spec(spec: dict | None, key: str = "mtraining.data") -> dict:
         if name in spec and (type(spec[name]) is not int or spec[name] < 1 or "source" not in spec):
             raise DataConfigError(f"{key}.{name}={spec[name]!r}: give a positive integer, with "
                                   f"\"source\": \"stdlib\" only")
+    fraction = spec.get("passkey_fraction", 0.0)
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 <= fraction <= 1.0:
+        raise DataConfigError(f"{key}.passkey_fraction={fraction!r} must be a number in [0, 1] (the share "
+                              f"of samples carrying a passkey retrieval task)")
     if "files" in spec:
         files = [spec["files"]] if isinstance(spec["files"], str) else list(spec["files"])
         missing = [f for f in files if not Path(f).is_file()]
@@ -163,6 +171,28 @@ def check_data_spec(spec: dict | None, key: str = "mtraining.data") -> dict:
     return spec
 
 
+def folder_spec(folder: str, key: str = "--data") -> dict:
+    """The data spec of a folder (``--data DIR``): a dataset saved with ``save_to_disk``, or the
+    json/jsonl/parquet/arrow/csv files under it (recursively, sorted, one format)."""
+    root = Path(folder)
+    if any((root / name).is_file() for name in ("dataset_info.json", "state.json", "dataset_dict.json")):
+        return {"saved_dataset": str(root)}
+    try:
+        files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in FILE_FORMATS
+                       and not any(part.startswith(".") for part in p.relative_to(root).parts))
+    except OSError as error:
+        raise DataConfigError(f"{key} {folder}: cannot list the folder ({error}); check its permissions") from None
+    if not files:
+        raise DataConfigError(f"{key} {folder}: no {'/'.join(sorted(set(FILE_FORMATS.values())))} files "
+                              f"(by extension: {', '.join(FILE_FORMATS)}) and no saved dataset in the "
+                              f"folder; point --data at your documents")
+    formats = sorted({FILE_FORMATS[p.suffix.lower()] for p in files})
+    if len(formats) > 1:
+        raise DataConfigError(f"{key} {folder}: the folder mixes formats {formats}; keep one format per "
+                              f"folder or list the files in mtraining.data.files")
+    return {"files": [str(p) for p in files]}
+
+
 def load_documents(spec: dict | None, key: str = "mtraining.data"):
     """A ``datasets.Dataset`` with a ``text`` column from a data spec (see the module docstring)."""
     import datasets
@@ -172,15 +202,26 @@ def load_documents(spec: dict | None, key: str = "mtraining.data"):
         documents = stdlib_documents(spec.get("document_chars", DEFAULT_DOCUMENT_CHARS),
                                      spec.get("max_documents"))
         return datasets.Dataset.from_list(documents)
-    if "files" in spec:
-        dataset = datasets.load_dataset(spec["format"], data_files=spec["files"], split="train")
-    else:
-        dataset = datasets.load_from_disk(spec["saved_dataset"])
-        if isinstance(dataset, datasets.DatasetDict):
-            split = spec.get("split", "train")
-            if split not in dataset:
-                raise DataConfigError(f"{key}.split={split!r} is not in {list(dataset)}")
-            dataset = dataset[split]
+    verbosity = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity(max(verbosity, datasets.logging.CRITICAL))  # a failure: our line only
+    try:
+        if "files" in spec:
+            dataset = datasets.load_dataset(spec["format"], data_files=spec["files"], split="train")
+        else:
+            dataset = datasets.load_from_disk(spec["saved_dataset"])
+    except Exception as error:  # noqa: BLE001 - any reader failure is the data's problem: one line
+        where = spec.get("files") or spec["saved_dataset"]
+        cause = error.__cause__ or error.__context__ or error
+        first = (str(cause).strip().splitlines() or [type(cause).__name__])[0][:300]
+        raise DataConfigError(f"{key}: cannot read {where} as {spec.get('format', 'a saved dataset')} "
+                              f"({type(cause).__name__}: {first}); fix or remove the unreadable file(s)") from None
+    finally:
+        datasets.logging.set_verbosity(verbosity)
+    if isinstance(dataset, datasets.DatasetDict):
+        split = spec.get("split", "train")
+        if split not in dataset:
+            raise DataConfigError(f"{key}.split={split!r} is not in {list(dataset)}")
+        dataset = dataset[split]
     if text_field not in dataset.column_names:
         raise DataConfigError(f"{key}.text_field={text_field!r} is not a column of the data "
                               f"(columns: {dataset.column_names}); set {key}.text_field")
@@ -203,11 +244,17 @@ def tokenize_documents(documents, tokenizer):
 class PackedSequences:
     """Fixed-length causal-LM samples cut from the concatenated token stream of the documents.
 
-    ``self[i]`` is ``(input_ids [L], labels [L])`` int64, labels shifted by one on the stream."""
+    ``self[i]`` is ``(input_ids [L], labels [L])`` int64, labels shifted by one on the stream.
+    With ``passkey_fraction`` > 0 (and the ``tokenizer``), sample i is a passkey sample made from
+    its own window with probability ``passkey_fraction``, decided by a generator seeded (seed, i)."""
 
-    def __init__(self, tokenized, seq_len: int):
+    def __init__(self, tokenized, seq_len: int, passkey_fraction: float = 0.0, tokenizer=None,
+                 seed: int = 0):
         self.documents = tokenized
         self.seq_len = seq_len
+        if passkey_fraction and tokenizer is None:
+            raise ValueError("passkey samples need the tokenizer (to encode the question and the key)")
+        self.passkey_fraction, self.tokenizer, self.seed = passkey_fraction, tokenizer, seed
         lengths = tokenized["length"].to_numpy().astype(np.int64)
         self.starts = np.concatenate([[0], np.cumsum(lengths)])
         self.total_tokens = int(self.starts[-1])
@@ -234,7 +281,13 @@ class PackedSequences:
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         if not 0 <= i < len(self):
             raise IndexError(f"sample {i} of {len(self)}")
-        tokens = torch.from_numpy(self.window(i * self.seq_len, self.seq_len + 1).astype(np.int64))
+        tokens = self.window(i * self.seq_len, self.seq_len + 1).astype(np.int64)
+        if self.passkey_fraction:
+            rng = np.random.default_rng([self.seed, i, 0x9A55])
+            if rng.random() < self.passkey_fraction:
+                from .eval.passkey import passkey_training_sample
+                tokens = passkey_training_sample(tokens, self.tokenizer, rng)
+        tokens = torch.from_numpy(tokens)
         return tokens[:-1], tokens[1:]
 
 

@@ -1,7 +1,10 @@
 """Fused CUDA estimator of the vertical-slash pattern: the rule of
 :func:`ds_mtraining.estimate.estimate_vertical_slash`, without host synchronisation.
 
-Four kernels (``csrc/cuda/estimate_kernels.cuh``), each exposed here for the distributed path:
+Four kernels (``csrc/cuda/estimate_kernels.cuh``), each exposed here for the distributed path
+(:func:`ds_mtraining.ring.estimate.estimate_vertical_slash_cuda_distributed`: passes A and B on
+each rank's keys, the row statistics merged by :func:`merge_row_stats`, the diagonal shares
+spilled to the next rank(s) instead of all-reduced, the selection over fixed-width candidates):
 
 * :func:`row_stats` (pass A): per query row, the max logit over the local keys and the sum of
   ``exp(logit - max)``, from bf16/fp16 tensor-core scores (fp32 accumulate);
@@ -33,7 +36,7 @@ SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 SUPPORTED_HEAD_DIMS = (64, 128)
 
 __all__ = ["estimate_vertical_slash_cuda", "row_stats", "masses", "select_top_p", "build_index",
-           "trusted_index", "merge_row_stats", "distributed_masses", "supports"]
+           "trusted_index", "merge_row_stats", "supports"]
 
 
 def _op():
@@ -125,21 +128,6 @@ def merge_row_stats(row_max: torch.Tensor, row_sum: torch.Tensor, group=None
                          torch.zeros_like(row_sum))
     dist.all_reduce(scaled, group=group)
     return global_max, scaled
-
-
-def distributed_masses(q_last: torch.Tensor, k: torch.Tensor, q_start: int, seq_len: int, scale: float,
-                       world: int, rank: int, block_size: int, group=None
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pass A, the row-statistics all-reduce, pass B and the diagonal all-reduce: (this rank's
-    column masses [B, H, Sk], the global token-diagonal masses [B, H, seq_len]). Collective.
-    ``q_last`` must be the same on every rank (cast to k's dtype)."""
-    q_last = q_last.to(k.dtype)
-    stats = row_stats(q_last, k, q_start, seq_len, scale, world, rank, block_size)
-    row_max, row_sum = merge_row_stats(*stats, group=group)
-    columns, diagonals = masses(q_last, k, row_max, row_sum, q_start, seq_len, scale, world, rank,
-                                block_size)
-    dist.all_reduce(diagonals, group=group)
-    return columns, diagonals
 
 
 # ---------------------------------------------------------------------- single device

@@ -8,16 +8,21 @@ with q [B, H, S/W, D] and k/v [B, Hkv, S/W, D] (GQA: key/value heads are not rep
     model = AutoModelForCausalLM.from_config(config)              # or from a local directory
     use_mtraining_attention(model, MTrainingAttentionSettings(sparse, group))
     out = model.model(input_ids=ids_r, position_ids=positions_r)  # this rank's striped shard
+
+Each attention module keeps an :class:`~ds_mtraining.layer.IndexCache`: under activation
+checkpointing (``model.activation_checkpointing_enable()``, reentrant or not) the recomputed
+forward reuses the index its forward estimated, so each layer estimates once per step.
 """
 from __future__ import annotations
 
 import torch
 from transformers import AttentionInterface, PreTrainedModel
 
-from .layer import MTrainingAttentionSettings, striped_sparse_attention
+from .layer import IndexCache, MTrainingAttentionSettings, striped_sparse_attention
 
 ATTENTION_NAME = "mtraining"
 SETTINGS_ATTRIBUTE = "mtraining_settings"
+INDEX_CACHE_ATTRIBUTE = "mtraining_index_cache"  # the module's IndexCache (one estimation per step)
 
 
 def mtraining_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -39,8 +44,12 @@ def mtraining_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
         raise ValueError(f"sliding-window attention (window {sliding_window}) is not supported; "
                          f"set the model config's use_sliding_window to false")
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    cache = getattr(module, INDEX_CACHE_ATTRIBUTE, None)
+    if cache is None:
+        cache = IndexCache()
+        setattr(module, INDEX_CACHE_ATTRIBUTE, cache)
     out = striped_sparse_attention(q.contiguous(), k.contiguous(), v.contiguous(), settings,
-                                   softmax_scale=scaling, position_ids=position_ids)
+                                   softmax_scale=scaling, position_ids=position_ids, cache=cache)
     return out, None
 
 

@@ -48,6 +48,7 @@ from .attention import resolve_softmax_scale
 from .config import SparseConfig
 from .index import SparseIndex
 from .ring import ring_sparse_attention
+from .ring.agreement import check_due, current_step, in_backward, mark_checked, new_step
 from .ring.estimate import estimate_index
 from .ring.layout import StripedLayout, check_divisible
 from .ring.work import imbalance, pair_work, step_work
@@ -62,19 +63,37 @@ class AttentionStats:
     """Sparsity and balance of the attention calls since the last :meth:`reset` (one training
     step): ``density`` = computed entries / causal entries, ``imbalance`` = worker-level
     imbalance of the ring (slowest worker's work summed over ring steps / the mean worker's),
-    both from the compact index, averaged over the calls."""
+    both from the compact index, averaged over the calls.
+
+    :meth:`record` only keeps the call's index (O(selected)); the numbers are computed when read
+    (:meth:`summary`, ``densities``, ``imbalances``), so that recording never waits for the GPU.
+    :meth:`reset` also starts a new training step for the once-per-step checks
+    (:func:`ds_mtraining.ring.agreement.new_step`)."""
 
     enabled: bool = True
-    densities: list = field(default_factory=list)
-    imbalances: list = field(default_factory=list)
+    _recorded: list = field(default_factory=list, repr=False)
+    _values: list = field(default_factory=list, repr=False)  # (density, imbalance) of _recorded
 
     def record(self, index: SparseIndex, world: int):
-        self.densities.append(index.density())
-        if world > 1:
-            pairs = pair_work(index, StripedLayout(world, index.block_size))
-            self.imbalances.append(imbalance(step_work(pairs))["worker_level"])
-        else:
-            self.imbalances.append(1.0)
+        self._recorded.append((index, world))
+
+    def _computed(self) -> list:
+        for index, world in self._recorded[len(self._values):]:
+            if world > 1:
+                pairs = pair_work(index, StripedLayout(world, index.block_size))
+                balance = imbalance(step_work(pairs))["worker_level"]
+            else:
+                balance = 1.0
+            self._values.append((index.density(), balance))
+        return self._values
+
+    @property
+    def densities(self) -> list:
+        return [d for d, _ in self._computed()]
+
+    @property
+    def imbalances(self) -> list:
+        return [i for _, i in self._computed()]
 
     def summary(self) -> dict:
         """Mean density and imbalance over the recorded calls (NaN if none)."""
@@ -83,8 +102,40 @@ class AttentionStats:
         return {"density": mean(self.densities), "imbalance": mean(self.imbalances)}
 
     def reset(self):
-        self.densities.clear()
-        self.imbalances.clear()
+        self._recorded.clear()
+        self._values.clear()
+        new_step()
+
+
+class IndexCache:
+    """The indices estimated by one attention module's forward calls in the current step, so
+    that the forward recomputed under activation checkpointing (called by the autograd engine
+    during backward) reuses its forward's index instead of estimating it again.
+
+    A recompute takes (and removes) the entry of its call's shapes when exactly one is held;
+    with none or several (e.g. two micro-batches forwarded before one backward) it estimates
+    again, which gives the same index (the estimators are deterministic). Every rank of a group
+    holds the same entries, so they all take the same branch (the estimation is collective).
+    Entries of earlier steps (:func:`~ds_mtraining.ring.agreement.new_step`) are dropped."""
+
+    MAX_ENTRIES = 8
+
+    def __init__(self):
+        self._entries: list = []  # (step, key, index)
+
+    def store(self, key, index: SparseIndex):
+        step = current_step()
+        kept = [e for e in self._entries if e[0] == step][-(self.MAX_ENTRIES - 1):]
+        self._entries = kept + [(step, key, index)]
+
+    def take(self, key) -> SparseIndex | None:
+        matches = [i for i, (_, k, _) in enumerate(self._entries) if k == key]
+        if len(matches) != 1:
+            return None
+        return self._entries.pop(matches[0])[2]
+
+    def __len__(self):
+        return len(self._entries)
 
 
 @dataclass
@@ -98,17 +149,21 @@ class MTrainingAttentionSettings:
         hierarchy: this rank's hierarchical ring groups (``ParallelGroups.hierarchy``, from
             :func:`ds_mtraining.distributed.initialize_groups`), or None for the flat ring.
         stats: where sparsity statistics go (None: not recorded).
+        pattern: None (default): estimate the vertical-slash index every call (MTraining); else a
+            fixed pattern of :mod:`ds_mtraining.static` (``DensePattern``, ``StaticPattern``:
+            the baselines) whose index is used instead, through the same kernels and ring.
     """
 
     sparse: SparseConfig = field(default_factory=SparseConfig)
     group: object = None
     hierarchy: object = None
     stats: AttentionStats | None = None
+    pattern: object = None
 
     @classmethod
-    def from_groups(cls, sparse: SparseConfig, groups, stats: AttentionStats | None = None):
+    def from_groups(cls, sparse: SparseConfig, groups, stats: AttentionStats | None = None, pattern=None):
         """Settings for the groups made by :func:`ds_mtraining.distributed.initialize_groups`."""
-        return cls(sparse, groups.sequence_group, groups.hierarchy, stats)
+        return cls(sparse, groups.sequence_group, groups.hierarchy, stats, pattern)
 
     @property
     def world(self) -> int:
@@ -157,25 +212,60 @@ def check_striped(position_ids: torch.Tensor, settings: MTrainingAttentionSettin
 
 def striped_sparse_attention(q, k, v, settings: MTrainingAttentionSettings,
                              softmax_scale: float | None = None,
-                             position_ids: torch.Tensor | None = None) -> torch.Tensor:
+                             position_ids: torch.Tensor | None = None,
+                             cache: IndexCache | None = None) -> torch.Tensor:
     """Causal dynamic sparse attention of this rank's striped shard over the whole sequence.
 
     Args:
         q: [B, S/W, H, D] (after RoPE with the global positions); k, v: [B, S/W, Hkv, D].
         settings: sparse budgets, groups, statistics.
         softmax_scale: defaults to 1/sqrt(D).
-        position_ids: global positions of the local tokens, checked to be the striped ones.
+        position_ids: global positions of the local tokens, checked to be the striped ones (on
+            CUDA once per training step, see :func:`ds_mtraining.ring.agreement.new_step`, since
+            the check reads the device; on CPU every call).
+        cache: the calling module's :class:`IndexCache`: the forward stores its index there and
+            the forward recomputed under activation checkpointing reuses it (one estimation per
+            layer and step).
     Returns:
         [B, S/W, H, D], this rank's output, in q's dtype.
+
+    On CUDA inputs nothing here waits for the GPU (estimation by the fused CUDA estimator, the
+    ring, the statistics), apart from the once-per-step checks.
     """
+    recompute = in_backward()
     if position_ids is not None:
-        check_striped(position_ids, settings)
+        if not position_ids.is_cuda:
+            check_striped(position_ids, settings)
+        elif check_due("positions"):
+            check_striped(position_ids, settings)
+            mark_checked("positions")
     scale = resolve_softmax_scale(q.shape[-1], softmax_scale)
-    index = estimate_index(q.detach(), k.detach(), settings.sparse, settings.group, scale)
-    if settings.stats is not None and settings.stats.enabled:
+    if settings.pattern is None:
+        key = (tuple(q.shape), tuple(k.shape), q.dtype, str(q.device), scale, settings.sparse,
+               id(settings.group))
+        index = cache.take(key) if (cache is not None and recompute) else None
+        if index is None:
+            index = estimate_index(q.detach(), k.detach(), settings.sparse, settings.group, scale)
+        if cache is not None and not recompute:
+            cache.store(key, index)
+    else:  # a fixed baseline pattern (ds_mtraining.static), global [B, S, H]
+        index = settings.pattern.index(q.shape[0], q.shape[2], q.shape[1] * settings.world,
+                                       settings.sparse.block_size, q.device)
+    if settings.stats is not None and settings.stats.enabled and not recompute:
         settings.stats.record(index, settings.world)
+    if getattr(settings.pattern, "dense", False) and settings.world == 1 and q.is_cuda:
+        return _dense_causal_sdpa(q, k, v, scale)  # dense baseline on one GPU: flash SDPA
     return ring_sparse_attention(q, k, v, settings.sparse, settings.group, softmax_scale=scale,
                                  index=index, hierarchy=settings.hierarchy)
+
+
+def _dense_causal_sdpa(q, k, v, scale: float) -> torch.Tensor:
+    """Dense causal attention of [B, S, H, D] q over [B, S, Hkv, D] k/v with torch's SDPA
+    (flash or memory-efficient kernels on GPU; GQA without repeating K/V)."""
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=scale,
+        enable_gqa=q.shape[2] != k.shape[2])
+    return out.transpose(1, 2)
 
 
 # ----------------------------------------------------------------------------- Ulysses drop-in
@@ -298,6 +388,7 @@ class DistributedAttention(torch.nn.Module):
         self.settings = MTrainingAttentionSettings(sparse_config or SparseConfig(),
                                                    sequence_process_group, hierarchy, stats)
         self._plans: dict = {}
+        self._index_cache = IndexCache()
         _check_local_attention(local_attention)
 
     def forward(self, query, key, value, batch_dim_idx=0, rotary_pos_emb=None, *args, **kwargs):
@@ -316,9 +407,13 @@ class DistributedAttention(torch.nn.Module):
         q, k, v = (x.transpose(0, 1) if batch_dim_idx == 1 else x for x in (query, key, value))
         local = q.shape[1]
         world, rank = self.settings.world, self.settings.rank
-        positions = self._input_positions(local, kwargs.get("position_ids"), q.device)
-        if mask is not None:
+        # position ids and mask are read on the host: on CUDA once per training step
+        checking = check_due("positions") if q.is_cuda else True
+        positions = self._input_positions(local, kwargs.get("position_ids") if checking else None, q.device)
+        if mask is not None and checking:
             _check_causal_mask(mask, positions)
+        if checking and q.is_cuda:
+            mark_checked("positions")
         if rotary_pos_emb is not None:
             if not isinstance(rotary_pos_emb, (tuple, list)) or len(rotary_pos_emb) != 2:
                 raise ValueError("rotary_pos_emb must be the pair (cos, sin), as Ulysses takes it")
@@ -329,7 +424,8 @@ class DistributedAttention(torch.nn.Module):
         if restripe:
             plan = self._plan(world, rank, local, q.device)
             q, k, v = self._qkv_to_striped(plan, q, k, v)
-        out = striped_sparse_attention(q.contiguous(), k.contiguous(), v.contiguous(), self.settings, scale)
+        out = striped_sparse_attention(q.contiguous(), k.contiguous(), v.contiguous(), self.settings, scale,
+                                       cache=self._index_cache)
         if restripe:
             rows = out.transpose(0, 1)
             out = _Restripe.apply(rows.reshape(local, rows.shape[1], -1), plan, False)

@@ -17,18 +17,33 @@ precision, monitors), an ``"mtraining"`` section, removed before the JSON reache
       "tokenizer": "bytes",             # "model" (the model directory's own) or a tokenizer directory
       "data": {"source": "stdlib"},     # or {"files": [...]} or {"saved_dataset": dir}
       "loss_chunk_tokens": 1024,        # rows per chunk of the LM-head cross-entropy
-      "gradient_checkpointing": false   # recompute each decoder layer in backward (long sequences)
+      "gradient_checkpointing": false,  # recompute each decoder layer in backward (long sequences)
+      "attention": "sparse",            # sparse (MTraining) | dense | static (baselines, same path)
+      "static": {"density": 0.1, "sink_tokens": 4}  # attention "static" only (or "window_tokens")
     }
 
 Everything is validated before any process group exists; a bad value is one error naming its key
 and the fix. Checkpoints (``--save_dir``, every ``--save_interval`` steps) go through
 ``engine.save_checkpoint`` with the step, the data position and every rank's RNG states in the
 client state; ``--resume`` continues from the latest one so that the following losses equal an
-uninterrupted run's.
+uninterrupted run's (the metrics CSVs drop the rows logged after that checkpoint).
+
+Continued training: ``--model DIR`` loads a local HF checkpoint's weights; ``config_overrides``
+may change ``rope_theta``, ``rope_scaling`` (or ``rope_parameters``) and
+``max_position_embeddings``; ``--export_hf OUT`` writes the trained model (fp32 master weights
+consolidated from the ZeRO partitions) with ``save_pretrained``, at the end of the run, or at once
+with ``--resume`` from a checkpoint at ``--steps``. ``--data DIR`` reads a folder of
+json/jsonl/parquet/arrow/csv files or a saved dataset.
+
+Stopping: ``kill -- -PGID`` (the launcher's process group) or Ctrl-C. A rank that dies, a killed
+launcher, SIGTERM or Ctrl-C end every rank within seconds with one line naming the cause and the
+last checkpoint (:mod:`ds_mtraining.training.watchdog`). Ranks other than 0 print errors only.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import os
 import sys
 import time
@@ -41,23 +56,54 @@ from ds_mtraining.data import (DataConfigError, PackedSequences, RankBatches, da
                                load_documents, load_tokenizer, tokenize_documents)
 from ds_mtraining.distributed import ParallelConfigError, initialize_groups
 from ds_mtraining.training import MTRAINING_KEY, ConfigError
-from ds_mtraining.training.checkpoint import resume_checkpoint, save_checkpoint
+from ds_mtraining.training.export import export_hf
+from ds_mtraining.training.checkpoint import continue_metrics, resume_checkpoint, save_checkpoint
 from ds_mtraining.training.model import MTrainingCausalLM, build_model
 from ds_mtraining.training.progress import Progress, describe_run, monitor_dir, with_default_monitor
 from ds_mtraining.training.run_config import load_run_config
+from ds_mtraining.training.watchdog import Watchdog
+
+
+def launcher_rank() -> int:
+    """This process's global rank as the launcher tells it (before any process group exists)."""
+    for name in ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"):
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    return 0
+
+
+def quiet_other_ranks(rank: int):
+    """One copy of each message: ranks other than 0 keep errors only (datasets/transformers logging
+    and progress bars, Python warnings, DeepSpeed's logger). Set before those libraries load."""
+    if rank == 0:
+        return
+    import logging
+    import warnings
+    for name, value in (("HF_DATASETS_DISABLE_PROGRESS_BARS", "1"), ("HF_HUB_DISABLE_PROGRESS_BARS", "1"),
+                        ("DATASETS_VERBOSITY", "critical"), ("TRANSFORMERS_VERBOSITY", "critical"),
+                        ("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")):
+        os.environ[name] = value
+    warnings.filterwarnings("ignore")
+    logging.getLogger("DeepSpeed").addFilter(lambda record: record.levelno >= logging.ERROR)
 
 
 def parse_args(argv=None):
     import deepspeed
-    parser = argparse.ArgumentParser(description="Train a causal LM with MTraining sparse ring attention.")
+    parser = argparse.ArgumentParser(description="Train a causal LM with MTraining sparse ring attention.",
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps to reach")
     parser.add_argument("--save_dir", default="runs/mtraining", help="checkpoints (and default metrics)")
     parser.add_argument("--save_interval", type=int, default=0, help="checkpoint every N steps (0: at the end)")
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --save_dir")
-    parser.add_argument("--model", default=None, help="override mtraining.model (preset or local dir)")
+    parser.add_argument("--model", default=None,
+                        help="override mtraining.model: a preset or a local HF model directory (weights loaded)")
     parser.add_argument("--data", default=None,
-                        help="override mtraining.data: 'stdlib', a saved dataset dir, or comma-separated files")
+                        help="override mtraining.data: 'stdlib', a folder (json/jsonl/parquet/arrow/csv files "
+                             "or a saved dataset), or comma-separated files")
+    parser.add_argument("--export_hf", default=None, metavar="DIR",
+                        help="at the end (or with --resume at the last step: at once) write the model with "
+                             "save_pretrained to DIR, ZeRO partitions consolidated, loadable by from_pretrained")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--log_interval", type=int, default=1)
     parser.add_argument("--no_progress", action="store_true", help="no progress output")
@@ -71,23 +117,33 @@ def parse_args(argv=None):
     return args
 
 
-def train(args) -> dict:
+def train(args, watchdog: Watchdog | None = None) -> dict:
     import deepspeed
     from ds_mtraining.hf import use_mtraining_attention
     from ds_mtraining.layer import AttentionStats, MTrainingAttentionSettings
+    from ds_mtraining.static import attention_pattern
 
     datasets_offline()
     world_size = int(os.environ.get("WORLD_SIZE", os.environ.get("OMPI_COMM_WORLD_SIZE", "1")))
     run, ds_config = load_run_config(args.deepspeed_config, world_size, args.model, args.data)
     ds_config = with_default_monitor(ds_config, args.save_dir)
+    # the data before any process group: an empty or unreadable corpus is one line, not a hang
+    tokenizer = load_tokenizer(run.tokenizer)
+    documents = load_documents(run.data, key=f"{MTRAINING_KEY}.data")
+    samples = PackedSequences(tokenize_documents(documents, tokenizer), run.seq_len,
+                              run.data.get("passkey_fraction", 0.0), tokenizer, args.seed)
 
-    deepspeed.init_distributed()
+    with contextlib.redirect_stdout(sys.stdout if launcher_rank() == 0 else io.StringIO()):
+        deepspeed.init_distributed()  # DeepSpeed prints its shm op's build note: rank 0's copy only
     groups = initialize_groups(run.sequence_parallel_size, run.ring)
+    if watchdog is not None:
+        watchdog.know_peers()
 
     torch.manual_seed(args.seed)
     model = build_model(run.model)
     stats = AttentionStats(enabled=False)
-    use_mtraining_attention(model, MTrainingAttentionSettings.from_groups(run.sparse, groups, stats))
+    pattern = attention_pattern(run.attention, run.static)  # None (sparse) or a fixed baseline
+    use_mtraining_attention(model, MTrainingAttentionSettings.from_groups(run.sparse, groups, stats, pattern))
     if run.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     module = MTrainingCausalLM(model, groups.sequence_group, run.loss_chunk_tokens).train()
@@ -96,9 +152,6 @@ def train(args) -> dict:
                                            model_parameters=[p for p in module.parameters() if p.requires_grad])
     micro_batch = engine.train_micro_batch_size_per_gpu()
     accumulation = engine.gradient_accumulation_steps()
-    tokenizer = load_tokenizer(run.tokenizer)
-    documents = load_documents(run.data, key=f"{MTRAINING_KEY}.data")
-    samples = PackedSequences(tokenize_documents(documents, tokenizer), run.seq_len)
     batches = RankBatches(samples, micro_batch, groups.get_data_parallel_rank(),
                           groups.get_data_parallel_world_size(), groups.get_sequence_parallel_rank(),
                           run.sequence_parallel_size, run.sparse.block_size, args.seed)
@@ -106,6 +159,9 @@ def train(args) -> dict:
     step, position = 0, 0
     if args.resume:
         step, position = resume_checkpoint(engine, args.save_dir, run)
+        continue_metrics(engine, step)  # no second header, no step logged twice
+    if watchdog is not None:
+        watchdog.step = step
     progress = Progress(args.steps, step, enabled=dist.get_rank() == 0 and not args.no_progress)
     progress.print(describe_run(run, groups))
     if args.resume:
@@ -126,6 +182,8 @@ def train(args) -> dict:
             losses.append(loss.detach().float())
             stats.enabled = False
         step += 1
+        if watchdog is not None:
+            watchdog.step = step
         mean_loss = torch.stack(losses).mean()
         dist.all_reduce(mean_loss, group=groups.data_group)
         mean_loss = float(mean_loss) / groups.get_data_parallel_world_size()
@@ -139,6 +197,10 @@ def train(args) -> dict:
         if args.save_interval and step % args.save_interval == 0 or step == args.steps:
             save_checkpoint(engine, args.save_dir, step, position, run)
     progress.close()
+    if args.export_hf:
+        tokenizer_dir = None if run.tokenizer == "bytes" else run.tokenizer
+        exported = export_hf(model, args.export_hf, tokenizer_dir)
+        progress.print(f"exported:   {exported} (step {step}; AutoModelForCausalLM.from_pretrained)")
     progress.print(f"checkpoint: {Path(args.save_dir).resolve()} (tag step{step})")
     where = monitor_dir(ds_config)
     if where:
@@ -147,12 +209,19 @@ def train(args) -> dict:
 
 
 def main(argv=None):
+    rank = launcher_rank()
+    quiet_other_ranks(rank)
     args = parse_args(argv)
+    watchdog = Watchdog(args.save_dir, rank).start()
     try:
-        train(args)
+        train(args, watchdog)
     except (ConfigError, DataConfigError, ParallelConfigError) as error:
-        print(f"ds_mtraining.train: configuration error: {error}", file=sys.stderr)
+        if rank == 0:  # every rank finds the same problem: one copy
+            print(f"ds_mtraining.train: configuration error: {error}", file=sys.stderr)
         sys.exit(2)
+    except Exception as error:  # noqa: BLE001 - a dead peer or launcher: one line, no traceback
+        watchdog.on_failure(error)
+        raise
 
 
 if __name__ == "__main__":

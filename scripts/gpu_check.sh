@@ -82,7 +82,7 @@ print(f'built and loaded in {time.time() - t:.1f} s')
 if [ -z "${SKIP_TESTS:-}" ]; then
   per_test_limit=()  # a hung kernel fails its test instead of the whole call
   python3 -c "import pytest_timeout" 2>/dev/null && per_test_limit=(--timeout 150 -o timeout_method=thread)
-  stage tests 300 "$OUT/tests.log" python3 -m pytest tests/test_cuda_attention.py -v --tb=short -p no:cacheprovider "${per_test_limit[@]}"
+  stage tests 300 "$OUT/tests.log" python3 -m pytest $(ls tests/test_cuda_*.py | grep -v compile) -v --tb=short -p no:cacheprovider "${per_test_limit[@]}"
   grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/tests.log" | tail -20
 fi
 
@@ -183,6 +183,9 @@ if [ -z "${SKIP_BENCH:-}" ]; then
   # shellcheck disable=SC2086
   stage bench 420 "$OUT/bench.log" python3 -m ds_mtraining.bench.kernel --out "$OUT/kernel_h200.json" ${BENCH_ARGS:-}
   tail -27 "$OUT/bench.log"
+  # the estimator (torch rule vs fused CUDA) next to sparse fwd+bwd with its index
+  stage estimate 240 "$OUT/bench.log" python3 -m ds_mtraining.bench.estimate --out "$OUT"
+  tail -12 "$OUT/bench.log"
 fi
 
 if [ -z "${SKIP_VARIANT:-}" ]; then

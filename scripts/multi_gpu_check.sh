@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # Two-GPU checks and the ring scaling benchmark in one device call (kind nvidia-h200-x2, NCCL):
-# build the CUDA op, then each check under `timeout`:
-#   ring_vs_1gpu   striped ring (NCCL) vs one GPU, bf16 rel. error <= 1e-2 (tests/test_multi_gpu.py)
+# build the CUDA op, then each check under `timeout`, in this order:
 #   check_2nodes   ds_mtraining.ring.check as 2 fake nodes x 1 GPU (hostfile node0/node1 slots=2,
 #                  --include node0:0@node1:1, one --no_ssh launcher per node): hierarchical vs flat
 #                  vs one GPU, bf16 rel. error <= 1e-2
+#   ring_vs_1gpu   striped ring (NCCL) vs one GPU, bf16 rel. error <= 1e-2 (tests/test_multi_gpu.py)
+#   scaling_2nodes python -m ds_mtraining.bench.scaling as 2 fake nodes (flat + hierarchical ring)
 #   estimation     distributed estimation == single-device estimation
 #   drop_in        the Ulysses drop-in ds_mtraining.layer.DistributedAttention vs one GPU
 #   train_2ranks   deepspeed --num_gpus 2 --module ds_mtraining.train, 2 steps, sequence_parallel_size 2
-#   scaling_2nodes python -m ds_mtraining.bench.scaling as 2 fake nodes (flat + hierarchical ring)
-#   scaling_flat   the same under deepspeed --num_gpus 2 (flat ring, given index only)
+#   scaling_flat   the benchmark under deepspeed --num_gpus 2 (flat ring, given index only)
 #   check_1node    ds_mtraining.ring.check under deepspeed --num_gpus 2
 # A stage that no longer fits in BUDGET_S (default 560 s, for a 600 s device call) is skipped.
 # $OUT (default ./multi_gpu_out) gets multi_gpu.log (every stage's output), the benchmark's
@@ -129,15 +129,15 @@ stage check_2nodes   120 bash -c 'two_nodes ds_mtraining.ring.check --out "$WORK
 for r in 0 1; do cat "$WORK/check_2nodes/rank$r.json" 2>/dev/null && echo; done >>"$LOG"
 grep -h "^rank .*tolerance" "$WORK"/node*.log 2>/dev/null
 stage ring_vs_1gpu    90 bash -c 'pytest_case test_striped_ring_matches_one_gpu 80'
+# shellcheck disable=SC2086
+[ -z "${SKIP_SCALING:-}" ] &&
+  stage scaling_2nodes 200 bash -c "two_nodes ds_mtraining.bench.scaling --out '$OUT' ${SCALING_ARGS:-}"
 stage estimation      60 bash -c 'pytest_case test_distributed_estimation_equals_single_device 50'
 stage drop_in         60 bash -c 'pytest_case test_drop_in_distributed_attention_matches_one_gpu 50'
 stage train_2ranks   150 bash -c 'pytest_case test_two_rank_training_step 140'
-if [ -z "${SKIP_SCALING:-}" ]; then
-  # shellcheck disable=SC2086
-  stage scaling_2nodes 200 bash -c "two_nodes ds_mtraining.bench.scaling --out '$OUT' ${SCALING_ARGS:-}"
-  # shellcheck disable=SC2086
+# shellcheck disable=SC2086
+[ -z "${SKIP_SCALING:-}" ] &&
   stage scaling_flat   120 bash -c "one_node ds_mtraining.bench.scaling --out '$OUT' --modes given_index ${SCALING_ARGS:-}"
-fi
 stage check_1node     80 bash -c 'pytest_case test_ring_check_one_node_two_gpus 70'
 
 { echo "=== multi_gpu_check summary ($(date -u +%FT%TZ), $gpus GPUs, ${SECONDS}s) ==="

@@ -9,6 +9,9 @@
 #   bash scripts/train_demo.sh [extra ds_mtraining.train options, e.g. --steps 50 --resume]
 #
 # Environment: STEPS (30), SAVE_DIR (runs/demo), PORT (29561).
+# First run: the CPU op's JIT build (~35 s) and DeepSpeed's shm comm op (~90 s) are compiled once.
+# Stop: Ctrl-C, or `kill -- -PGID` (the process group of this script); every rank exits within
+# seconds with one line naming the last checkpoint (continue with `--resume`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"   # 2 ranks share the cores

@@ -70,5 +70,5 @@ def finish(process: subprocess.Popen, log: Path, timeout: float):
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
         process.wait()
-        pytest.fail(f"launcher still running after {timeout}s:\n{log.read_text()[-3000:]}")
-    assert code == 0, f"launcher exited with {code}:\n{log.read_text()[-3000:]}"
+        pytest.fail(f"still running after {timeout}s (killed):\n{log.read_text()[-3000:]}")
+    assert code == 0, f"exited with {code}:\n{log.read_text()[-3000:]}"

@@ -108,32 +108,32 @@ def test_bad_topologies_fail_before_any_communication(tmp_path, monkeypatch):
 @pytest.mark.slow
 @pytest.mark.usefixtures("cpu_op")  # built before the launched ranks start
 def test_deepspeed_launcher_two_fake_nodes_build_groups_and_match_flat_ring(tmp_path):
-    """Two `deepspeed --hostfile --no_ssh --node_rank N` commands on one machine = 2 nodes x 2."""
+    """Two `deepspeed --hostfile --no_ssh --node_rank N` commands on one machine = 2 nodes x 2
+    (2 blocks of 64 tokens per rank: every ring step still has work)."""
     import json
-    import os
-    import subprocess
     import sys
+
+    from helpers import finish, start
 
     from ds_mtraining.distributed.spawn import free_port
 
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("node0 slots=2\nnode1 slots=2\n")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.getcwd())
     port = str(free_port())
-    commands = [[sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", str(hostfile),
-                 "--no_ssh", "--node_rank", str(node), "--master_addr", "127.0.0.1",
-                 "--master_port", port, "--module", "ds_mtraining.ring.check",
-                 "--out", str(tmp_path / "out")] for node in (0, 1)]
-    nodes = [subprocess.Popen(c, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for c in commands]
-    try:
-        logs = [node.communicate(timeout=300)[0] for node in nodes]
-    finally:
-        for node in nodes:
-            node.kill()
-    assert all(node.returncode == 0 for node in nodes), "\n".join(logs)[-3000:]
+    nodes = []
+    for node in (0, 1):
+        command = [sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", str(hostfile),
+                   "--no_ssh", "--node_rank", str(node), "--master_addr", "127.0.0.1",
+                   "--master_port", port, "--module", "ds_mtraining.ring.check",
+                   "--out", str(tmp_path / "out"), "--blocks-per-rank", "2"]
+        log = tmp_path / f"node{node}.txt"
+        nodes.append((start(command, log), log))
+    for process, log in nodes:  # each launcher's process group is killed if it outlives the deadline
+        finish(process, log, timeout=300)
     reports = [json.loads((tmp_path / "out" / f"rank{r}.json").read_text()) for r in range(4)]
     for r, report in enumerate(reports):
         assert (report["nodes"], report["per_node"], report["position"]) == (2, 2, r)
         assert report["inner"] == [r // 2 * 2, r // 2 * 2 + 1] and report["outer"] == [r % 2, r % 2 + 2]
+        assert report["seq_len"] == 4 * 2 * 64
         assert report["ok"] and report["max_rel_error_vs_flat"] <= 1e-4
+        assert report["max_rel_error_vs_one_device"] <= 1e-4

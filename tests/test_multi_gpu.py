@@ -188,10 +188,10 @@ def _estimation(rank, world, seq, heads, kv_heads, dim):
 def test_distributed_estimation_equals_single_device():
     for rank, result in enumerate(run_nccl(_estimation, *ESTIMATION_CASE.values())):
         for name, (got, expected) in result.items():
+            differ = int((got != expected).sum()) if got.shape == expected.shape else "-"
             assert torch.equal(got, expected), (
                 f"rank {rank}: distributed {name} differs from the single-device estimate: "
-                f"{got.shape} vs {expected.shape}, {int((got != expected).sum()) if got.shape == expected.shape else '-'} "
-                f"entries differ")
+                f"{tuple(got.shape)} vs {tuple(expected.shape)}, {differ} entries differ")
 
 
 # ---------------------------------------------------------------------- Ulysses drop-in layer
@@ -203,7 +203,9 @@ def _drop_in(rank, world, seq, heads, kv_heads, dim, block):
 
     full = SparseConfig(block_size=block, p_vertical=1.0, p_slash=1.0, max_vertical=seq, max_slash_diagonals=seq)
     g = torch.Generator().manual_seed(3)
-    q, k, v, dout = (torch.randn(1, seq, h, dim, generator=g).cuda() for h in (heads, kv_heads, kv_heads, heads))
+    # bf16-representable values, so that the reference sees the layer's inputs exactly
+    q, k, v, dout = (torch.randn(1, seq, h, dim, generator=g).cuda().bfloat16().float()
+                     for h in (heads, kv_heads, kv_heads, heads))
     # the reference: fp32 causal attention on the whole sequence, on this GPU
     ref = [t.clone().requires_grad_() for t in (q, k, v)]
     out = torch.nn.functional.scaled_dot_product_attention(

@@ -2,6 +2,7 @@
 install (DS_BUILD_MTRAINING=1 pip install) that imports without compiling. Each runs in a
 subprocess and checks the op's forward and gradients against float64 dense attention."""
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from helpers import REPO, finish, start
 
 # Defines check(module): one small GQA problem with a partial last block, vertical columns read
 # alone and a slash block, against ds_mtraining.reference; raises on any mismatch.
@@ -45,6 +46,28 @@ def run_python(code: str, env: dict, cwd: Path, timeout: int) -> str:
     return result.stdout
 
 
+INSTALL_TIMEOUT_S = 1200
+
+
+@pytest.fixture(scope="module", autouse=True)
+def prebuilt_install(request, tmp_path_factory):
+    """``DS_BUILD_MTRAINING=1 pip install --target`` started in the background as soon as this
+    module starts (when the prebuilt test is selected), so that its compile runs beside the JIT
+    test's instead of after it. Yields (target, process, log) or None."""
+    if not any(item.name == "test_prebuilt_install_imports_without_compiling" for item in request.session.items):
+        yield None
+        return
+    directory = tmp_path_factory.mktemp("prebuilt")
+    target, log = directory / "site", directory / "pip.log"
+    process = start([sys.executable, "-m", "pip", "install", "--no-build-isolation", "--no-deps",
+                     "--no-cache-dir", "--target", str(target), str(REPO)], log,
+                    env=dict(os.environ, DS_BUILD_MTRAINING="1", DS_BUILD_MTRAINING_CUDA="0"))
+    yield target, process, log
+    if process.poll() is None:  # the test failed or was deselected before waiting for it
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+
 def test_jit_build_in_fresh_extension_dir(tmp_path):
     extensions = tmp_path / "torch_extensions"
     env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(extensions), PYTHONPATH=str(REPO))
@@ -64,15 +87,11 @@ def test_jit_build_in_fresh_extension_dir(tmp_path):
 
 
 @pytest.mark.slow
-def test_prebuilt_install_imports_without_compiling(tmp_path):
-    target, extensions = tmp_path / "site", tmp_path / "torch_extensions"
+def test_prebuilt_install_imports_without_compiling(prebuilt_install, tmp_path):
+    target, process, log = prebuilt_install
+    finish(process, log, INSTALL_TIMEOUT_S)
+    extensions = tmp_path / "torch_extensions"
     extensions.mkdir()
-    install = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--no-build-isolation", "--no-deps",
-         "--no-cache-dir", "--target", str(target), str(REPO)],
-        env=dict(os.environ, DS_BUILD_MTRAINING="1", DS_BUILD_MTRAINING_CUDA="0"),
-        capture_output=True, text=True, timeout=1200)
-    assert install.returncode == 0, install.stdout[-4000:] + install.stderr[-4000:]
     assert list((target / "ds_mtraining").glob("mtraining_cpu_op*.so")), "the op was not prebuilt"
 
     # run outside the repository so that only the install can be imported; JIT is forbidden

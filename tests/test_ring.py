@@ -14,6 +14,7 @@ from ds_mtraining import SparseConfig, SparseIndex, estimate_vertical_slash, spa
 from ds_mtraining.distributed.spawn import run_on_ranks
 from ds_mtraining.reference import dense_attention, outputs_and_grads
 from ds_mtraining.ring import RingComm, StripedLayout, merge_lse, merge_partial, ring_sparse_attention
+from ds_mtraining.ring.agreement import new_step
 from ds_mtraining.ring.estimate import estimate_vertical_slash_distributed, select_top_p_across_ranks
 from ds_mtraining.estimate import select_top_p
 
@@ -131,7 +132,9 @@ def check_top_p_across_ranks(rank_in_group, world, group):
 
 
 def check_bad_inputs_fail_everywhere(rank, world):
-    """Each mistake raises the same clear error on every rank (a hang would time out)."""
+    """Each mistake raises the same clear error on every rank (a hang would time out), at the
+    first call of a step (a call that raised leaves the next one checked)."""
+    new_step()
     config = SparseConfig(block_size=BLOCK)
     q, k, v, _ = global_qkv(BLOCK * 2)
     odd = slice(0, BLOCK + 32)
@@ -144,6 +147,101 @@ def check_bad_inputs_fail_everywhere(rank, world):
         ring_sparse_attention(q, k, v, config, index=random_index(BLOCK * 2))
     with pytest.raises(ValueError, match="block_size"):
         ring_sparse_attention(q, k, v, SparseConfig(block_size=128), index=random_index(BLOCK * 2 * world))
+
+
+def check_agreement_once_per_step(rank, world):
+    """The agreement check runs at a step's first call only (counted), at every call with
+    DS_MTRAINING_CHECK_RANKS=every_call, and then catches a mismatch in a step's later call."""
+    import os
+    from unittest import mock
+
+    from ds_mtraining.ring import ring_attention
+
+    config = SparseConfig(block_size=BLOCK)
+    q, k, v, _ = global_qkv(BLOCK * 2 * world)
+    shard = lambda t: StripedLayout(world, BLOCK).shard(t, rank)  # noqa: E731
+    calls = []
+    real = ring_attention.check_ranks_agree
+    with mock.patch.object(ring_attention, "check_ranks_agree",
+                           lambda *a: calls.append(1) or real(*a)):
+        new_step()
+        for _ in range(3):
+            ring_sparse_attention(shard(q), shard(k), shard(v), config)
+        assert len(calls) == 1, f"{len(calls)} agreement checks in one step"
+        new_step()
+        ring_sparse_attention(shard(q), shard(k), shard(v), config)
+        assert len(calls) == 2, "new_step() did not re-arm the check"
+        os.environ["DS_MTRAINING_CHECK_RANKS"] = "every_call"
+        try:
+            ring_sparse_attention(shard(q), shard(k), shard(v), config)
+            assert len(calls) == 3
+            mine = slice(0, BLOCK * (1 + rank))
+            with pytest.raises(ValueError, match="different inputs"):
+                ring_sparse_attention(q[:, mine], k[:, mine], v[:, mine], config)
+        finally:
+            del os.environ["DS_MTRAINING_CHECK_RANKS"]
+
+
+def check_fused_estimator_scheme_on_cpu(rank_in_group, world, group):
+    """The distributed scheme of the fused CUDA estimator (diagonal shares spilled to the next
+    ranks, fixed-width candidate selection), run with torch versions of the CUDA passes: the
+    single-device index, on planted patterns and on noise (last_q > block: several hops)."""
+    from ds_mtraining.ring.estimate import estimate_vertical_slash_cuda_distributed
+    comm = RingComm(group)
+    seq_len = world * BLOCK * -(-1024 // (world * BLOCK))
+    layout = StripedLayout(world, BLOCK)
+    planted = synthetic.planted_qk(seq_len, 4, 2, 64, offsets=(320, 512), columns=((7, 40), (333,)))
+    noise = global_qkv(seq_len, dim=64, seed=3)[:2]
+    cases = (("planted", planted, SparseConfig(block_size=BLOCK)),
+             ("noise, last_q 150", noise,
+              SparseConfig(block_size=BLOCK, p_vertical=0.99, p_slash=0.5, last_q=150, max_vertical=300)))
+    for what, (q, k), config in cases:
+        expected = estimate_vertical_slash(q, k, config)
+        got = estimate_vertical_slash_cuda_distributed(layout.shard(q, rank_in_group),
+                                                       layout.shard(k, rank_in_group), config, comm,
+                                                       passes=TorchPasses)
+        assert torch.equal(got.slash, expected.slash), f"{what}: slash differs"
+        assert torch.equal(got.vertical, expected.vertical), f"{what}: vertical differs"
+
+
+class TorchPasses:
+    """Torch versions of ds_mtraining.estimate_cuda's row_stats, masses and build_index."""
+
+    @staticmethod
+    def _logits(q_last, k, q_start, seq_len, scale, world, rank, block):
+        from ds_mtraining.estimate import last_query_scores
+        q_pos = torch.arange(q_start, seq_len)
+        k_pos = StripedLayout(world, block).positions(seq_len, rank)
+        return last_query_scores(q_last, k, q_pos, k_pos, scale), q_pos, k_pos
+
+    @staticmethod
+    def row_stats(q_last, k, q_start, seq_len, scale, world=1, rank=0, block=64):
+        logits = TorchPasses._logits(q_last, k, q_start, seq_len, scale, world, rank, block)[0]
+        row_max = logits.amax(-1)
+        finite = torch.where(torch.isfinite(row_max), row_max, 0.0)
+        return row_max, torch.exp(logits - finite[..., None]).sum(-1)
+
+    @staticmethod
+    def masses(q_last, k, row_max, row_sum, q_start, seq_len, scale, world=1, rank=0, block=64):
+        logits, q_pos, k_pos = TorchPasses._logits(q_last, k, q_start, seq_len, scale, world, rank, block)
+        probs = torch.exp(logits - row_max[..., None]) / row_sum[..., None]
+        lq = q_pos.numel()
+        t = q_pos[:, None] - k_pos[None, :]
+        flat = torch.where(t >= 0, probs, 0.0).flatten(-2)
+        shares = torch.zeros(*probs.shape[:2], seq_len).scatter_add_(
+            -1, t.clamp(min=0).flatten().expand_as(flat), flat)
+        return probs.sum(-2) / lq, shares / lq
+
+    @staticmethod
+    def build_index(slash, slash_count, vertical, vertical_count, seq_len, config):
+        from ds_mtraining.estimate import sink_columns
+        from ds_mtraining.index import PAD
+        b, h = slash.shape[:2]
+        slash = torch.where(slash == PAD, -1, slash).long()
+        vertical = torch.where(vertical == PAD, -1, vertical).long()
+        vertical = torch.cat([vertical, sink_columns(b, h, config, seq_len, slash.device)], -1)
+        return SparseIndex.from_vertical_slash(vertical, slash, seq_len, config.block_size,
+                                               config.local_blocks)
 
 
 def check_group_of_one_is_single_device(rank, world):
@@ -160,13 +258,16 @@ def check_group_of_one_is_single_device(rank, world):
 def world_2(rank, world):
     check_ring_equals_references(rank, world, None, seed=0)
     check_estimation_equals_single_device(rank, world, None)
+    check_fused_estimator_scheme_on_cpu(rank, world, None)
     check_bad_inputs_fail_everywhere(rank, world)
+    check_agreement_once_per_step(rank, world)
     check_group_of_one_is_single_device(rank, world)
 
 
 def world_3(rank, world):
     check_ring_equals_references(rank, world, None, seed=1)
     check_estimation_equals_single_device(rank, world, None)
+    check_fused_estimator_scheme_on_cpu(rank, world, None)
     check_top_p_across_ranks(rank, world, None)
 
 

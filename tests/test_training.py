@@ -39,7 +39,7 @@ def demo_config(**mtraining) -> dict:
     (dict(sparse={"p_vertical": 1.5}), 2, r"mtraining.sparse: SparseConfig.p_vertical=1.5 is out of range; top-p must be in \(0, 1\]"),
     (dict(sparse={"p_slash": 0.0}), 2, r"mtraining.sparse: SparseConfig.p_slash=0.0 is out of range"),
     (dict(sparse={"top_p": 0.9}), 2, r"unknown key\(s\) \['top_p'\] in 'mtraining.sparse'"),
-    (dict(stripe_block=96), 2, r"mtraining.sparse: SparseConfig.block_size=96 is unsupported; use one of \(64, 128\)"),
+    (dict(stripe_block=96), 2, r"mtraining.stripe_block=96 is unsupported; use one of \[64, 128\]"),
     (dict(stripe_block=128, sparse={"block_size": 64}), 2, r"stripe_block=128 differs from mtraining.sparse.block_size=64"),
     (dict(data={"files": ["/no/such/corpus.jsonl"]}), 2,
      r"mtraining.data.files: file\(s\) not found: \['/no/such/corpus.jsonl'\]; give existing local"),

@@ -44,7 +44,7 @@ __device__ __forceinline__ void store_forward_output(float (&acc)[MA][D / 8][4],
 template <int D, int kThreads>
 __device__ __forceinline__ void add_vertical_partials(const AttentionParams& p, int batch, int kv_head, int group,
                                                       int key_first, int key_count, int query_blocks) {
-    const size_t batch_heads = static_cast<size_t>(batch) * p.heads;
+    const size_t batch_heads = static_cast<size_t>(batch) * p.heads;  // the batch's first (batch, head) row
     const int chunks = vertical_chunks(query_blocks);
     const size_t chunk_stride = static_cast<size_t>(p.batch) * p.heads * p.vertical_len * D;
     for (int head = kv_head * group; head < (kv_head + 1) * group; ++head) {

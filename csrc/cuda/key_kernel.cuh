@@ -210,7 +210,6 @@ __global__ void __launch_bounds__(KeyKernelConfig<Arch, T, D, BS, kVertical>::kT
 
     const bool query_rank_after = p.q_rank > p.k_rank;
     const TransposedSoftmax softmax{exponent_scale(p.scale)};
-    const QueryStepMask<BS, kVertical> mask{key_first, row0, p.seq_q, key_count, tile_keys, query_rank_after, bits};
     float dk[1][D / 8][4];
     float dv[1][D / 8][4];
     zero_fill(dk);
@@ -222,13 +221,13 @@ __global__ void __launch_bounds__(KeyKernelConfig<Arch, T, D, BS, kVertical>::kT
         const float* lse = lse_tiles + buffer * kQueryStep;
         const float* delta = delta_tiles + buffer * kQueryStep;
         if (by_tma(step)) tma.wait(buffer);
-        const auto rows_reading = mask.rows_reading(step);
+        const QueryStepMask<BS, kVertical> mask(step, row0, key_count, tile_keys, query_rank_after, bits);
         float s[1][8][4];
         float dp[1][8][4];
         // S^T = K Q^T and dP^T = V dO^T
         Arch::template scores_pair<1, D>(s, key_tile, query_tile, dp, value_tile, dout_tile, row0);
         orient_scores(s, p.scale < 0.f);
-        mask.apply(s, step, rows_reading);
+        mask.apply(s, step, key_first, row0, p.seq_q);
         softmax.dscores(s, dp, lse, delta);
         Arch::template accumulate_pair<1, D>(dv, s, dout_tile, dk, dp, query_tile);  // dV += P^T dO, dK += dS^T Q
     };

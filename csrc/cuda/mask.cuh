@@ -48,38 +48,27 @@ struct KeyTileMask {
 // row's own key on the diagonal.
 template <int BS, bool kVertical>
 struct QueryStepMask {
-    int key_first;         // slash pass: the CTA's first key row (local)
-    int row0;              // this warp's first key row in the CTA
-    int seq_q;
-    int key_count;         // vertical pass: the tile's keys,
-    const int* tile_keys;  // ascending in shared memory
-    bool query_rank_after;
-    const uint32_t* bits;  // this head's local block offsets
+    bool row_reads[2] = {true, true};  // vertical pass: does each of this thread's key rows read step.block?
 
-    // Vertical pass: whether each of this thread's two key rows reads step.block as a column (read
-    // before the step's scores are computed).
-    struct RowReads {
-        bool rows[2] = {true, true};
-    };
-
-    __device__ __forceinline__ RowReads rows_reading(const QueryStep& step) const {
-        RowReads reads;
+    // Read before the step's scores are computed (the rows' keys are in shared memory).
+    __device__ __forceinline__ QueryStepMask(const QueryStep& step, int row0, int key_count, const int* tile_keys,
+                                             bool query_rank_after, const uint32_t* bits) {
         if constexpr (kVertical) {
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
                 const int row = row0 + fragment_row(2 * half);
-                reads.rows[half] = row < key_count &&
-                                   reads_as_column(step.block, tile_keys[row] / BS, query_rank_after, bits);
+                row_reads[half] = row < key_count &&
+                                  reads_as_column(step.block, tile_keys[row] / BS, query_rank_after, bits);
             }
         }
-        return reads;
     }
 
-    __device__ __forceinline__ void apply(float (&s)[1][8][4], const QueryStep& step, const RowReads& reads) const {
+    __device__ __forceinline__ void apply(float (&s)[1][8][4], const QueryStep& step, int key_first, int row0,
+                                          int seq_q) const {
         if (!(kVertical || step.causal || step.first + kQueryStep > seq_q)) return;
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-            const int high = (reads.rows[half] ? seq_q - step.first : 0) - fragment_col(0, 0);
+            const int high = (row_reads[half] ? seq_q - step.first : 0) - fragment_col(0, 0);
             const int low = (!kVertical && step.causal ? key_first + row0 + fragment_row(2 * half) - step.first : 0) -
                             fragment_col(0, 0);
 #pragma unroll

@@ -1,9 +1,26 @@
 """Benchmarks: kernel speed (GPU and CPU), ring balance, ring communication model."""
 from __future__ import annotations
 
+import datetime
+from pathlib import Path
 from typing import Callable
 
 from ..index import SparseIndex
+
+RESULTS_ROOT = Path("bench_results")  # fresh default outputs; benchmarks/results/ only with --out
+
+
+def fresh_output_dir(name: str) -> Path:
+    """A new ``./bench_results/<name>-<local time>`` directory (``-2``, ``-3``... if taken): a
+    benchmark run never writes over an earlier one, nor over the committed benchmarks/results/
+    (which only an explicit ``--out`` writes)."""
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    path, n = RESULTS_ROOT / f"{name}-{stamp}", 1
+    while path.exists():
+        n += 1
+        path = RESULTS_ROOT / f"{name}-{stamp}-{n}"
+    path.mkdir(parents=True)
+    return path
 
 
 def index_for_density(build: Callable[[int], SparseIndex], most: int, target: float) -> SparseIndex:

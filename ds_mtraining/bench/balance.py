@@ -37,6 +37,7 @@ from ..estimate import estimate_vertical_slash
 from ..index import PAD, SparseIndex, Stripe
 from ..ring.layout import StripedLayout, ZigzagLayout
 from ..ring.work import imbalance, pair_work, step_work
+from . import fresh_output_dir
 
 LAYOUTS = {"striped": StripedLayout, "zigzag": ZigzagLayout}
 MASS_SHARES = {"local": 0.30, "slash": 0.60, "columns": 0.08}  # background: the rest (2%)
@@ -215,8 +216,12 @@ def print_table(rows: list[dict], measured: bool):
     Console().print(table)
 
 
+BALANCE_OUT = "bench_results/balance-<time>"  # --out's default: resolved to a new directory
+
+
 def parse_args(argv):
-    parser = argparse.ArgumentParser(prog="ds-mtraining balance", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="ds-mtraining balance", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[131072, 524288])
     parser.add_argument("--worlds", type=int, nargs="+", default=[8, 16, 32])
     parser.add_argument("--sparsity", type=float, nargs="+", default=[0.90, 0.95],
@@ -229,7 +234,7 @@ def parse_args(argv):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--measure", action="store_true",
                         help="also time the kernel per (query rank, key rank) pair on one GPU")
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--out", default=BALANCE_OUT, help="output directory; by default a new one")
     parser.add_argument("--name", default="balance", help="output file stem")
     return parser.parse_args(argv)
 
@@ -243,6 +248,7 @@ def main(argv=None) -> int:
         print("--measure: no CUDA device here; reporting the index-derived work only")
     measure = args.measure and torch.cuda.is_available()
     device = "cuda" if torch.cuda.is_available() else "cpu"  # where the estimator runs
+    args.out = fresh_output_dir("balance") if args.out == BALANCE_OUT else Path(args.out)
     args.out.mkdir(parents=True, exist_ok=True)
     rows, panels, started = [], [], time.time()
     for seq_len in args.seq_lens:

@@ -25,6 +25,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from . import fresh_output_dir
+
 # FlexAttention fwd+bwd at 128K on one H200 (DESIGN.md section 4), used when no kernel JSON is given.
 FLEX_ANCHORS_128K_MS = {0.034: 46.6, 0.055: 54.9, 0.096: 72.5}
 FWD_SHARE = 1 / 3.5  # forward = fwd+bwd / 3.5 under the FLOP convention
@@ -54,8 +56,9 @@ def kernel_times(path: str | None, ref_len: int) -> tuple[dict, str]:
             "FlexAttention anchors at 128K, DESIGN.md section 4")
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description="flat vs hierarchical ring cost model")
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description="flat vs hierarchical ring cost model",
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--seq-len", type=int, default=512 * 1024)
     parser.add_argument("--nodes", type=int, default=4)
     parser.add_argument("--per-node", type=int, default=8)
@@ -65,8 +68,15 @@ def main(argv=None):
     parser.add_argument("--inter-gbps", type=float, default=25.0, help="InfiniBand HDR GB/s per GPU")
     parser.add_argument("--kernel-json", default=None)
     parser.add_argument("--ref-len", type=int, default=128 * 1024)
-    parser.add_argument("--out", default="benchmarks/results/comm_model.json")
-    args = parser.parse_args(argv)
+    parser.add_argument("--out", default="bench_results/comm-<time>/comm_model.json",
+                        help="JSON file; by default in a new directory")
+    return parser
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    if args.out == build_parser().get_default("out"):
+        args.out = str(fresh_output_dir("comm") / "comm_model.json")
 
     world = args.nodes * args.per_node
     shard = args.seq_len // world

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from . import index_for_density
+from . import fresh_output_dir, index_for_density
 
 FWD_BWD_FLOP_FACTOR = 3.5
 SINK_TOKENS = 64
@@ -161,8 +161,9 @@ def head_config(text: str) -> tuple[int, int]:
     return pair
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description="CPU sparse attention op vs dense causal SDPA (fp32)")
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description="CPU sparse attention op vs dense causal SDPA (fp32)",
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 8192])
     parser.add_argument("--head-configs", type=head_config, nargs="+", default=[(4, 1), (8, 2)],
                         help="query heads / kv heads pairs, e.g. 4/1 8/2")
@@ -171,8 +172,16 @@ def main(argv=None):
     parser.add_argument("--density", type=float, default=0.08, help="target fraction of the causal entries")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
-    parser.add_argument("--out", default="benchmarks/results/cpu_kernel.json")
-    run(parser.parse_args(argv))
+    parser.add_argument("--out", default="bench_results/cpu_kernel-<time>/cpu_kernel.json",
+                        help="JSON file; by default in a new directory")
+    return parser
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    if args.out == build_parser().get_default("out"):
+        args.out = str(fresh_output_dir("cpu_kernel") / "cpu_kernel.json")
+    run(args)
 
 
 if __name__ == "__main__":

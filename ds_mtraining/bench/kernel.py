@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from . import index_for_density
+from . import fresh_output_dir, index_for_density
 
 SINK_TOKENS = 64
 HOT_BLOCKS = 16           # key blocks holding clustered vertical columns, per head
@@ -232,8 +232,9 @@ def run(args):
     return result
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description="CUDA sparse attention vs FlexAttention vs dense flash")
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description="CUDA sparse attention vs FlexAttention vs dense flash",
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[32768, 65536, 131072])
     parser.add_argument("--densities", type=float, nargs="+", default=[0.03, 0.05, 0.10])
     parser.add_argument("--heads", type=int, default=16)
@@ -243,10 +244,17 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--skip-flex", action="store_true")
     parser.add_argument("--skip-dense", action="store_true")
-    parser.add_argument("--out", default="benchmarks/results/kernel_h200.json")
-    args = parser.parse_args(argv)
+    parser.add_argument("--out", default="bench_results/kernel-<time>/kernel.json",
+                        help="JSON file; by default in a new directory")
+    return parser
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("the kernel benchmark needs a CUDA GPU")
+    if args.out == build_parser().get_default("out"):
+        args.out = str(fresh_output_dir("kernel") / "kernel.json")
     run(args)
 
 

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import datetime
 import functools
 import json
@@ -127,7 +126,7 @@ def instrumented(spans: Spans):
     waits (``PendingRotation.wait``), merges, distributed estimation and rank-agreement check
     wherever a ds_mtraining module holds them."""
     targets = {"attention_forward": "kernel_fwd", "attention_backward": "kernel_bwd",
-               "merge_partial": "merge", "estimate_vertical_slash_distributed": "estimate",
+               "merge_partial_": "merge", "estimate_on_comm": "estimate",
                "check_ranks_agree": "agreement"}
     originals = {name: {getattr(module, name) for module in _our_modules()
                         if callable(getattr(module, name, None))} for name in targets}
@@ -304,13 +303,9 @@ def calibrated_index(q, k, seq_len, args, device, comm, scale):
 
 
 def slash_budget(blocks: int, block_size: int) -> dict:
-    """SparseConfig's slash cap for about ``blocks`` block diagonals: ``max_slash_diagonals`` counts
-    token diagonals (each marks one or two block diagonals), the older ``max_slash`` tokens of
-    block-pooled offset."""
-    names = {f.name for f in dataclasses.fields(SparseConfig)}
-    if "max_slash_diagonals" in names:
-        return {"max_slash_diagonals": max(1, blocks // 2)}
-    return {"max_slash": blocks * block_size}
+    """SparseConfig's slash cap for about ``blocks`` block diagonals: ``max_slash_diagonals``
+    counts token diagonals, each marking one or two block diagonals."""
+    return {"max_slash_diagonals": max(1, blocks // 2)}
 
 
 def fwd_bwd(attention, inputs, dout):

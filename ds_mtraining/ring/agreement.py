@@ -1,6 +1,28 @@
-"""The check that every rank of a ring was called with its shard of the same attention."""
+"""The check that every rank of a ring was called with its shard of the same attention, and when
+it runs.
+
+The check (:func:`check_ranks_agree`) all-gathers a small descriptor and reads it on the host: a
+host synchronisation. It therefore runs once per training step, not per attention call: at the
+first ring call on a process group after :func:`new_step` (which ``AttentionStats.reset()`` calls,
+and so the training loop once per step; the first call of a process counts as a step's first).
+``DS_MTRAINING_CHECK_RANKS`` chooses:
+
+* ``step`` (default): that first call of each step, per process group;
+* ``every_call``: every ring call (debugging);
+* ``off``: never.
+
+What the per-step check still catches: any difference, at the step's first call, in the ranks'
+shapes, dtypes, sparse config or given index (sizes and sums of its lists), i.e. wrong sharding,
+mismatched batches or configs, raised as the same error on every rank before any ring transfer.
+What it no longer catches: a difference that appears only in a later call of the same step
+(e.g. one layer called with another config or shape on one rank); such a ring can hang or
+compute garbage. Run with ``DS_MTRAINING_CHECK_RANKS=every_call`` to find those. Calls made by
+the autograd engine (the forward recomputed under activation checkpointing) are never checked:
+they repeat a checked forward.
+"""
 from __future__ import annotations
 
+import os
 from dataclasses import fields
 
 import torch
@@ -18,6 +40,50 @@ _CALL_FIELDS = (["q.batch", "q.seq", "q.heads", "q.head_dim", "q.dtype",
                 + [f"config.{f.name}" for f in fields(SparseConfig)])
 _FINGERPRINT_FIELDS = ["index.slash size", "index.vertical size", "index.slash sum",
                        "index.vertical sum"]
+
+CHECK_ENV = "DS_MTRAINING_CHECK_RANKS"
+CHECK_MODES = ("step", "every_call", "off")
+_step = {"count": 0}
+_checked: dict = {}  # key -> the step it was last checked in
+
+
+def new_step():
+    """Starts a training step: the next ring call on each process group checks the ranks agree
+    (and, on CUDA, the layer checks position ids again). ``AttentionStats.reset()`` calls it."""
+    _step["count"] += 1
+
+
+def current_step() -> int:
+    """How many times :func:`new_step` was called in this process."""
+    return _step["count"]
+
+
+def check_mode() -> str:
+    mode = os.environ.get(CHECK_ENV, "step").strip().lower() or "step"
+    if mode not in CHECK_MODES:
+        raise ValueError(f"{CHECK_ENV}={mode!r}: use one of {', '.join(CHECK_MODES)}")
+    return mode
+
+
+def in_backward() -> bool:
+    """Whether the autograd engine is running a backward pass on this thread (a forward called
+    now is recomputed under activation checkpointing)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def check_due(key) -> bool:
+    """Whether a once-per-step check keyed ``key`` runs at this call (see the module docstring).
+    Every rank of a group takes the same decision as long as they make the same calls."""
+    mode = check_mode()
+    if mode == "off" or in_backward():
+        return False
+    return mode == "every_call" or _checked.get(key) != _step["count"]
+
+
+def mark_checked(key):
+    """Records that ``key``'s check passed in this step (after the call's other checks passed, so
+    that a call that raised leaves the next call checked)."""
+    _checked[key] = _step["count"]
 
 
 def _describe(q, k, v, config: SparseConfig, index: SparseIndex | None) -> list[int]:

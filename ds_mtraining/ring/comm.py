@@ -39,16 +39,19 @@ class RingComm:
         self.next_global = dist.get_global_rank(self.group, (self.rank + 1) % self.world)
         self.prev_global = dist.get_global_rank(self.group, (self.rank - 1) % self.world)
 
-    def rotate(self, tensors: list[torch.Tensor], tag: int = 0) -> "PendingRotation":
+    def rotate(self, tensors: list[torch.Tensor], tag: int = 0, reverse: bool = False) -> "PendingRotation":
         """Posts the transfer of ``tensors`` to the next rank and of the previous rank's tensors of
-        the same shapes into fresh buffers; returns at once. ``tag`` tells concurrent rotations
-        apart on backends that match messages by tag (gloo)."""
-        sent = [t.contiguous() for t in tensors]
+        the same shapes into fresh buffers; returns at once (on NCCL nothing waits on the host:
+        :meth:`PendingRotation.wait` makes the current stream wait). ``reverse`` turns the ring
+        round: send to the previous rank, receive from the next. ``tag`` tells concurrent
+        rotations apart on backends that match messages by tag (gloo)."""
+        sent = [t if t.is_contiguous() else t.contiguous() for t in tensors]
         received = [torch.empty_like(t) for t in sent]
+        to, source = (self.prev_global, self.next_global) if reverse else (self.next_global, self.prev_global)
         ops = []
         for i, (outgoing, incoming) in enumerate(zip(sent, received)):
-            ops.append(dist.P2POp(dist.isend, outgoing, self.next_global, self.group, tag * 64 + i))
-            ops.append(dist.P2POp(dist.irecv, incoming, self.prev_global, self.group, tag * 64 + i))
+            ops.append(dist.P2POp(dist.isend, outgoing, to, self.group, tag * 64 + i))
+            ops.append(dist.P2POp(dist.irecv, incoming, source, self.group, tag * 64 + i))
         return PendingRotation(dist.batch_isend_irecv(ops), sent, received)
 
 

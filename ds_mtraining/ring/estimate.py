@@ -18,6 +18,12 @@ on the unstriped sequence, computed from the ranks' striped shards with small co
   all-gather). Ties break by position exactly as in :func:`~ds_mtraining.estimate.select_top_p`.
 
 Every rank ends with the same global :class:`~ds_mtraining.index.SparseIndex`.
+
+On CUDA inputs the fused estimator takes (:func:`fused_estimator_takes`),
+:func:`estimate_vertical_slash_cuda_distributed` computes the same index from the fused passes
+with fixed-size collectives only, so that nothing waits for the GPU on the host (the candidate
+rounds above need the host to decide on a second round; here every rank offers ``min(cap, S/W)``
+candidates at once). :func:`estimate_index` picks the path.
 """
 from __future__ import annotations
 
@@ -28,26 +34,43 @@ from ..attention import resolve_softmax_scale
 from ..config import SparseConfig
 from ..estimate import (check_qk, estimate_vertical_slash, last_key_mass, last_query_scores,
                         sink_columns, top_p_count)
-from ..index import SparseIndex
+from ..index import PAD, SparseIndex
 from .comm import RingComm, ring_comm
 from .layout import StripedLayout
 
-def _last_queries(q: torch.Tensor, layout: StripedLayout, comm: RingComm, count: int) -> torch.Tensor:
-    """Float32 [B, count, H, D]: the queries at global positions S - count .. S - 1, on every
-    rank, broadcast by the ranks that hold them (one rank when count <= block_size)."""
+def _tail_runs(seq_len: int, world: int, block: int, count: int) -> list[tuple[int, int, int, int]]:
+    """(owner rank, local start, local end, offset in the tail) of each run of the last ``count``
+    global positions, one run per global block (host arithmetic: no device index tensors)."""
+    first = seq_len - count
+    runs = []
+    for g in range(first // block, -(-seq_len // block)):
+        start, end = max(first, g * block), min(seq_len, (g + 1) * block)
+        local = (g // world) * block - g * block
+        runs.append((g % world, local + start, local + end, start - first))
+    return runs
+
+
+def _last_queries(q: torch.Tensor, layout: StripedLayout, comm: RingComm, count: int,
+                  dtype=torch.float32) -> torch.Tensor:
+    """[B, count, H, D] in ``dtype``: the queries at global positions S - count .. S - 1, on every
+    rank, broadcast by the ranks that hold them (one rank when count <= block_size). Only slices:
+    no host synchronisation."""
     b, local, h, d = q.shape
     seq_len = local * comm.world
-    first = seq_len - count
-    last_queries = torch.empty(b, count, h, d, dtype=torch.float32, device=q.device)
+    last_queries = torch.empty(b, count, h, d, dtype=dtype, device=q.device)
+    runs = _tail_runs(seq_len, comm.world, layout.block_size, count)
     for owner in range(comm.world):
-        pos = layout.positions(seq_len, owner, device=q.device)
-        held = (pos >= first).nonzero().flatten()
-        if held.numel() == 0:
+        mine = [r for r in runs if r[0] == owner]
+        if not mine:
             continue
-        part = (q[:, held].float().contiguous() if owner == comm.rank
-                else torch.empty(b, held.numel(), h, d, dtype=torch.float32, device=q.device))
+        size = sum(end - start for _, start, end, _ in mine)
+        part = (torch.cat([q[:, start:end] for _, start, end, _ in mine], 1).to(dtype).contiguous()
+                if owner == comm.rank else torch.empty(b, size, h, d, dtype=dtype, device=q.device))
         dist.broadcast(part, dist.get_global_rank(comm.group, owner), group=comm.group)
-        last_queries[:, pos[held] - first] = part
+        at = 0
+        for _, start, end, offset in mine:
+            last_queries[:, offset:offset + end - start] = part[:, at:at + end - start]
+            at += end - start
     return last_queries
 
 
@@ -156,11 +179,151 @@ def estimate_vertical_slash_distributed(q: torch.Tensor, k: torch.Tensor, config
                                            config.local_blocks)
 
 
-def estimate_index(q, k, config: SparseConfig, group=None, softmax_scale: float | None = None
-                   ) -> SparseIndex:
-    """This step's global vertical-slash index: from the striped shards of ``group`` with small
-    collectives, or on one device when there is no group of several ranks."""
-    comm = ring_comm(group)
+# ---------------------------------------------------------------------- fused CUDA, distributed
+def owned_diagonals_from_shares(shares: torch.Tensor, layout: StripedLayout, comm: RingComm,
+                                count: int) -> torch.Tensor:
+    """The complete token-diagonal masses [B, H, S/W] of the diagonals whose last key this rank
+    holds, in its key order, from ``shares`` [B, H, S]: this rank's keys' share of every diagonal
+    (index t = query - key; the fused estimator's pass B).
+
+    A diagonal's ``count`` keys end at its last key e; only the first ``count - 1`` keys of a
+    block can share a diagonal with earlier blocks, which other ranks hold (up to
+    ``ceil((count - 1) / block)`` blocks back). So each rank sends to each of the next
+    ``hops = min(W - 1, ceil((count - 1) / block))`` ranks its shares of the diagonals ending in
+    the first ``min(block, count - 1)`` keys of that rank's blocks (``B x H x S/(W block) x
+    min(block, count - 1)`` each, all hops in one batch of P2P transfers), and adds what it
+    receives: exact, fixed sizes, no host synchronisation."""
+    b, h, seq_len = shares.shape
+    world, rank, block = comm.world, comm.rank, layout.block_size
+    local = seq_len // world
+
+    def shares_ending_at(owner: int, leading: int | None = None) -> torch.Tensor:
+        ends = layout.positions(seq_len, owner, device=shares.device)
+        if leading is not None:
+            ends = ends.view(local // block, block)[:, :leading].reshape(-1)
+        return shares.index_select(-1, seq_len - 1 - ends)
+
+    owned = shares_ending_at(rank)
+    leading = min(block, count - 1)
+    hops = min(world - 1, -(-(count - 1) // block))
+    if leading <= 0 or hops <= 0:
+        return owned
+    ops, received = [], []
+    for hop in range(1, hops + 1):
+        to, source = (rank + hop) % world, (rank - hop) % world
+        outgoing = shares_ending_at(to, leading)
+        incoming = torch.empty_like(outgoing)
+        ops.append(dist.P2POp(dist.isend, outgoing, dist.get_global_rank(comm.group, to), comm.group, hop))
+        ops.append(dist.P2POp(dist.irecv, incoming, dist.get_global_rank(comm.group, source), comm.group, hop))
+        received.append(incoming)
+    for request in dist.batch_isend_irecv(ops):
+        request.wait()
+    head = owned.view(b, h, local // block, block)[..., :leading]
+    for incoming in received:
+        head += incoming.view(b, h, local // block, leading)
+    return owned
+
+
+def select_top_p_fixed(local_mass: torch.Tensor, local_positions: torch.Tensor, p: float, cap: int,
+                       comm: RingComm) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`select_top_p_across_ranks` in fixed widths (no host synchronisation): each rank
+    offers its leading ``min(cap, S/W)`` entries, which always hold its part of the global top
+    ``cap`` (ties broken by position as in :func:`~ds_mtraining.estimate.select_top_p`), in one
+    all-gather of ``W x B x H x 2 min(cap, S/W)`` int32 (masses bit-cast); the totals are
+    all-reduced (``B x H``).
+
+    Returns (global positions int32 [B, H, min(cap, S)] ascending, PAD padded; counts int32 [B, H]),
+    identical on every rank."""
+    b, h, n = local_mass.shape
+    total = local_mass.sum(-1)
+    dist.all_reduce(total, group=comm.group)
+    width = min(cap, n)
+    values, order = local_mass.float().sort(dim=-1, descending=True, stable=True)
+    positions = local_positions.to(torch.int32)[order[..., :width]]
+    packed = torch.cat([values[..., :width].contiguous().view(torch.int32), positions], -1)
+    gathered = torch.empty((comm.world * b, h, 2 * width), dtype=torch.int32, device=packed.device)
+    dist.all_gather_into_tensor(gathered, packed.contiguous(), group=comm.group)
+    gathered = gathered.view(comm.world, b, h, 2 * width)
+    mass = gathered[..., :width].contiguous().view(torch.float32).movedim(0, -2).flatten(-2)
+    pos = gathered[..., width:].movedim(0, -2).flatten(-2)           # [B, H, W * width]
+    by_pos = pos.argsort(dim=-1)                                      # positions are distinct
+    mass, pos = mass.gather(-1, by_pos), pos.gather(-1, by_pos)
+    mass, order = mass.sort(dim=-1, descending=True, stable=True)
+    pos = pos.gather(-1, order)
+    count = top_p_count(mass, p, cap, total=total)
+    keep_width = min(cap, pos.shape[-1])
+    keep = torch.arange(keep_width, device=pos.device) < count[..., None]
+    chosen = torch.where(keep, pos[..., :keep_width], PAD).sort(dim=-1).values
+    return chosen, count.to(torch.int32)
+
+
+@torch.no_grad()
+def estimate_vertical_slash_cuda_distributed(q: torch.Tensor, k: torch.Tensor, config: SparseConfig,
+                                             comm: RingComm, softmax_scale: float | None = None,
+                                             passes=None) -> SparseIndex:
+    """:func:`estimate_vertical_slash_distributed` with the fused CUDA estimator's passes
+    (:mod:`ds_mtraining.estimate_cuda`) and without host synchronisation. Collectives per call
+    (elements): broadcast of the last L queries (``L x H x D``), two all-reduces of the row
+    statistics (``B x H x L``), the diagonal spill to the next rank(s)
+    (:func:`owned_diagonals_from_shares`, about ``(L - 1) / block`` of a local mass list), two
+    all-reduces of totals (``B x H``) and two candidate all-gathers (:func:`select_top_p_fixed`).
+    The result is exact (the rule on the global masses) and identical on every rank.
+
+    ``passes``: an object with the functions ``row_stats``, ``masses`` and ``build_index`` of
+    :mod:`ds_mtraining.estimate_cuda` (the default); tests pass torch versions to run this on CPU."""
+    from .. import estimate_cuda
+    passes = passes if passes is not None else estimate_cuda
+    check_qk(q, k)
+    b, local, h, d = q.shape
+    seq_len = local * comm.world
+    world, rank, block = comm.world, comm.rank, config.block_size
+    layout = StripedLayout(world, block)
+    scale = resolve_softmax_scale(d, softmax_scale)
+    count = min(config.last_q, seq_len)
+    first = seq_len - count
+    q_last = _last_queries(q, layout, comm, count, dtype=k.dtype)
+    stats = passes.row_stats(q_last, k, first, seq_len, scale, world, rank, block)
+    row_max, row_sum = estimate_cuda.merge_row_stats(*stats, group=comm.group)
+    columns, shares = passes.masses(q_last, k, row_max, row_sum, first, seq_len, scale, world, rank, block)
+    k_pos = layout.positions(seq_len, rank, device=q.device)
+    diagonals = owned_diagonals_from_shares(shares, layout, comm, count).flip(-1)
+    diagonal_pos = (seq_len - 1 - k_pos).flip(0)  # t = S - 1 - last key, ascending
+    slash, slash_count = select_top_p_fixed(diagonals, diagonal_pos, config.p_slash,
+                                            config.max_slash_diagonals, comm)
+    vertical, vertical_count = select_top_p_fixed(columns, k_pos, config.p_vertical,
+                                                  config.max_vertical, comm)
+    return passes.build_index(slash, slash_count, vertical, vertical_count, seq_len, config)
+
+
+def fused_estimator_takes(q: torch.Tensor, k: torch.Tensor, config: SparseConfig, seq_len: int) -> bool:
+    """Whether the fused CUDA estimator takes these inputs (CUDA, bf16/fp16, head_dim 64/128,
+    ``min(last_q, S) <= 256``)."""
+    if not q.is_cuda:
+        return False
+    from .. import estimate_cuda as ec
+    return (q.dtype in ec.SUPPORTED_DTYPES and k.dtype == q.dtype and q.shape[-1] in ec.SUPPORTED_HEAD_DIMS
+            and min(config.last_q, seq_len) <= ec.MAX_LAST_Q)
+
+
+def estimate_on_comm(q, k, config: SparseConfig, comm: RingComm | None,
+                     softmax_scale: float | None = None) -> SparseIndex:
+    """The global index of the shards ``q``/``k`` over ``comm``'s ring (None: one device): the
+    fused CUDA estimator (no host synchronisation, its index built trusted) when it takes the
+    inputs, else the torch rule (CPU; on CUDA it synchronises)."""
+    world = 1 if comm is None else comm.world
+    if fused_estimator_takes(q, k, config, q.shape[1] * world):
+        if comm is None:
+            from ..estimate_cuda import estimate_vertical_slash_cuda
+            return estimate_vertical_slash_cuda(q, k, config, softmax_scale)
+        return estimate_vertical_slash_cuda_distributed(q, k, config, comm, softmax_scale)
     if comm is None:
         return estimate_vertical_slash(q, k, config, softmax_scale)
     return estimate_vertical_slash_distributed(q, k, config, comm, softmax_scale)
+
+
+def estimate_index(q, k, config: SparseConfig, group=None, softmax_scale: float | None = None
+                   ) -> SparseIndex:
+    """This step's global vertical-slash index: from the striped shards of ``group`` with small
+    collectives, or on one device when there is no group of several ranks
+    (:func:`estimate_on_comm`)."""
+    return estimate_on_comm(q, k, config, ring_comm(group), softmax_scale)

@@ -1,72 +1,136 @@
-"""The ring loop: forward and backward over :meth:`RingSchedule.kv_steps`, and their autograd
-Function.
+"""The ring loop: forward and backward over a :class:`RingSchedule`, and their autograd Function.
 
 Every step calls the sparse kernel with the *global* compact index and the step's
 :class:`~ds_mtraining.index.Stripe` (query rank, key rank); the kernel derives that pair's blocks
-and columns in O(selected). Forward partial outputs merge exactly in fp32 through their LSEs.
+and columns in O(selected). Forward partial outputs merge exactly in fp32 through their LSEs,
+in place into the first step's output.
 
-Backward: dQ stays home; dK/dV accumulators (fp32) travel with K/V, each rank adding its share
-for the keys it holds this step, and one more hop brings them home.
+Backward runs the forward's steps in reverse order (:meth:`RingSchedule.kv_steps_backward`),
+starting from the K/V this rank held at the forward's last step (saved, so no transfer precedes
+the first kernel) and ending on the local pair. dQ stays home (the first step's dQ, then added
+in place). The dK/dV accumulators (fp32) travel with the K/V, the other way round the ring, each
+rank adding its share for the keys it holds; since the last step is the local pair, every
+accumulator is home after the last step: no dK/dV hop follows the last kernel. In the
+hierarchical ring the same holds per level: a node's share for the keys of its outer step is
+complete at the local step of its inner ring and joins the outer accumulator, which ends at the
+keys' node at outer step 0.
+
+On CUDA the additions into arriving accumulators and their sends run on a side stream
+(``DS_MTRAINING_RING_GRAD_STREAM=0`` puts them back on the current stream): the next step's
+kernel never waits for incoming dK/dV, only the addition does, and the sends leave as soon as
+each share is added. Nothing in the loop reads a device value on the host.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 
 from .. import ops
 from ..index import SparseIndex
 from .comm import GRAD_TAG, PendingRotation, RingComm
-from .merge import merge_partial
+from .merge import merge_partial_
 from .schedule import RingSchedule
+
+GRAD_STREAM_ENV = "DS_MTRAINING_RING_GRAD_STREAM"
+_grad_streams: dict = {}
 
 
 def ring_forward(schedule: RingSchedule, q, k, v, index: SparseIndex, scale: float):
-    """(out float32 [B, S/W, H, D], lse float32 [B, H, S/W]) of this rank's queries over all keys."""
+    """(out float32 [B, S/W, H, D], lse float32 [B, H, S/W], (k, v) held at the last step) of
+    this rank's queries over all keys."""
     out = lse = None
+    held = (k, v)
     for _, stripe, step_k, step_v in schedule.kv_steps(k, v):
         step_out, step_lse = ops.attention_forward(q, step_k, step_v, index, scale, stripe)
         if out is None:
             out, lse = step_out, step_lse
         else:
-            out, lse = merge_partial(out, lse, step_out, step_lse)
-    return out, lse
+            out, lse = merge_partial_(out, lse, step_out, step_lse)
+        held = (step_k, step_v)
+    return out, lse, held
 
 
-def _accumulate_and_pass(comm: RingComm | None, in_flight, dk, dv) -> PendingRotation:
-    """Adds this rank's (dk, dv) share to the travelling accumulators (this rank starts them when
-    none are in flight) and sends them on; on a one-rank ring (``comm`` None) they stay here."""
+def _float(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.float32 else t.float()
+
+
+def _grad_stream(device: torch.device):
+    """The side stream of the dK/dV accumulation on ``device`` (None on CPU or when disabled)."""
+    if device.type != "cuda" or os.environ.get(GRAD_STREAM_ENV, "1") == "0":
+        return None
+    key = device.index if device.index is not None else torch.cuda.current_device()
+    if key not in _grad_streams:
+        _grad_streams[key] = torch.cuda.Stream(device=device)
+    return _grad_streams[key]
+
+
+def _add_and_send(comm: RingComm | None, in_flight: PendingRotation | None, dk, dv) -> PendingRotation:
     if in_flight is None:
-        dk_sum, dv_sum = dk.float(), dv.float()
+        dk_sum, dv_sum = _float(dk), _float(dv)  # the kernel's fresh output when fp32: no copy
     else:
         dk_sum, dv_sum = in_flight.wait()
         dk_sum += dk
         dv_sum += dv
     if comm is None:
         return PendingRotation([], [], [dk_sum, dv_sum])
-    return comm.rotate([dk_sum, dv_sum], GRAD_TAG)
+    return comm.rotate([dk_sum, dv_sum], GRAD_TAG, reverse=True)
 
 
-def ring_backward(schedule: RingSchedule, dout, q, k, v, out, lse, index: SparseIndex, scale: float):
-    """(dq, dk, dv) float32 for this rank's shards; ``out``/``lse`` are the merged forward ones.
+def _accumulate_and_pass(comm: RingComm | None, in_flight, dk, dv, stream) -> PendingRotation:
+    """Adds this rank's (dk, dv) share to the accumulators arriving in ``in_flight`` (starts them
+    when None) and sends them on the backward direction of the ring; with ``comm`` None they
+    stay here (the share completed them). With a side ``stream``, the wait for the arrival, the
+    addition and the send are ordered on it after the kernel that made (dk, dv)."""
+    if stream is None:
+        return _add_and_send(comm, in_flight, dk, dv)
+    stream.wait_stream(torch.cuda.current_stream(dk.device))
+    with torch.cuda.stream(stream):
+        dk.record_stream(stream)
+        dv.record_stream(stream)
+        return _add_and_send(comm, in_flight, dk, dv)
 
-    Inside a node, dK/dV accumulators travel with the K/V of the inner ring, and after its last
-    step one more hop brings them back to the rank that held those K/V at the outer step's start;
-    that node share then joins the accumulator arriving over the outer ring (sent while the
-    previous inner ring ran) and travels on, and a last outer hop brings it home."""
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+
+def ring_backward(schedule: RingSchedule, dout, q, k, v, out, lse, index: SparseIndex, scale: float,
+                  held_k=None, held_v=None):
+    """(dq, dk, dv) float32 for this rank's shards; ``out``/``lse`` are the merged forward ones,
+    ``held_k``/``held_v`` the K/V this rank held at the forward's last step (:func:`ring_forward`;
+    None: fetched here, one exposed transfer)."""
+    if held_k is None:
+        held_k, held_v = _fetch_last_step_kv(schedule, k, v)
+    stream = _grad_stream(q.device)
     inner_comm = schedule.inner if schedule.per_node > 1 else None
     outer_comm = schedule.outer if schedule.nodes > 1 else None
-    inner_grads = outer_grads = None
-    for inner_step, stripe, step_k, step_v in schedule.kv_steps(k, v):
+    dq = inner_grads = outer_grads = None
+    for outer_step, inner_step, stripe, step_k, step_v in schedule.kv_steps_backward(held_k, held_v):
         dq_step, dk_step, dv_step = ops.attention_backward(dout, q, step_k, step_v, out, lse, index,
                                                            scale, stripe)
-        dq += dq_step
-        inner_grads = _accumulate_and_pass(inner_comm, inner_grads, dk_step, dv_step)
-        if inner_step == schedule.per_node - 1:  # the node's inner ring is done
+        dq = _float(dq_step) if dq is None else dq.add_(dq_step)
+        node_done = inner_step == 0  # the inner ring's local step: the node's share is complete
+        inner_grads = _accumulate_and_pass(None if node_done else inner_comm, inner_grads,
+                                           dk_step, dv_step, stream)
+        if node_done:
             node_dk, node_dv = inner_grads.wait()
-            outer_grads = _accumulate_and_pass(outer_comm, outer_grads, node_dk, node_dv)
+            outer_grads = _accumulate_and_pass(None if outer_step == 0 else outer_comm, outer_grads,
+                                               node_dk, node_dv, stream)
             inner_grads = None
     dk, dv = outer_grads.wait()
+    if stream is not None:
+        current = torch.cuda.current_stream(q.device)
+        current.wait_stream(stream)
+        dk.record_stream(current)
+        dv.record_stream(current)
     return dq, dk, dv
+
+
+def _fetch_last_step_kv(schedule: RingSchedule, k, v):
+    """The K/V of the forward's last step (ring position (node + 1, local + 1)), for a backward
+    called without them: one reverse hop on each ring."""
+    if schedule.per_node > 1:
+        k, v = schedule.inner.rotate([k, v], GRAD_TAG, reverse=True).wait()
+    if schedule.nodes > 1:
+        k, v = schedule.outer.rotate([k, v], GRAD_TAG, reverse=True).wait()
+    return k, v
 
 
 class RingSparseAttentionFunction(torch.autograd.Function):
@@ -74,15 +138,15 @@ class RingSparseAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, index: SparseIndex, scale: float, schedule: RingSchedule):
-        out, lse = ring_forward(schedule, q, k, v, index, scale)
-        ctx.save_for_backward(q, k, v, out, lse)
+        out, lse, (held_k, held_v) = ring_forward(schedule, q, k, v, index, scale)
+        ctx.save_for_backward(q, k, v, out, lse, held_k, held_v)
         ctx.index, ctx.scale, ctx.schedule = index, scale, schedule
         ctx.mark_non_differentiable(lse)
         return out.to(q.dtype), lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, held_k, held_v = ctx.saved_tensors
         dq, dk, dv = ring_backward(ctx.schedule, dout.contiguous(), q, k, v, out, lse, ctx.index,
-                                   ctx.scale)
+                                   ctx.scale, held_k, held_v)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None

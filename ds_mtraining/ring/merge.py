@@ -32,3 +32,14 @@ def merge_partial(out: torch.Tensor, lse: torch.Tensor, step_out: torch.Tensor,
     step_weight = torch.exp(step_lse - anchor).transpose(1, 2).unsqueeze(-1)
     # one full-size temporary fewer: 5 tensor-sized reads/writes instead of 7 (memory-bound on GPUs)
     return torch.addcmul(out * weight, step_out, step_weight), merged
+
+
+def merge_partial_(out: torch.Tensor, lse: torch.Tensor, step_out: torch.Tensor,
+                   step_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`merge_partial` writing the merged output into ``out`` (the ring's running fp32
+    output, which it owns): the same arithmetic without a full-size temporary."""
+    merged = merge_lse(lse, step_lse)
+    anchor = _finite_or_zero(merged)
+    weight = torch.exp(lse - anchor).transpose(1, 2).unsqueeze(-1)
+    step_weight = torch.exp(step_lse - anchor).transpose(1, 2).unsqueeze(-1)
+    return out.mul_(weight).addcmul_(step_out, step_weight), merged

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 from ..attention import check_attention_inputs, resolve_softmax_scale, sparse_attention_with_lse
 from ..config import SparseConfig
-from ..estimate import estimate_vertical_slash
 from ..index import SparseIndex
-from .agreement import check_ranks_agree
+from .agreement import check_due, check_ranks_agree, mark_checked
 from .comm import ring_comm
-from .estimate import estimate_vertical_slash_distributed
+from .estimate import estimate_on_comm
 from .layout import StripedLayout
 from .loop import RingSparseAttentionFunction
 from .schedule import ring_schedule
@@ -23,7 +22,7 @@ def _single_device(q, k, v, config: SparseConfig, softmax_scale, index: SparseIn
     check_attention_inputs(q, k, v, index)
     scale = resolve_softmax_scale(q.shape[-1], softmax_scale)
     if index is None:
-        index = estimate_vertical_slash(q, k, config, scale)
+        index = estimate_on_comm(q, k, config, None, scale)
     return sparse_attention_with_lse(q, k, v, index, scale)
 
 
@@ -43,31 +42,42 @@ def ring_sparse_attention_with_lse(q, k, v, config: SparseConfig, group=None,
             runs the single-device path.
         softmax_scale: defaults to 1/sqrt(D).
         index: a global :class:`SparseIndex` for [B, S, H] to use instead of estimating one
-            (distributedly, each call).
+            (distributedly, each call: the fused CUDA estimator for CUDA inputs it takes, the
+            torch rule otherwise).
         hierarchy: this rank's inner/outer groups of ``group``
             (:func:`~ds_mtraining.ring.topology.create_hierarchical_groups`) to run the
             hierarchical ring; ``None`` runs the flat ring.
     Returns:
         (out [B, S/W, H, D] in q's dtype, lse float32 [B, H, S/W]) for this rank's queries.
+
+    The ranks' agreement on shapes, dtypes, config and index is checked at the group's first
+    call of each training step (:mod:`.agreement`: ``DS_MTRAINING_CHECK_RANKS``); apart from that
+    check, a call on CUDA inputs does not synchronise with the host.
     """
     if not isinstance(config, SparseConfig):
         raise TypeError(f"config must be a SparseConfig, got {type(config).__name__}")
     comm = ring_comm(group)
     if comm is None:
         return _single_device(q, k, v, config, softmax_scale, index)
-    check_ranks_agree(comm, q, k, v, config, index)
-    # From here on every rank holds the same shapes, so every check below fails everywhere alike.
+    check_key = ("ranks", id(comm.group))
+    checking = check_due(check_key)
+    if checking:
+        check_ranks_agree(comm, q, k, v, config, index)
+    # After a passed check every rank holds the same shapes, so every check below fails everywhere
+    # alike (between checks, see .agreement for what goes unnoticed).
     check_attention_inputs(q, k, v)
     scale = resolve_softmax_scale(q.shape[-1], softmax_scale)
     seq_len = q.shape[1] * comm.world
     StripedLayout(comm.world, config.block_size).check(seq_len)
-    if index is None:
-        index = estimate_vertical_slash_distributed(q, k, config, comm, scale)
-    else:
+    if index is not None:
         if index.block_size != config.block_size:
             raise ValueError(f"index.block_size={index.block_size} differs from config.block_size="
                              f"{config.block_size}, the stripe width the data was sharded with")
         check_attention_inputs(q, k, v, index, local_index_len=seq_len)
+    if checking:
+        mark_checked(check_key)
+    if index is None:
+        index = estimate_on_comm(q, k, config, comm, scale)
     return RingSparseAttentionFunction.apply(q, k, v, index, scale, ring_schedule(comm, hierarchy))
 
 

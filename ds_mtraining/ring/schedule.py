@@ -47,6 +47,27 @@ class RingSchedule:
                 k, v = next_node_kv.wait()
 
 
+    def kv_steps_backward(self, k, v):
+        """The steps of :meth:`kv_steps` in reverse order, for the backward ring: yields
+        ``(outer_step, inner_step, stripe, k, v)``. ``k``/``v`` are the K/V this rank held at the
+        forward's last step (outer ``N - 1``, inner ``G - 1``: those of position
+        ``(node + 1, local + 1)``), so the first step needs no transfer, and the last step is the
+        local pair. K/V travel the other way round both rings (received from the next rank/node):
+        the next inner step's during each step, the next outer step's starting K/V (sent by the
+        next node at its outer step's start) during the whole inner ring."""
+        for outer_step in reversed(range(self.nodes)):
+            next_node_kv = (self.outer.rotate([k, v], KV_TAG, reverse=True) if outer_step > 0 else None)
+            inner_k, inner_v = k, v
+            for inner_step in reversed(range(self.per_node)):
+                pending = (self.inner.rotate([inner_k, inner_v], KV_TAG, reverse=True)
+                           if inner_step > 0 else None)
+                yield outer_step, inner_step, self.stripe(outer_step, inner_step), inner_k, inner_v
+                if pending is not None:
+                    inner_k, inner_v = pending.wait()
+            if next_node_kv is not None:
+                k, v = next_node_kv.wait()
+
+
 def ring_schedule(comm: RingComm, hierarchy: HierarchicalGroups | None) -> RingSchedule:
     """The flat ring of ``comm``, or the hierarchical one over ``hierarchy``'s inner and outer
     groups, checked to tile ``comm``'s group with ring positions equal to the group ranks (the

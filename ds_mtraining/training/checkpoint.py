@@ -47,3 +47,30 @@ def resume_checkpoint(engine, save_dir: str, run: RunConfig) -> tuple[int, int]:
                           f"resume with the same number of ranks")
     set_rng_states(states[dist.get_rank()])
     return client_state["step"], client_state["data_position"]
+
+
+def continue_metrics(engine, step: int):
+    """After a resume: the csv monitor's files keep one header and lose the rows written after the
+    checkpoint (a killed run logs steps that the resumed run logs again); later rows are appended
+    without a second header. MTraining's files count optimizer steps, DeepSpeed's own
+    (``Train_Samples_*``) count samples."""
+    monitor = getattr(getattr(engine, "monitor", None), "csv_monitor", None)
+    if monitor is None or not monitor.enabled or dist.get_rank() != 0 or not monitor.log_dir:
+        return
+    from pathlib import Path
+    for path in sorted(Path(monitor.log_dir).glob("*.csv")):
+        limit = step if path.name.startswith("Train_mtraining_") else engine.global_samples
+        header, rows = None, []
+        for line in path.read_text().splitlines():
+            first = line.split(",", 1)[0]
+            if first == "step":
+                header = header or line
+            elif first.strip():
+                try:
+                    if float(first) <= limit:
+                        rows.append(line)
+                except ValueError:
+                    continue
+        path.write_text("\n".join([header or "step,value", *rows]) + "\n")
+        if path.stem not in monitor.filenames:
+            monitor.filenames.append(path.stem)

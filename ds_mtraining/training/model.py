@@ -16,8 +16,20 @@ PRESETS = {
 }
 
 
+# what continued training may change in a pretrained model's config (the context length and
+# RoPE); the weights' shapes stay those of the checkpoint
+CONTEXT_OVERRIDES = ("rope_theta", "rope_scaling", "rope_parameters", "max_position_embeddings")
+
+
+def has_weights(name_or_path: str) -> bool:
+    path = Path(name_or_path)
+    return path.is_dir() and (any(path.glob("*.safetensors")) or any(path.glob("pytorch_model*.bin")))
+
+
 def model_config(spec: dict):
-    """The transformers config of a model spec (preset or local directory) with its overrides."""
+    """The transformers config of a model spec (preset or local directory) with its overrides:
+    a pretrained directory accepts :data:`CONTEXT_OVERRIDES` only, a preset or config-only
+    directory (random init) any field of its config."""
     from transformers import AutoConfig, CONFIG_MAPPING
     name = spec["name_or_path"]
     if name in PRESETS:
@@ -25,12 +37,47 @@ def model_config(spec: dict):
         config = CONFIG_MAPPING[values.pop("model_type")](**values)
     else:
         config = AutoConfig.from_pretrained(name, local_files_only=True)
-    for key, value in spec["config_overrides"].items():
-        if not hasattr(config, key):
-            raise ConfigError(f"{MTRAINING_KEY}.model.config_overrides.{key}: {type(config).__name__} "
-                              f"has no such field")
-        setattr(config, key, value)
-    return config
+    overrides = dict(spec["config_overrides"])
+    key = f"{MTRAINING_KEY}.model.config_overrides"
+    pretrained = has_weights(name)
+    for field in overrides:
+        if pretrained and field not in CONTEXT_OVERRIDES:
+            raise ConfigError(f"{key}.{field}: a pretrained model ({name}) accepts overrides of "
+                              f"{list(CONTEXT_OVERRIDES)} only (its weights fix the rest); remove {field!r}")
+        if field not in CONTEXT_OVERRIDES and not hasattr(config, field):
+            raise ConfigError(f"{key}.{field}: {type(config).__name__} has no such field; "
+                              f"use one of {list(CONTEXT_OVERRIDES)} or a field of the model's config")
+    return _with_overrides(config, overrides, key)
+
+
+def _with_overrides(config, overrides: dict, key: str):
+    rope = {name: overrides.pop(name) for name in ("rope_theta", "rope_scaling", "rope_parameters")
+            if name in overrides}
+    for field, value in overrides.items():
+        setattr(config, field, value)
+    if not rope:
+        return config
+    if not hasattr(config, "rope_parameters"):  # transformers 4: plain attributes
+        for field, value in rope.items():
+            setattr(config, field, value)
+        return config
+    # transformers 5 keeps theta and scaling together in ``rope_parameters``: rebuild the config so
+    # that its own standardization and validation run on the new values
+    parameters = dict(rope.get("rope_parameters") or config.rope_parameters or {})
+    theta = rope.get("rope_theta", parameters.get("rope_theta"))
+    if "rope_scaling" in rope:
+        scaling = dict(rope["rope_scaling"] or {"rope_type": "default"})
+        scaling.setdefault("rope_type", scaling.pop("type", "default"))
+        parameters = scaling
+    if theta is not None:
+        parameters["rope_theta"] = theta
+    values = config.to_dict()
+    values["rope_parameters"] = parameters
+    try:
+        return type(config).from_dict(values)
+    except (ValueError, KeyError, TypeError) as error:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
+        raise ConfigError(f"{key}: invalid RoPE settings {parameters}: {first}") from None
 
 
 class MTrainingCausalLM(torch.nn.Module):
@@ -55,9 +102,7 @@ def build_model(spec: dict):
     (random init, seeded by the caller); a directory with weights is loaded (local files only)."""
     from transformers import AutoModelForCausalLM
     config = model_config(spec)
-    path = Path(spec["name_or_path"])
-    has_weights = path.is_dir() and (any(path.glob("*.safetensors")) or any(path.glob("pytorch_model*.bin")))
-    if has_weights:
-        return AutoModelForCausalLM.from_pretrained(path, config=config, local_files_only=True,
+    if has_weights(spec["name_or_path"]):
+        return AutoModelForCausalLM.from_pretrained(spec["name_or_path"], config=config, local_files_only=True,
                                                     dtype=torch.float32)
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -12,16 +12,17 @@ class Progress:
     """Rank 0's view of training: a live rich bar on a terminal, one line per logged step
     otherwise (launcher logs)."""
 
-    def __init__(self, total_steps: int, first_step: int, enabled: bool):
+    def __init__(self, total_steps: int, first_step: int, enabled: bool, console=None):
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn, \
             TimeRemainingColumn
         self.enabled = enabled
-        self.console = Console(soft_wrap=True)  # whole lines in launcher logs
+        self.console = console or Console(soft_wrap=True)  # whole lines in launcher logs
         self.live = enabled and self.console.is_terminal
         self.bar = None
         if self.live:
-            self.bar = RichProgress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+            # every field fits in 120 columns: a short bar, the metrics text kept whole
+            self.bar = RichProgress(TextColumn("[bold]train"), BarColumn(bar_width=16), MofNCompleteColumn(),
                                     TextColumn("{task.fields[metrics]}"), TimeRemainingColumn(),
                                     console=self.console)
             self.task = self.bar.add_task("train", total=total_steps, completed=first_step, metrics="")
@@ -55,7 +56,15 @@ def describe_run(run: RunConfig, groups) -> str:
         ring += f" ({groups.hierarchy.nodes} nodes x {groups.hierarchy.per_node})"
     return (f"MTraining: {dist.get_world_size()} ranks = {dp} data-parallel x {sp} sequence-parallel, "
             f"{ring} ring, seq_len {run.seq_len} ({run.seq_len // sp} tokens per rank, stripe block "
-            f"{run.sparse.block_size}), top-p {run.sparse.p_vertical}/{run.sparse.p_slash}")
+            f"{run.sparse.block_size}), " + _attention_text(run))
+
+
+def _attention_text(run: RunConfig) -> str:
+    if run.attention == "sparse":
+        return f"sparse attention, top-p {run.sparse.p_vertical}/{run.sparse.p_slash}"
+    from ds_mtraining.static import attention_pattern
+    details = attention_pattern(run.attention, run.static).describe(run.seq_len, run.sparse.block_size)
+    return f"{run.attention} attention ({details})"
 
 
 def with_default_monitor(ds_config: dict, save_dir: str) -> dict:

@@ -6,8 +6,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..config import SparseConfig
-from ..data import DataConfigError, check_data_spec, load_tokenizer
+from ..config import SUPPORTED_BLOCK_SIZES, SparseConfig
+from ..data import DataConfigError, check_data_spec, folder_spec, load_tokenizer
 from ..distributed import RING_KINDS, ParallelConfigError, check_parallel_sizes
 from ..ring.layout import check_divisible
 from . import MTRAINING_KEY, ConfigError
@@ -27,6 +27,8 @@ class RunConfig:
     data: dict = field(default_factory=lambda: {"source": "stdlib"})
     loss_chunk_tokens: int = 1024
     gradient_checkpointing: bool = False
+    attention: str = "sparse"  # sparse (MTraining) | dense | static: ds_mtraining.static
+    static: dict | None = None  # the static pattern's settings when attention is "static"
 
     def to_dict(self) -> dict:
         values = asdict(self)
@@ -76,7 +78,7 @@ def parse_run_config(section: dict, world_size: int) -> RunConfig:
     if not isinstance(section, dict):
         raise ConfigError(f"the DeepSpeed JSON needs a \"{MTRAINING_KEY}\" object, got {section!r}")
     known = {"seq_len", "sequence_parallel_size", "ring", "stripe_block", "sparse", "model", "tokenizer",
-             "data", "loss_chunk_tokens", "gradient_checkpointing"}
+             "data", "loss_chunk_tokens", "gradient_checkpointing", "attention", "static"}
     unknown = sorted(set(section) - known)
     if unknown:
         raise ConfigError(f"unknown key(s) {unknown} in '{MTRAINING_KEY}'; valid keys are {sorted(known)}")
@@ -91,6 +93,9 @@ def parse_run_config(section: dict, world_size: int) -> RunConfig:
     sparse_values = dict(section.get("sparse", {}))
     if "stripe_block" in section:
         block = section["stripe_block"]
+        if isinstance(block, bool) or block not in SUPPORTED_BLOCK_SIZES:
+            raise ConfigError(f"{MTRAINING_KEY}.stripe_block={block!r} is unsupported; use one of "
+                              f"{list(SUPPORTED_BLOCK_SIZES)} (the stripe width is the kernel block)")
         if "block_size" in sparse_values and sparse_values["block_size"] != block:
             raise ConfigError(f"{MTRAINING_KEY}.stripe_block={block} differs from {MTRAINING_KEY}.sparse."
                               f"block_size={sparse_values['block_size']}; the stripe is the kernel block: "
@@ -109,6 +114,7 @@ def parse_run_config(section: dict, world_size: int) -> RunConfig:
     checkpointing = section.get("gradient_checkpointing", False)
     if not isinstance(checkpointing, bool):
         raise ConfigError(f"{MTRAINING_KEY}.gradient_checkpointing={checkpointing!r} must be true or false")
+    attention, static = _attention_mode(section, seq_len, sparse.block_size)
     model = _model_spec(section.get("model", "tiny-qwen2"))
     tokenizer = section.get("tokenizer", "bytes")
     if tokenizer == "model":
@@ -119,15 +125,43 @@ def parse_run_config(section: dict, world_size: int) -> RunConfig:
     return RunConfig(seq_len=seq_len, sequence_parallel_size=sp, ring=ring, sparse=sparse, model=model,
                      tokenizer=tokenizer, data=dict(section.get("data", {"source": "stdlib"})),
                      loss_chunk_tokens=_positive_int(section, "loss_chunk_tokens", 1024),
-                     gradient_checkpointing=checkpointing)
+                     gradient_checkpointing=checkpointing, attention=attention, static=static)
+
+
+def _attention_mode(section: dict, seq_len: int, block: int) -> tuple[str, dict | None]:
+    """``attention`` (sparse | dense | static) and, for static, its validated ``static`` settings."""
+    from ..static import ATTENTION_MODES, StaticPattern
+    mode = section.get("attention", "sparse")
+    if mode not in ATTENTION_MODES:
+        raise ConfigError(f"{MTRAINING_KEY}.attention={mode!r} is not an attention mode; use one of "
+                          f"{list(ATTENTION_MODES)} (sparse: MTraining's estimated index; dense: full "
+                          f"causal attention; static: sinks + local window, set in {MTRAINING_KEY}.static)")
+    if mode != "static":
+        if "static" in section:
+            raise ConfigError(f"{MTRAINING_KEY}.static is set but {MTRAINING_KEY}.attention is {mode!r}; "
+                              f"set \"attention\": \"static\" or remove {MTRAINING_KEY}.static")
+        return mode, None
+    if "static" not in section:
+        raise ConfigError(f"{MTRAINING_KEY}.attention='static' needs {MTRAINING_KEY}.static, e.g. "
+                          f"{{\"density\": 0.1, \"sink_tokens\": 4}} or {{\"window_tokens\": 4096}}")
+    try:
+        pattern = StaticPattern.from_dict(section["static"])
+        pattern.local_blocks(seq_len, block)
+    except (ValueError, TypeError) as error:
+        raise ConfigError(f"{MTRAINING_KEY}.static: {error}") from None
+    return mode, pattern.to_dict()
 
 
 def _data_override(value: str) -> dict:
-    """``--data``: "stdlib", a saved dataset directory, or comma-separated local files."""
+    """``--data``: "stdlib", a folder (saved dataset, or json/jsonl/parquet/arrow/csv files),
+    or comma-separated local files."""
     if value == "stdlib":
         return {"source": "stdlib"}
     if Path(value).is_dir():
-        return {"saved_dataset": value}
+        try:
+            return folder_spec(value)
+        except DataConfigError as error:
+            raise ConfigError(str(error)) from None
     return {"files": value.split(",")}
 
 
@@ -150,8 +184,9 @@ def load_run_config(ds_config: str | dict, world_size: int, model: str | None = 
         raise ConfigError(f"the DeepSpeed JSON has no \"{MTRAINING_KEY}\" section; add one with at least "
                           f"\"seq_len\" (see ds_configs/cpu_demo.json)")
     section = dict(section)
-    if model is not None:
-        section["model"] = model
+    if model is not None:  # --model DIR keeps the JSON's config_overrides (e.g. a longer RoPE)
+        given = section.get("model")
+        section["model"] = {**given, "name_or_path": model} if isinstance(given, dict) else model
     if data is not None:
         section["data"] = _data_override(data)
     run = parse_run_config(section, world_size)

@@ -1,0 +1,135 @@
+"""Passkey retrieval: a random number hidden at a chosen depth of real filler text, asked for at
+the end; scored by exact match of the greedily generated answer.
+
+A prompt of ``length`` tokens is ``INTRO + filler[:a] + NEEDLE + filler[a:n] + QUESTION`` with
+``n = length - len(INTRO) - len(NEEDLE) - len(QUESTION)`` filler tokens and ``a = round(depth n)``
+(depth 0: the needle right after the intro, 1: right before the question). The filler is a
+contiguous window of real text (a held-out token stream, e.g. the standard library's sources, at
+a random offset): no repeated sentences. The expected answer is the key's tokens after
+``QUESTION`` (``" 71432"``). Everything works on token ids, so any tokenizer with ``encode`` /
+``decode`` (:mod:`ds_mtraining.data`'s byte tokenizer or a local HF one) fits.
+
+:func:`passkey_training_sample` builds the same task, answer included, as a training window (so a
+share of training sequences can carry it: ``mtraining.data.passkey_fraction``).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+INTRO = ("There is an important piece of information hidden inside a lot of irrelevant text. "
+         "Find it and memorize it. I will quiz you about it at the end.\n\n")
+NEEDLE = "\n\nThe pass key is {key}. Remember it. {key} is the pass key.\n\n"
+QUESTION = "\n\nWhat is the pass key? The pass key is"
+ANSWER = " {key}"
+DEFAULT_DIGITS = 5
+
+
+def random_key(rng: np.random.Generator, digits: int = DEFAULT_DIGITS) -> str:
+    """A ``digits``-digit decimal key without a leading zero."""
+    if digits < 1:
+        raise ValueError(f"digits={digits} must be >= 1")
+    first = str(int(rng.integers(1, 10)))
+    return first + "".join(str(int(d)) for d in rng.integers(0, 10, digits - 1))
+
+
+def exact_match(generated: str, key: str) -> bool:
+    """True iff the generated text's first number (after optional leading whitespace) is exactly
+    ``key``: ``" 71432."`` matches 71432; ``"714320"``, ``"7143"`` and ``"the key 71432"`` do not."""
+    found = re.match(r"\s*(\d+)", generated)
+    return found is not None and found.group(1) == key
+
+
+@dataclass
+class PasskeyPrompt:
+    """A prompt (int64 token ids), its key, where the needle starts and how long it is (tokens),
+    and the expected answer's tokens."""
+
+    input_ids: np.ndarray
+    key: str
+    depth: float
+    needle_start: int
+    needle_length: int
+    answer_ids: np.ndarray
+
+
+def _encode(tokenizer, text: str) -> np.ndarray:
+    return np.asarray(tokenizer.encode(text), dtype=np.int64)
+
+
+def _assemble(tokenizer, filler: np.ndarray, length: int, depth: float, key: str, answer: bool):
+    if not 0.0 <= depth <= 1.0:
+        raise ValueError(f"depth={depth} must lie in [0, 1] (share of the filler before the needle)")
+    intro, needle, question = (_encode(tokenizer, t) for t in (INTRO, NEEDLE.format(key=key), QUESTION))
+    answer_ids = _encode(tokenizer, ANSWER.format(key=key))
+    fixed = len(intro) + len(needle) + len(question) + (len(answer_ids) if answer else 0)
+    n = length - fixed
+    if n < 0:
+        raise ValueError(f"length {length} is shorter than the passkey prompt's fixed text ({fixed} tokens)")
+    if len(filler) < n:
+        raise ValueError(f"{len(filler)} filler tokens given, {n} needed for length {length}")
+    at = int(round(depth * n))
+    parts = [intro, filler[:at], needle, filler[at:n], question] + ([answer_ids] if answer else [])
+    ids = np.concatenate([np.asarray(p, dtype=np.int64) for p in parts])
+    return PasskeyPrompt(ids, key, depth, len(intro) + at, len(needle), answer_ids)
+
+
+def passkey_prompt(tokenizer, filler: np.ndarray, length: int, depth: float, key: str) -> PasskeyPrompt:
+    """A ``length``-token prompt (see the module docstring) using ``filler[:n]`` as its text."""
+    return _assemble(tokenizer, filler, length, depth, key, answer=False)
+
+
+def passkey_training_sample(tokens: np.ndarray, tokenizer, rng: np.random.Generator,
+                            digits: int = DEFAULT_DIGITS) -> np.ndarray:
+    """The training window ``tokens`` (L + 1 ids of real text) turned into a passkey sample of
+    the same length: a random key at a uniform random depth, filler from the window itself, the
+    question and the answer at the end (so the last tokens' labels are the key)."""
+    prompt = _assemble(tokenizer, np.asarray(tokens), len(tokens), float(rng.random()),
+                       random_key(rng, digits), answer=True)
+    return prompt.input_ids.astype(np.asarray(tokens).dtype)
+
+
+@dataclass
+class PasskeyTrial:
+    length: int
+    depth: float
+    trial: int
+    key: str
+    generated: str
+    correct: bool
+
+
+def filler_window(stream: np.ndarray, length: int, rng: np.random.Generator) -> np.ndarray:
+    """``length`` consecutive tokens of ``stream`` at a random offset."""
+    if len(stream) < length:
+        raise ValueError(f"the held-out text holds {len(stream)} tokens, a prompt needs {length}; "
+                         f"give more text or shorter lengths")
+    start = int(rng.integers(0, len(stream) - length + 1))
+    return stream[start:start + length]
+
+
+def passkey_grid(generate, tokenizer, stream: np.ndarray, lengths, depths, trials: int = 1,
+                 digits: int = DEFAULT_DIGITS, seed: int = 0, advance=None) -> dict:
+    """Runs the depth x length grid. ``generate(input_ids np.int64 [n], max_new_tokens) -> token
+    ids`` is the model's greedy decoder; ``advance()`` is called after each prompt (progress).
+
+    Returns ``{"lengths", "depths", "accuracy": [len(depths)][len(lengths)], "trials": [...]}``."""
+    records = []
+    accuracy = np.zeros((len(depths), len(lengths)))
+    for j, length in enumerate(lengths):
+        for i, depth in enumerate(depths):
+            for t in range(trials):
+                rng = np.random.default_rng([seed, int(length), int(round(depth * 1e6)), t])
+                key = random_key(rng, digits)
+                prompt = passkey_prompt(tokenizer, filler_window(stream, length, rng), length, depth, key)
+                new = generate(prompt.input_ids, len(prompt.answer_ids) + 2)
+                text = tokenizer.decode(new)
+                correct = exact_match(text, key)
+                accuracy[i, j] += correct / trials
+                records.append(PasskeyTrial(int(length), float(depth), t, key, text, bool(correct)))
+                if advance is not None:
+                    advance()
+    return {"lengths": [int(x) for x in lengths], "depths": [float(d) for d in depths],
+            "accuracy": accuracy.tolist(), "trials": [vars(r) for r in records]}

@@ -1,0 +1,280 @@
+"""The training CLI as a user meets it: continued training of a saved HF model (``--model DIR``,
+RoPE/context ``config_overrides``, ``--data DIR``, ``--export_hf``), one copy of each message,
+the progress bar's width, benchmark output directories, and how a run ends when something goes
+wrong (a rank killed, the launcher killed, a bad data folder, a bad config key): one line, within
+seconds, measured here. The launches are few (each costs ~30-50 s of start-up on 2 cores)."""
+import csv
+import io
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import REPO, environment, finish, start, tiny_model
+
+from ds_mtraining.data import DataConfigError, load_documents, stdlib_documents
+from ds_mtraining.distributed import free_port
+from ds_mtraining.training import ConfigError
+from ds_mtraining.training.run_config import load_run_config
+
+DEMO_CONFIG = REPO / "ds_configs" / "cpu_demo.json"
+LAUNCH_TIMEOUT_S = 300
+EXIT_WITHIN_S = 30
+OVERRIDES = {"rope_theta": 2e6, "max_position_embeddings": 4096}
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    """A saved tiny Qwen2 (the "pretrained" model), a folder of two jsonl files, and a DeepSpeed
+    JSON continuing the model's training with a longer context (RoPE theta and positions)."""
+    root = tmp_path_factory.mktemp("cli")
+    tiny_model("qwen2", seed=3, attn="sdpa").save_pretrained(root / "model")
+    (root / "data").mkdir()
+    documents = stdlib_documents(document_chars=1 << 14, max_documents=24)
+    for part in range(2):
+        with open(root / "data" / f"part{part}.jsonl", "w") as f:
+            for document in documents[part::2]:
+                f.write(json.dumps({"text": document["text"]}) + "\n")
+    config = json.loads(DEMO_CONFIG.read_text())
+    config["mtraining"]["model"] = {"name_or_path": "tiny-qwen2", "config_overrides": OVERRIDES}
+    (root / "config.json").write_text(json.dumps(config))
+    return root
+
+
+def demo_config(**mtraining) -> dict:
+    config = json.loads(DEMO_CONFIG.read_text())
+    config["mtraining"].update(mtraining)
+    return config
+
+
+# ----------------------------------------------------------------------------- quick checks
+def test_stripe_block_error_names_its_key():
+    with pytest.raises(ConfigError, match=r"^mtraining.stripe_block=96 is unsupported; use one of \[64, 128\]"):
+        load_run_config(demo_config(stripe_block=96), 2)
+
+
+def test_model_dir_loads_weights_with_context_overrides(workspace):
+    from ds_mtraining.training.model import build_model
+    model_dir = str(workspace / "model")
+    run, _ = load_run_config(str(workspace / "config.json"), 2, model=model_dir)  # --model keeps the overrides
+    assert run.model == {"name_or_path": model_dir, "config_overrides": OVERRIDES}
+    model = build_model(run.model)
+    assert model.config.rope_parameters["rope_theta"] == 2e6 and model.config.max_position_embeddings == 4096
+    saved = tiny_model("qwen2", seed=3)
+    for name, param in saved.named_parameters():
+        torch.testing.assert_close(model.get_parameter(name), param, rtol=0, atol=0, msg=name)
+    scaling = {"rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}}
+    run, _ = load_run_config(demo_config(model={"name_or_path": model_dir, "config_overrides": scaling}), 2)
+    assert build_model(run.model).config.rope_parameters["rope_type"] == "yarn"
+    for overrides, message in [
+            ({"hidden_size": 128}, r"config_overrides.hidden_size: a pretrained model .* accepts overrides of "
+                                   r"\['rope_theta', 'rope_scaling', 'rope_parameters', 'max_position_embeddings'\]"),
+            ({"rope_scaling": {"rope_type": "yarn"}}, r"invalid RoPE settings .*factor"),
+            ({"rope_thetta": 1.0}, r"config_overrides.rope_thetta: a pretrained model")]:
+        with pytest.raises(ConfigError, match=message):
+            load_run_config(demo_config(model={"name_or_path": model_dir, "config_overrides": overrides}), 2)
+    with pytest.raises(ConfigError, match=r"config_overrides.rope_thetta: Qwen2Config has no such field"):
+        load_run_config(demo_config(model={"name_or_path": "tiny-qwen2",
+                                           "config_overrides": {"rope_thetta": 1.0}}), 2)
+
+
+def test_data_folder(workspace, tmp_path):
+    run, _ = load_run_config(demo_config(), 2, data=str(workspace / "data"))
+    assert run.data["files"] == [str(workspace / "data" / f"part{i}.jsonl") for i in range(2)]
+    assert len(load_documents(run.data)) == 24
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match=r"^--data .*empty: no arrow/csv/json/parquet files .*point --data at"):
+        load_run_config(demo_config(), 2, data=str(tmp_path / "empty"))
+    (tmp_path / "mixed").mkdir()
+    (tmp_path / "mixed" / "a.jsonl").write_text('{"text": "a"}\n')
+    (tmp_path / "mixed" / "b.csv").write_text("text\nb\n")
+    with pytest.raises(ConfigError, match=r"mixes formats \['csv', 'json'\]"):
+        load_run_config(demo_config(), 2, data=str(tmp_path / "mixed"))
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "x.jsonl").write_text("not json {\n")
+    run, _ = load_run_config(demo_config(), 2, data=str(tmp_path / "bad"))
+    with pytest.raises(DataConfigError, match=r"cannot read .*x.jsonl.* as json \(.*\); fix or remove"):
+        load_documents(run.data)
+
+
+def test_progress_bar_shows_every_field_at_120_columns():
+    from rich.console import Console
+    from ds_mtraining.training.progress import Progress
+    out = io.StringIO()
+    progress = Progress(100000, 0, enabled=True,
+                        console=Console(file=out, width=120, force_terminal=True, color_system=None))
+    progress.update(12345, {"loss": 5.5596, "tokens_per_s": 1234567.0, "density": 0.1234, "imbalance": 1.062})
+    progress.bar.refresh()
+    progress.close()
+    lines = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", out.getvalue()).replace("\r", "\n").splitlines()
+    last = [line for line in lines if line.strip()][-1]
+    for field in ("train", "12345/100000", "loss 5.5596", "tok/s 1234567", "density 0.123", "imbalance 1.062",
+                  "-:--:--"):
+        assert field in last, (field, last)
+
+
+def test_benchmarks_write_to_a_fresh_directory(tmp_path, monkeypatch):
+    """--out defaults name a new bench_results/<name>-<time>; benchmarks/results/ only if asked."""
+    from ds_mtraining.bench import balance, comm, cpu_kernel, fresh_output_dir, kernel
+    monkeypatch.chdir(tmp_path)
+    for parser in (comm.build_parser(), cpu_kernel.build_parser(), kernel.build_parser()):
+        assert "(default: bench_results/" in " ".join(parser.format_help().split())
+        assert "benchmarks/results" not in str(parser.get_default("out"))
+    assert balance.parse_args([]).out == balance.BALANCE_OUT
+    first, second = fresh_output_dir("x"), fresh_output_dir("x")
+    assert first != second and first.parent == second.parent == Path("bench_results")
+    comm.main(["--nodes", "2", "--per-node", "2"])
+    [written] = list(Path("bench_results").glob("comm-*/comm_model.json"))
+    assert json.loads(written.read_text())
+
+
+# ----------------------------------------------------------------------------- launched runs
+def launch(workspace, log: Path, *extra, steps=3, save_dir=None, data=None) -> subprocess.Popen:
+    command = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "--module", "ds_mtraining.train",
+               "--deepspeed_config", str(workspace / "config.json"), "--model", str(workspace / "model"),
+               "--data", str(data or workspace / "data"), "--steps", str(steps),
+               "--save_dir", str(save_dir or workspace / "run"), "--save_interval", "2", *extra]
+    return start(command, log)
+
+
+def rank_pids(launcher: subprocess.Popen) -> dict[int, int]:
+    import psutil
+    pids = {}
+    for child in psutil.Process(launcher.pid).children(recursive=True):
+        found = re.search(r"--local_rank=(\d+)", " ".join(child.cmdline()))
+        if found:
+            pids[int(found.group(1))] = child.pid
+    return pids
+
+
+def wait_for(text: str, log: Path, process: subprocess.Popen):
+    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+    while text not in log.read_text():
+        if process.poll() is not None or time.monotonic() > deadline:
+            os.killpg(process.pid, signal.SIGKILL)
+            pytest.fail(f"no {text!r} in the log:\n{log.read_text()[-3000:]}")
+        time.sleep(0.1)
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in "ZX"
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def trained(workspace, cpu_op):  # the op is built before the launched ranks start
+    """3 steps of continued training (checkpoints step2, step3), then the export."""
+    log = workspace / "train.txt"
+    finish(launch(workspace, log, "--export_hf", str(workspace / "export")), log, LAUNCH_TIMEOUT_S)
+    return log.read_text()
+
+
+@pytest.mark.slow
+def test_continued_training_exports_the_trained_model(workspace, trained):
+    """The export loads with AutoModelForCausalLM and its logits equal those of the checkpoint's
+    fp32 master weights (consolidated independently by DeepSpeed's zero_to_fp32)."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from transformers import AutoModelForCausalLM
+    exported = AutoModelForCausalLM.from_pretrained(workspace / "export").eval()
+    assert exported.config.rope_parameters["rope_theta"] == 2e6 and exported.config.max_position_embeddings == 4096
+    state = get_fp32_state_dict_from_zero_checkpoint(str(workspace / "run"), tag="step3")
+    reference = type(exported)(exported.config).eval()
+    reference.load_state_dict({name.removeprefix("model."): value for name, value in state.items()})
+    before = AutoModelForCausalLM.from_pretrained(workspace / "model").eval()
+    ids = torch.randint(0, 256, (1, 300), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = exported(ids).logits
+        torch.testing.assert_close(logits, reference(ids).logits, rtol=1e-5, atol=1e-5)
+        assert (logits - before(ids).logits).abs().max() > 1e-2  # trained, not the input model
+    # one copy of each message: rank 0's only
+    for text, count in (("MTraining: 2 ranks", 1), ("built successfully", 1), ("tokenizing: 100%", 1),
+                        ("Loading weights: 100%", 1), ("exported:   ", 1), ("FutureWarning", 1),
+                        ("Traceback", 0)):
+        assert trained.count(text) == count, (text, trained[-3000:])
+
+
+@pytest.mark.slow
+def test_dead_rank_one_line_and_metrics_after_resume(workspace, trained):
+    """Resume from step2 (as if killed after step 3), train, kill -9 rank 1 after step 5: the
+    launcher ends within seconds with one line naming rank 1 and the checkpoint (step4), no
+    traceback; the metrics CSVs hold one header and each step once."""
+    (workspace / "run" / "latest").write_text("step2")
+    log = workspace / "dead_rank.txt"
+    process = launch(workspace, log, "--resume", steps=1000)
+    wait_for("step 5/1000", log, process)
+    killed = time.monotonic()
+    os.kill(rank_pids(process)[1], signal.SIGKILL)
+    try:
+        process.wait(timeout=EXIT_WITHIN_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        pytest.fail(f"still running {EXIT_WITHIN_S}s after rank 1 died:\n{log.read_text()[-3000:]}")
+    seconds = time.monotonic() - killed
+    text = log.read_text()
+    tail = text.splitlines()[-6:]
+    assert any(re.search(r"ds_mtraining.train: rank 1 died .* at step [5-9].*last checkpoint .*run \(tag step"
+                         r"(4|6|8)\); continue with --resume", line) for line in tail), text[-3000:]
+    assert text.count("ds_mtraining.train:") == 1 and "Traceback" not in text, text[-3000:]
+    print(f"dead rank: launcher exited {seconds:.1f} s after the kill")
+    for path in (workspace / "run" / "metrics" / "mtraining").glob("*.csv"):
+        with path.open() as f:
+            rows = list(csv.reader(f))
+        assert rows[0][0] == "step" and all(row[0] != "step" for row in rows[1:]), path
+        steps = [float(row[0]) for row in rows[1:]]
+        assert steps == sorted(set(steps)), (path, steps)
+    loss = workspace / "run" / "metrics" / "mtraining" / "Train_mtraining_loss.csv"
+    assert [int(row[0]) for row in list(csv.reader(loss.open()))[1:6]] == [1, 2, 3, 4, 5]
+
+
+@pytest.mark.slow
+def test_killed_launcher_and_bad_inputs_end_quickly(workspace, trained, tmp_path):
+    """SIGKILL of the ``deepspeed`` command: the ranks see their launcher gone and exit within
+    seconds (one line). Meanwhile a bad data folder (through the launcher) and a bad config key
+    (one process) each stop with one line before any engine exists."""
+    log = tmp_path / "launcher.txt"
+    process = launch(workspace, log, steps=1000, save_dir=tmp_path / "run")
+    (tmp_path / "empty").mkdir()
+    bad_data_started = time.monotonic()
+    bad_data = launch(workspace, tmp_path / "bad_data.txt", save_dir=tmp_path / "bad_run", data=tmp_path / "empty")
+    bad = json.loads((workspace / "config.json").read_text())
+    bad["mtraining"]["seq_lenght"] = 1024
+    (tmp_path / "bad.json").write_text(json.dumps(bad))
+    key = subprocess.Popen([sys.executable, "-m", "ds_mtraining.train", "--deepspeed_config", str(tmp_path / "bad.json")],
+                           cwd=REPO, env=environment(WORLD_SIZE="2", RANK="0"), stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    key_started = time.monotonic()
+    wait_for("DeepSpeed deepspeed.ops.comm", log, process)  # the ranks are past init_distributed
+    pids = rank_pids(process)
+    killed = time.monotonic()
+    os.kill(process.pid, signal.SIGKILL)
+    deadline = killed + EXIT_WITHIN_S
+    while any(alive(pid) for pid in pids.values()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    seconds = time.monotonic() - killed
+    left = [pid for pid in pids.values() if alive(pid)]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"ranks still running {EXIT_WITHIN_S}s after the launcher died:\n{log.read_text()[-3000:]}"
+    text = log.read_text()
+    assert text.count("ds_mtraining.train: the launcher (pid") == 1 and "Traceback" not in text, text[-3000:]
+    print(f"killed launcher: ranks exited {seconds:.1f} s after the kill")
+
+    code = bad_data.wait(timeout=LAUNCH_TIMEOUT_S)
+    text = (tmp_path / "bad_data.txt").read_text()
+    assert code != 0 and text.count("configuration error") == 1 and "Traceback" not in text, text[-3000:]
+    assert "ds_mtraining.train: configuration error: --data " in text and "no arrow/csv/json/parquet files" in text
+    print(f"bad data folder: launcher exited {time.monotonic() - bad_data_started:.1f} s after its start")
+    _, stderr = key.communicate(timeout=120)
+    assert key.returncode == 2 and stderr.strip().splitlines()[-1].startswith(
+        "ds_mtraining.train: configuration error: unknown key(s) ['seq_lenght'] in 'mtraining'"), stderr
+    assert "Traceback" not in stderr
+    print(f"bad config key: exited {time.monotonic() - key_started:.1f} s after its start (measured on its own: ~7 s)")

@@ -1,0 +1,170 @@
+"""GPU only: MTraining attention calls (forward and backward) never synchronise with the host,
+apart from the once-per-step checks (ds_mtraining.ring.agreement), which a warm-up step runs.
+
+* one GPU: the layer (``striped_sparse_attention``), and a tiny bf16 Qwen2 (with and without
+  activation checkpointing) whose attention calls and attention backward run under
+  ``torch.cuda.set_sync_debug_mode("error")`` (scoped to our calls: the rest of the model, e.g.
+  the embedding backward, may synchronise);
+* two GPUs (NCCL, two spawned processes): the ring with the fused distributed estimator under
+  the same mode, its index against the single-device fused estimator's on the whole sequence.
+
+Skipped without CUDA (the two-GPU test without two GPUs).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+
+import pytest
+import torch
+
+from ds_mtraining import SparseConfig, synthetic
+from ds_mtraining.index import PAD
+from ds_mtraining.layer import AttentionStats, IndexCache, MTrainingAttentionSettings, striped_sparse_attention
+from ds_mtraining.ring.layout import StripedLayout
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+CONFIG = SparseConfig(block_size=64, last_q=64)
+HEAD_DIM = 64  # the CUDA kernels take 64 or 128
+
+
+@contextlib.contextmanager
+def sync_is_an_error():
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+
+
+def _qkv(seq, device, seed=0, heads=4, kv_heads=2):
+    g = torch.Generator().manual_seed(seed)
+    q, k = synthetic.planted_qk(seq, heads, kv_heads, HEAD_DIM, offsets=(200, 450), columns=((7, 90), (300,)))
+    v = torch.randn(1, seq, kv_heads, HEAD_DIM, generator=g)
+    return [t.to(device, torch.bfloat16) for t in (q, k, v)]
+
+
+def _step(q, k, v, settings, positions, cache, dout):
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out = striped_sparse_attention(q, k, v, settings, position_ids=positions, cache=cache)
+    out.backward(dout)
+    return out, q.grad, k.grad, v.grad
+
+
+def test_layer_forward_and_backward_do_not_synchronise(monkeypatch):
+    from ds_mtraining import estimate_cuda
+    fused = []
+    real = estimate_cuda.estimate_vertical_slash_cuda
+    monkeypatch.setattr(estimate_cuda, "estimate_vertical_slash_cuda", lambda *a, **kw: fused.append(1) or real(*a, **kw))
+    q, k, v = _qkv(2048, "cuda")
+    settings = MTrainingAttentionSettings(CONFIG, stats=AttentionStats())
+    positions = torch.arange(2048, device="cuda")[None]
+    dout = torch.randn_like(q)
+    cache = IndexCache()
+    settings.stats.reset()
+    first = _step(q, k, v, settings, positions, cache, dout)  # loads the ops; the step's checks
+    torch.cuda.synchronize()
+    with sync_is_an_error():
+        second = _step(q, k, v, settings, positions, cache, dout)
+    torch.cuda.synchronize()
+    assert len(fused) == 2, "the fused CUDA estimator was not used"
+    for a, b in zip(first, second):
+        assert torch.equal(a, b), "the second step differs from the first"
+    assert settings.stats.summary()["density"] < 1.0  # read after the step: synchronises here
+
+
+def _scoped_to_our_calls(monkeypatch):
+    """Sync debug mode "error" inside our attention function and our autograd backwards."""
+    from ds_mtraining import attention, hf
+    from ds_mtraining.ring import loop
+
+    def scoped(fn):
+        def wrapped(*args, **kwargs):
+            with sync_is_an_error():
+                return fn(*args, **kwargs)
+        return wrapped
+    monkeypatch.setattr(hf, "striped_sparse_attention", scoped(hf.striped_sparse_attention))
+    for cls in (attention.SparseAttentionFunction, loop.RingSparseAttentionFunction):
+        monkeypatch.setattr(cls, "backward", staticmethod(scoped(cls.backward)))
+
+
+@pytest.mark.parametrize("checkpointing", [None, "reentrant", "non-reentrant"])
+def test_hf_qwen2_attention_does_not_synchronise(monkeypatch, checkpointing):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from ds_mtraining.hf import use_mtraining_attention
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=512, hidden_size=4 * HEAD_DIM, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=512, rope_theta=1e6, use_cache=False)
+    model = Qwen2ForCausalLM(config).to("cuda", torch.bfloat16).train()
+    settings = MTrainingAttentionSettings(CONFIG, stats=AttentionStats())
+    use_mtraining_attention(model, settings)
+    if checkpointing is not None:
+        model.activation_checkpointing_enable(
+            activation_checkpointing_kwargs={"use_reentrant": checkpointing == "reentrant"})
+    ids = torch.randint(0, 512, (1, 1024), device="cuda")
+    settings.stats.reset()
+    model(input_ids=ids, labels=ids).loss.backward()  # warm-up step: op loads, the step's checks
+    torch.cuda.synchronize()
+    _scoped_to_our_calls(monkeypatch)
+    model.zero_grad()
+    model(input_ids=ids, labels=ids).loss.backward()
+    torch.cuda.synchronize()
+
+
+# ---------------------------------------------------------------------------- two GPUs
+def _ring_worker(rank, world, port, result_dir):
+    import torch.distributed as dist
+
+    from ds_mtraining.estimate_cuda import estimate_vertical_slash_cuda
+    from ds_mtraining.ring.estimate import estimate_index
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
+    try:
+        seq = 4096
+        layout = StripedLayout(world, CONFIG.block_size)
+        q, k, v = _qkv(seq, device)
+        shards = [layout.shard(t, rank).contiguous() for t in (q, k, v)]
+        positions = layout.positions(seq, rank, device=device)[None]
+        settings = MTrainingAttentionSettings(CONFIG, stats=AttentionStats())
+        dout = torch.randn_like(shards[0])
+        cache = IndexCache()
+        settings.stats.reset()
+        first = _step(*shards, settings, positions, cache, dout)  # the step's checks run here
+        torch.cuda.synchronize()
+        with sync_is_an_error():
+            second = _step(*shards, settings, positions, cache, dout)
+            distributed = estimate_index(shards[0], shards[1], CONFIG)
+        torch.cuda.synchronize()
+        same = all(torch.equal(a, b) for a, b in zip(first, second))
+        single = estimate_vertical_slash_cuda(q, k, CONFIG)
+        differing = total = 0
+        for mine, theirs in ((distributed.slash, single.slash), (distributed.vertical, single.vertical)):
+            for a, b in zip(mine.reshape(-1, mine.shape[-1]).tolist(), theirs.reshape(-1, theirs.shape[-1]).tolist()):
+                a, b = {x for x in a if x != PAD}, {x for x in b if x != PAD}
+                differing += len(a ^ b)
+                total += len(b)
+        torch.save(dict(same=same, differing=differing, total=total), os.path.join(result_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_two_gpu_ring_does_not_synchronise():
+    import torch.multiprocessing as mp
+
+    from ds_mtraining.distributed.spawn import free_port
+    with tempfile.TemporaryDirectory() as result_dir:
+        mp.start_processes(_ring_worker, args=(2, free_port(), result_dir), nprocs=2, join=True,
+                           start_method="spawn")
+        results = [torch.load(os.path.join(result_dir, f"rank{r}.pt")) for r in range(2)]
+    for rank, result in enumerate(results):
+        assert result["same"], f"rank {rank}: the second step differs from the first"
+        assert result["differing"] <= max(2, result["total"] // 100), (
+            f"rank {rank}: the distributed fused index differs from the single-device one in "
+            f"{result['differing']} of {result['total']} entries")

@@ -1,0 +1,92 @@
+"""Activation checkpointing with MTraining attention on CPU: the recomputed forward reuses the
+index its forward estimated (one estimation per layer and step, counted), and the gradients
+equal the run without checkpointing (fp32)."""
+import pytest
+import torch
+from helpers import SMALL, dense_loss, sequence, tiny_model
+
+from ds_mtraining import SparseConfig, layer
+from ds_mtraining.hf import use_mtraining_attention
+from ds_mtraining.layer import AttentionStats, IndexCache, MTrainingAttentionSettings
+
+CONFIG = SparseConfig(block_size=64, last_q=64, p_vertical=0.5, p_slash=0.5, max_vertical=16,
+                      max_slash_diagonals=2)
+LAYERS = SMALL["num_hidden_layers"]
+STEPS = 2
+GRAD_TOL = dict(rtol=1e-5, atol=1e-7)
+
+
+def train_steps(monkeypatch, checkpointing: str | None, batches, micro_batches: int = 1):
+    """Gradients after the last step and the estimations counted per step."""
+    model = tiny_model("qwen2")
+    model.train()
+    settings = MTrainingAttentionSettings(CONFIG, stats=AttentionStats())
+    use_mtraining_attention(model, settings)
+    if checkpointing is not None:
+        model.activation_checkpointing_enable(
+            activation_checkpointing_kwargs={"use_reentrant": checkpointing == "reentrant"})
+    counted = []
+    real = layer.estimate_index
+    monkeypatch.setattr(layer, "estimate_index", lambda *a, **kw: counted.append(1) or real(*a, **kw))
+    per_step, recorded = [], []
+    for step in range(STEPS):
+        settings.stats.reset()  # the training loop's step boundary
+        model.zero_grad()
+        before = len(counted)
+        losses = [dense_loss(model, *batches[m]) for m in range(micro_batches)]
+        sum(losses).backward()
+        per_step.append(len(counted) - before)
+        recorded.append(len(settings.stats.densities))
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return grads, per_step, recorded
+
+
+@pytest.fixture(scope="module")
+def batch():
+    return [sequence(batch=1)]
+
+
+@pytest.mark.usefixtures("cpu_op")
+@pytest.mark.parametrize("mode", ["reentrant", "non-reentrant"])
+def test_one_estimation_per_layer_and_step(monkeypatch, batch, mode):
+    plain, plain_counts, _ = train_steps(monkeypatch, None, batch)
+    assert plain_counts == [LAYERS] * STEPS
+    grads, counts, recorded = train_steps(monkeypatch, mode, batch)
+    assert counts == [LAYERS] * STEPS, f"estimations per step with {mode} checkpointing: {counts}"
+    assert recorded == [LAYERS] * STEPS, "the recomputed forward must not be recorded in the statistics"
+    assert grads.keys() == plain.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, plain[name], **GRAD_TOL, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.usefixtures("cpu_op")
+def test_without_the_cache_the_recompute_estimates_again(monkeypatch, batch):
+    """The count above is what the cache saves: without it each layer estimates twice."""
+    monkeypatch.setattr(IndexCache, "take", lambda self, key: None)
+    _, counts, _ = train_steps(monkeypatch, "reentrant", batch)
+    assert counts == [2 * LAYERS] * STEPS
+
+
+@pytest.mark.usefixtures("cpu_op")
+def test_two_micro_batches_before_one_backward_stay_exact(monkeypatch):
+    """Two forwards before one backward hold two entries per module: the recompute estimates
+    again (same index) rather than guessing, and the gradients stay exact."""
+    ids, labels = sequence(batch=2)
+    batches = [(ids[:1], labels[:1]), (ids[1:], labels[1:])]
+    plain, _, _ = train_steps(monkeypatch, None, batches, micro_batches=2)
+    grads, counts, _ = train_steps(monkeypatch, "non-reentrant", batches, micro_batches=2)
+    assert counts == [4 * LAYERS] * STEPS
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, plain[name], **GRAD_TOL, msg=lambda m: f"{name}: {m}")
+
+
+def test_index_cache_takes_one_match_only():
+    cache = IndexCache()
+    cache.store("a", "first")
+    assert cache.take("b") is None and cache.take("a") == "first" and cache.take("a") is None
+    cache.store("a", 1)
+    cache.store("a", 2)
+    assert cache.take("a") is None and len(cache) == 2
+    AttentionStats().reset()  # a new step drops the old entries at the next store
+    cache.store("a", 3)
+    assert len(cache) == 1 and cache.take("a") == 3
