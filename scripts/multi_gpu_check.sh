@@ -7,6 +7,7 @@
 #   ring_vs_1gpu   striped ring (NCCL) vs one GPU, bf16 rel. error <= 1e-2 (tests/test_multi_gpu.py)
 #   scaling_2nodes python -m ds_mtraining.bench.scaling as 2 fake nodes (flat + hierarchical ring)
 #   estimation     distributed estimation == single-device estimation
+#   sync_free      no host sync in an attention call (one GPU, and the ring on two)
 #   drop_in        the Ulysses drop-in ds_mtraining.layer.DistributedAttention vs one GPU
 #   train_2ranks   deepspeed --num_gpus 2 --module ds_mtraining.train, 2 steps, sequence_parallel_size 2
 #   scaling_flat   the benchmark under deepspeed --num_gpus 2 (flat ring, given index only)
@@ -133,6 +134,7 @@ stage ring_vs_1gpu    90 bash -c 'pytest_case test_striped_ring_matches_one_gpu 
 [ -z "${SKIP_SCALING:-}" ] &&
   stage scaling_2nodes 200 bash -c "two_nodes ds_mtraining.bench.scaling --out '$OUT' ${SCALING_ARGS:-}"
 stage estimation      60 bash -c 'pytest_case test_distributed_estimation_equals_single_device 50'
+stage sync_free      120 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_sync_free.py
 stage drop_in         60 bash -c 'pytest_case test_drop_in_distributed_attention_matches_one_gpu 50'
 stage train_2ranks   150 bash -c 'pytest_case test_two_rank_training_step 140'
 # shellcheck disable=SC2086
