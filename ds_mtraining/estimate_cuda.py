@@ -11,8 +11,9 @@ spilled to the next rank(s) instead of all-reduced, the selection over fixed-wid
 * :func:`masses` (pass B): with the global row statistics, the column masses of the local keys and
   the token-diagonal masses ``[B, H, S]`` of the local keys' entries (summed over ranks they are
   the global ones), both divided by the row count;
-* :func:`select_top_p` : the top-p entries of each mass row (radix threshold search, ties to the
-  lower index), as a fixed-width ascending list plus counts;
+* :func:`select_top_p` (:func:`select_top_p_pair`: two lists in the same launches): the top-p
+  entries of each mass row (multi-CTA radix threshold search, ties to the lower index), as a
+  fixed-width ascending list plus counts;
 * :func:`build_index` : token diagonals and columns to the compact :class:`SparseIndex`
   (:meth:`SparseIndex.from_vertical_slash`), in fixed widths.
 
@@ -35,8 +36,8 @@ MAX_LAST_Q = 256  # query rows the kernels keep in shared memory (4 chunks of 64
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 SUPPORTED_HEAD_DIMS = (64, 128)
 
-__all__ = ["estimate_vertical_slash_cuda", "row_stats", "masses", "select_top_p", "build_index",
-           "trusted_index", "merge_row_stats", "supports"]
+__all__ = ["estimate_vertical_slash_cuda", "row_stats", "masses", "select_top_p", "select_top_p_pair",
+           "build_index", "trusted_index", "merge_row_stats", "supports"]
 
 
 def _op():
@@ -104,6 +105,15 @@ def select_top_p(mass: torch.Tensor, p: float, cap: int) -> tuple[torch.Tensor, 
     return tuple(_op().estimate_select(mass.float(), float(p), int(cap)))
 
 
+def select_top_p_pair(mass_a: torch.Tensor, p_a: float, cap_a: int, mass_b: torch.Tensor, p_b: float,
+                      cap_b: int) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`select_top_p` on two mass lists (each with its own ``p`` and ``cap``) in the same
+    kernel launches: ((indices_a, count_a), (indices_b, count_b)), equal to two separate calls."""
+    ia, ca, ib, cb = _op().estimate_select_pair(mass_a.float(), float(p_a), int(cap_a), mass_b.float(),
+                                                float(p_b), int(cap_b))
+    return (ia, ca), (ib, cb)
+
+
 def build_index(slash_tokens: torch.Tensor, slash_count: torch.Tensor, columns: torch.Tensor,
                 column_count: torch.Tensor, seq_len: int, config: SparseConfig) -> SparseIndex:
     """The index of :meth:`SparseIndex.from_vertical_slash` from selected token diagonals
@@ -134,10 +144,11 @@ def merge_row_stats(row_max: torch.Tensor, row_sum: torch.Tensor, group=None
 @torch.no_grad()
 def estimate_vertical_slash_cuda(q: torch.Tensor, k: torch.Tensor, config: SparseConfig,
                                  softmax_scale: float | None = None) -> SparseIndex:
-    """:func:`ds_mtraining.estimate.estimate_vertical_slash` on the GPU in six kernel launches and
-    no host synchronisation. q [B, S, H, D], k [B, S, Hkv, D] (bfloat16 or float16, D 64 or 128,
-    on CUDA). The lists are fixed-width (``PAD`` tails); the selected entries equal the torch
-    rule's up to float summation order (only entries at the top-p threshold can differ)."""
+    """:func:`ds_mtraining.estimate.estimate_vertical_slash` on the GPU in eleven kernel launches
+    (one a memset) and no host synchronisation. q [B, S, H, D], k [B, S, Hkv, D] (bfloat16 or
+    float16, D 64 or 128, on CUDA). The lists are fixed-width (``PAD`` tails); the selected
+    entries equal the torch rule's up to float summation order (only entries at the top-p
+    threshold can differ)."""
     check_qk(q, k)
     reason = supports(q, config)
     if reason is not None:
@@ -151,8 +162,8 @@ def estimate_vertical_slash_cuda(q: torch.Tensor, k: torch.Tensor, config: Spars
     q_last = q[:, s - lq:]
     stats = row_stats(q_last, k, s - lq, s, scale)
     columns, diagonals = masses(q_last, k, *stats, s - lq, s, scale)
-    vertical, v_count = select_top_p(columns, config.p_vertical, config.max_vertical)
-    slash, s_count = select_top_p(diagonals, config.p_slash, config.max_slash_diagonals)
+    (vertical, v_count), (slash, s_count) = select_top_p_pair(
+        columns, config.p_vertical, config.max_vertical, diagonals, config.p_slash, config.max_slash_diagonals)
     return build_index(slash, s_count, vertical, v_count, s, config)
 
 

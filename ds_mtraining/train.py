@@ -119,6 +119,7 @@ def parse_args(argv=None):
 
 def train(args, watchdog: Watchdog | None = None) -> dict:
     import deepspeed
+    from deepspeed.accelerator import get_accelerator
     from ds_mtraining.hf import use_mtraining_attention
     from ds_mtraining.layer import AttentionStats, MTrainingAttentionSettings
     from ds_mtraining.static import attention_pattern
@@ -133,6 +134,9 @@ def train(args, watchdog: Watchdog | None = None) -> dict:
     samples = PackedSequences(tokenize_documents(documents, tokenizer), run.seq_len,
                               run.data.get("passkey_fraction", 0.0), tokenizer, args.seed)
 
+    # this rank's GPU before any collective (the watchdog's pid exchange runs before
+    # deepspeed.initialize would set it; NCCL refuses a tensor on another device)
+    get_accelerator().set_device(int(os.environ.get("LOCAL_RANK", "0")))
     with contextlib.redirect_stdout(sys.stdout if launcher_rank() == 0 else io.StringIO()):
         deepspeed.init_distributed()  # DeepSpeed prints its shm op's build note: rank 0's copy only
     groups = initialize_groups(run.sequence_parallel_size, run.ring)

@@ -4,8 +4,9 @@ rule (ds_mtraining.estimate) and float64 masses. Skipped without a CUDA device.
 * masses and row statistics vs float64 (relative 1e-3), over shapes: S not a multiple of the
   64-key tile, S < last_q, last_q > 64 (several row chunks), GQA 1/4/8, D 64/128, bf16/fp16;
 * striped shards (world 2, 3, emulated on one device) give the single-device masses;
-* the top-p selection equals torch's exactly on exact-sum inputs (ties, caps, zeros), and the
-  finalize step equals SparseIndex.from_vertical_slash;
+* the top-p selection equals torch's exactly on exact-sum inputs (ties, caps, zeros, rows of
+  several chunks), the two-list selection equals two single ones, and the finalize step equals
+  SparseIndex.from_vertical_slash;
 * the index equals the torch estimator's on planted inputs (masses well separated at the
   threshold, asserted first); on noise at most 1% of selected entries differ, all near the
   threshold;
@@ -162,6 +163,21 @@ def test_select_equals_torch_on_exact_sums(n):
     for p in (0.1, 0.5, 0.9, 1.0):
         for cap in (1, 5, 4096):
             assert fused_selection(mass, p, cap) == torch_selection(mass, p, cap), f"n={n} p={p} cap={cap}"
+
+
+def test_select_pair_equals_two_selections():
+    """Two lists of different lengths, p and cap in the same launches (the rows of the shorter one
+    have fewer chunks): each equals its own selection and torch's, across chunk boundaries."""
+    g = torch.Generator().manual_seed(11)
+    a = (torch.randint(0, 8, (3, 40_000), generator=g).float() * 2.0 ** -20).cuda()
+    b = (torch.randint(0, 3, (2, 2, 9000), generator=g).float() * 2.0 ** -20).cuda()
+    b[1, 0, 8500] = 2000 * 2.0 ** -20  # one dominant entry in the last chunk
+    for (pa, ca), (pb, cb) in (((0.5, 4096), (0.9, 100)), ((1.0, 1), (0.3, 9000)), ((0.1, 50_000), (1.0, 5))):
+        (ia, na), (ib, nb) = ec.select_top_p_pair(a, pa, ca, b, pb, cb)
+        for mass, p, cap, got in ((a, pa, ca, (ia, na)), (b, pb, cb, (ib, nb))):
+            single = ec.select_top_p(mass, p, cap)
+            assert torch.equal(got[0], single[0]) and torch.equal(got[1], single[1]), f"pair != single, p={p}"
+            assert fused_selection(mass, p, cap) == torch_selection(mass, p, cap), f"p={p} cap={cap}"
 
 
 def differing_near_threshold(mass64, p, cap, mine, theirs):
@@ -349,8 +365,11 @@ def test_index_is_usable_by_the_sparse_kernels():
 
 
 def test_rejects_what_it_cannot_take():
-    q, k = random_qk(1, 256, 4, 2, 64, torch.bfloat16)
+    q, k = random_qk(1, 512, 4, 2, 64, torch.bfloat16)  # S > 300: min(last_q, S) = 300 rows > 256
     with pytest.raises(ValueError, match="bfloat16 or float16"):
         ec.estimate_vertical_slash_cuda(q.float(), k.float(), SparseConfig())
     with pytest.raises(ValueError, match="last_q=300"):
         ec.estimate_vertical_slash_cuda(q, k, SparseConfig(last_q=300))
+    # last_q above the kernels' 256 rows but S below it: only S rows are scored, which it takes
+    short_q, short_k = q[:, :200], k[:, :200]
+    ec.estimate_vertical_slash_cuda(short_q, short_k, SparseConfig(last_q=300))

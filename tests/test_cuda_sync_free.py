@@ -103,8 +103,8 @@ def test_hf_qwen2_attention_does_not_synchronise(monkeypatch, checkpointing):
     settings = MTrainingAttentionSettings(CONFIG, stats=AttentionStats())
     use_mtraining_attention(model, settings)
     if checkpointing is not None:
-        model.activation_checkpointing_enable(
-            activation_checkpointing_kwargs={"use_reentrant": checkpointing == "reentrant"})
+        model.gradient_checkpointing_enable(  # the name transformers 5.17 (the GPU machine) knows
+            gradient_checkpointing_kwargs={"use_reentrant": checkpointing == "reentrant"})
     ids = torch.randint(0, 512, (1, 1024), device="cuda")
     settings.stats.reset()
     model(input_ids=ids, labels=ids).loss.backward()  # warm-up step: op loads, the step's checks

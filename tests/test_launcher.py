@@ -133,7 +133,9 @@ def test_sigkill_then_resume_matches_the_uninterrupted_run_bit_for_bit(reference
         time.sleep(0.1)
     os.killpg(process.pid, signal.SIGKILL)
     process.wait(timeout=60)
-    killed_at = max(step for step, _ in loss_rows(tmp_path))
+    killed_rows = loss_rows(tmp_path)
+    killed_at = len(killed_rows)
+    assert [step for step, _ in killed_rows] == list(range(1, killed_at + 1))
     resumed_from = int((tmp_path / "latest").read_text().strip().removeprefix("step"))
     assert KILL_AFTER - SAVE_INTERVAL < resumed_from <= killed_at < STEPS
 
@@ -142,7 +144,7 @@ def test_sigkill_then_resume_matches_the_uninterrupted_run_bit_for_bit(reference
     rows = loss_rows(tmp_path)
     # the resume drops the killed run's rows after its checkpoint: every step once
     assert [step for step, _ in rows] == list(range(1, STEPS + 1))
-    for step, loss in rows:  # before the kill, after the resume: every value exactly equal
+    for step, loss in killed_rows + rows:  # before the kill, after the resume: every value exactly equal
         assert loss == losses[step], f"step {step}: {loss!r} != uninterrupted {losses[step]!r}"
     assert f"resumed from {tmp_path} at step {resumed_from}" in (tmp_path / "resumed.txt").read_text()
 

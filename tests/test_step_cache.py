@@ -23,8 +23,8 @@ def train_steps(monkeypatch, checkpointing: str | None, batches, micro_batches: 
     settings = MTrainingAttentionSettings(CONFIG, stats=AttentionStats())
     use_mtraining_attention(model, settings)
     if checkpointing is not None:
-        model.activation_checkpointing_enable(
-            activation_checkpointing_kwargs={"use_reentrant": checkpointing == "reentrant"})
+        model.gradient_checkpointing_enable(  # the name transformers 5.17 (the GPU machine) knows
+            gradient_checkpointing_kwargs={"use_reentrant": checkpointing == "reentrant"})
     counted = []
     real = layer.estimate_index
     monkeypatch.setattr(layer, "estimate_index", lambda *a, **kw: counted.append(1) or real(*a, **kw))

@@ -81,13 +81,65 @@ cudaError_t run_masses(const ScoreParams& p, Elem elem, cudaStream_t stream) {
     return cudaGetLastError();
 }
 
-cudaError_t run_select(const SelectParams& p, cudaStream_t stream) {
-    if (p.rows < 1 || p.n < 1 || p.n > kMaxSelectLen || p.cap < 1 || p.width != (p.cap < p.n ? p.cap : p.n))
-        return cudaErrorInvalidValue;
-    const int smem = select_smem_bytes();
-    cudaError_t s = cudaFuncSetAttribute(select_top_p_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+namespace {
+
+struct SelectLayout {
+    long long histogram, states, records, total;  // byte offsets and size
+};
+
+SelectLayout select_layout(int rows, int n) {
+    const auto align = [](long long bytes) { return (bytes + 255) / 256 * 256; };
+    const long long chunks = (static_cast<long long>(n) + kSelectChunk - 1) / kSelectChunk;
+    SelectLayout l;
+    l.histogram = 0;
+    l.states = align(static_cast<long long>(kSelectLevels) * rows * kRadixBins * sizeof(unsigned long long));
+    l.records = l.states + align(static_cast<long long>(kSelectLevels - 1) * rows * sizeof(SelectState));
+    l.total = l.records + align(static_cast<long long>(rows) * chunks * kRecordWords * sizeof(uint32_t));
+    return l;
+}
+
+bool valid_segment(const SelectSegment& s) {
+    return s.rows >= 1 && s.n >= 1 && s.n <= kMaxSelectLen && s.cap >= 1 && s.width == (s.cap < s.n ? s.cap : s.n) &&
+           s.mass != nullptr && s.indices != nullptr && s.count != nullptr && s.row_stride >= s.n;
+}
+
+}  // namespace
+
+long long select_scratch_bytes(int rows, int n) { return select_layout(rows, n).total; }
+
+cudaError_t run_select(const SelectParams& params, cudaStream_t stream) {
+    if (params.segments < 1 || params.segments > 2 || params.scratch == nullptr) return cudaErrorInvalidValue;
+    SelectParams p = params;
+    long long rows = 0;
+    int n = 0;
+    for (int i = 0; i < p.segments; ++i) {
+        if (!valid_segment(p.segment[i])) return cudaErrorInvalidValue;
+        rows += p.segment[i].rows;
+        n = p.segment[i].n > n ? p.segment[i].n : n;
+    }
+    p.max_chunks = (n + kSelectChunk - 1) / kSelectChunk;
+    if (rows * p.max_chunks >= (1ll << 31)) return cudaErrorInvalidValue;
+    p.total_rows = static_cast<int>(rows);
+    const SelectLayout layout = select_layout(p.total_rows, n);
+    unsigned char* base = static_cast<unsigned char*>(p.scratch);
+    p.histogram = reinterpret_cast<unsigned long long*>(base + layout.histogram);
+    p.states = base + layout.states;
+    p.records = reinterpret_cast<uint32_t*>(base + layout.records);
+    cudaError_t s = cudaMemsetAsync(p.histogram, 0, static_cast<size_t>(layout.states), stream);
     if (s != cudaSuccess) return s;
-    select_top_p_kernel<<<p.rows, kSelectThreads, smem, stream>>>(p);
+    const unsigned grid = static_cast<unsigned>(rows * p.max_chunks);
+    const int smem = select_smem_bytes();
+    auto histogram_pass = [&](auto kernel) {
+        cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+        if (status != cudaSuccess) return status;
+        kernel<<<grid, kSelectThreads, smem, stream>>>(p);
+        return cudaGetLastError();
+    };
+    if ((s = histogram_pass(select_histogram_kernel<0>)) != cudaSuccess) return s;
+    if ((s = histogram_pass(select_histogram_kernel<1>)) != cudaSuccess) return s;
+    if ((s = histogram_pass(select_histogram_kernel<2>)) != cudaSuccess) return s;
+    if ((s = histogram_pass(select_histogram_kernel<3>)) != cudaSuccess) return s;
+    select_write_kernel<<<grid, kSelectThreads, 0, stream>>>(p);
     return cudaGetLastError();
 }
 

@@ -12,7 +12,8 @@
 //           t = query position - key position (0 .. seq_len - 1), both divided by lq;
 //   select (run_select):    per row of masses, the top-p entries (fewest, largest first, ties to the
 //           lower index, whose cumulative mass reaches p * total; at least 1, at most cap), as a
-//           fixed-width ascending list padded with kPad, and their count;
+//           fixed-width ascending list padded with kPad, and their count; up to two lists of rows
+//           (each with its own p and cap) in the same launches;
 //   finalize (run_finalize): selected token diagonals -> block diagonals (t / block and, unless
 //           t % block == 0, the next one) plus the local ones; selected columns plus the sink
 //           tokens, less the columns in the last `leading run` blocks (SparseIndex.from_blocks).
@@ -34,6 +35,8 @@ constexpr int kTile = 64;         // keys per tile, query rows per chunk
 constexpr int kMaxChunks = 4;     // lq <= 256
 constexpr int kDiagSlots = 128;   // per (chunk, key tile): its 127 token diagonals, one spare
 constexpr int kMaxSelectLen = (1 << 22) - 1;  // the packed histogram counts 22 bits
+constexpr int kSelectChunk = 8192;  // mass entries per select CTA
+constexpr int kSelectLevels = 4;    // 8-bit radix digits of the float bits
 
 struct ScoreParams {
     const void* q = nullptr;  // [batch, lq, heads, head_dim]: rows at q_row_stride, batches at q_batch_stride
@@ -62,7 +65,8 @@ struct ScoreParams {
     float* diagonals = nullptr;      // [batch, heads, seq_len]
 };
 
-struct SelectParams {
+// One list of mass rows to select from.
+struct SelectSegment {
     const float* mass = nullptr;  // [rows, n] at row_stride, non-negative (masses summing to ~1)
     long long row_stride = 0;
     int rows = 0, n = 0;
@@ -71,6 +75,18 @@ struct SelectParams {
     int width = 0;                // min(cap, n): the fixed list width
     int* indices = nullptr;       // [rows, width] ascending, kPad padded
     int* count = nullptr;         // [rows]
+};
+
+// One or two segments (vertical and slash masses) selected in the same launches.
+struct SelectParams {
+    SelectSegment segment[2];
+    int segments = 1;
+    void* scratch = nullptr;  // select_scratch_bytes(rows of all segments, longest n), 16-byte aligned
+    // set by run_select from the above
+    int total_rows = 0, max_chunks = 0;
+    unsigned long long* histogram = nullptr;  // [kSelectLevels][total_rows][256], zeroed by run_select
+    void* states = nullptr;                   // [kSelectLevels - 1][total_rows] per-row search states
+    uint32_t* records = nullptr;              // [total_rows][max_chunks][1 + 256] per-chunk counts
 };
 
 struct FinalizeParams {
@@ -92,6 +108,8 @@ struct FinalizeParams {
 // Dynamic shared memory of the score kernels (pass B with masses = true), for the launch checks.
 int score_smem_bytes(int head_dim, int chunks, bool masses);
 int select_smem_bytes();
+// Scratch of run_select for `rows` rows (all segments) of at most `n` entries.
+long long select_scratch_bytes(int rows, int n);
 
 cudaError_t run_row_stats(const ScoreParams& p, Elem elem, cudaStream_t stream);
 cudaError_t run_masses(const ScoreParams& p, Elem elem, cudaStream_t stream);

@@ -6,8 +6,10 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include <algorithm>
+#include <initializer_list>
 #include <cstdint>
 #include <limits>
+#include <vector>
 
 #include "estimate_api.cuh"
 #include "mtraining/estimate.h"
@@ -159,39 +161,87 @@ std::vector<at::Tensor> masses(const at::Tensor& q_last, const at::Tensor& k, co
     return {columns, diagonals};
 }
 
-// Top-p of each row of mass [..., n] (float32, >= 0): (indices [..., min(cap, n)] int32 ascending,
-// PAD padded; count [...] int32).
-std::vector<at::Tensor> select(const at::Tensor& mass_in, double p_top, int64_t cap) {
-    TORCH_CHECK_VALUE(mass_in.is_cuda() && mass_in.scalar_type() == at::kFloat && mass_in.dim() >= 1, kName,
-                      ": estimate_select takes a float32 CUDA tensor [..., n], got ", mass_in.scalar_type(), " ",
+// One select segment: checks mass [..., n] (float32 CUDA, >= 0), allocates (indices [..., min(cap, n)]
+// int32 ascending, PAD padded; count [...] int32).
+struct SelectList {
+    at::Tensor mass, indices, count;
+    est::SelectSegment segment;
+};
+
+SelectList select_list(const at::Tensor& mass_in, double p_top, int64_t cap, const char* name) {
+    TORCH_CHECK_VALUE(mass_in.is_cuda() && mass_in.scalar_type() == at::kFloat && mass_in.dim() >= 1, kName, ": ",
+                      name, " takes a float32 CUDA tensor [..., n], got ", mass_in.scalar_type(), " ",
                       mass_in.sizes(), " on ", mass_in.device());
     TORCH_CHECK_VALUE(p_top > 0.0 && p_top <= 1.0 && cap >= 1, kName, ": need 0 < p <= 1 and cap >= 1, got p=", p_top,
                       " cap=", cap);
-    const c10::cuda::OptionalCUDAGuard guard(mass_in.device());
     const int64_t n = mass_in.size(-1);
     TORCH_CHECK_VALUE(n >= 1 && n <= est::kMaxSelectLen, kName, ": rows must hold 1 .. ", est::kMaxSelectLen,
                       " entries, got ", n);
-    const at::Tensor mass = mass_in.contiguous();
-    const int64_t rows = mass.numel() / n;
+    SelectList list;
+    list.mass = mass_in.contiguous();
+    const int64_t rows = list.mass.numel() / n;
     TORCH_CHECK_VALUE(rows >= 1 && rows < kIntMax, kName, ": no rows to select from");
     const int64_t width = std::min(cap, n);
-    std::vector<int64_t> index_shape(mass.sizes().begin(), mass.sizes().end());
+    std::vector<int64_t> index_shape(list.mass.sizes().begin(), list.mass.sizes().end());
     index_shape.back() = width;
-    std::vector<int64_t> count_shape(mass.sizes().begin(), mass.sizes().end() - 1);
-    at::Tensor indices = at::empty(index_shape, mass.options().dtype(at::kInt));
-    at::Tensor count = at::empty(count_shape, mass.options().dtype(at::kInt));
+    std::vector<int64_t> count_shape(list.mass.sizes().begin(), list.mass.sizes().end() - 1);
+    list.indices = at::empty(index_shape, list.mass.options().dtype(at::kInt));
+    list.count = at::empty(count_shape, list.mass.options().dtype(at::kInt));
+    est::SelectSegment& seg = list.segment;
+    seg.mass = list.mass.data_ptr<float>();
+    seg.row_stride = n;
+    seg.rows = static_cast<int>(rows);
+    seg.n = static_cast<int>(n);
+    seg.p = static_cast<float>(p_top);
+    seg.cap = static_cast<int>(std::min<int64_t>(cap, kIntMax));
+    seg.width = static_cast<int>(width);
+    seg.indices = list.indices.data_ptr<int32_t>();
+    seg.count = list.count.data_ptr<int32_t>();
+    return list;
+}
+
+void run_select_lists(std::initializer_list<const SelectList*> lists, const at::Tensor& like) {
     est::SelectParams p;
-    p.mass = mass.data_ptr<float>();
-    p.row_stride = n;
-    p.rows = static_cast<int>(rows);
-    p.n = static_cast<int>(n);
-    p.p = static_cast<float>(p_top);
-    p.cap = static_cast<int>(std::min<int64_t>(cap, kIntMax));
-    p.width = static_cast<int>(width);
-    p.indices = indices.data_ptr<int32_t>();
-    p.count = count.data_ptr<int32_t>();
+    p.segments = 0;
+    int64_t rows = 0, n = 0;
+    for (const SelectList* list : lists) {
+        p.segment[p.segments++] = list->segment;  // at most two lists
+        rows += list->segment.rows;
+        n = std::max<int64_t>(n, list->segment.n);
+    }
+    TORCH_CHECK_VALUE(rows < kIntMax && rows * ((n + est::kSelectChunk - 1) / est::kSelectChunk) < kIntMax, kName,
+                      ": too many rows to select from");
+    at::Tensor scratch =
+        at::empty({est::select_scratch_bytes(static_cast<int>(rows), static_cast<int>(n))}, like.options().dtype(at::kByte));
+    p.scratch = scratch.data_ptr();
     check_launch(est::run_select(p, current_stream()), "estimate_select");
-    return {indices, count};
+}
+
+// Top-p of each row of mass [..., n] (float32, >= 0): (indices [..., min(cap, n)] int32 ascending,
+// PAD padded; count [...] int32).
+std::vector<at::Tensor> select(const at::Tensor& mass_in, double p_top, int64_t cap) {
+    TORCH_CHECK_VALUE(mass_in.is_cuda(), kName, ": estimate_select takes a float32 CUDA tensor, got one on ",
+                      mass_in.device());
+    const c10::cuda::OptionalCUDAGuard guard(mass_in.device());
+    const SelectList list = select_list(mass_in, p_top, cap, "estimate_select");
+    run_select_lists({&list}, list.mass);
+    return {list.indices, list.count};
+}
+
+// Two selections in the same launches (the vertical and slash lists of the estimator):
+// (indices_a, count_a, indices_b, count_b) as two select calls would return them.
+std::vector<at::Tensor> select_pair(const at::Tensor& mass_a, double p_a, int64_t cap_a, const at::Tensor& mass_b,
+                                    double p_b, int64_t cap_b) {
+    TORCH_CHECK_VALUE(mass_a.is_cuda() && mass_b.device() == mass_a.device(), kName,
+                      ": estimate_select_pair takes float32 tensors on one CUDA device, got ", mass_a.device(),
+                      " and ", mass_b.device());
+    const c10::cuda::OptionalCUDAGuard guard(mass_a.device());
+    const SelectList a = select_list(mass_a, p_a, cap_a, "estimate_select_pair");
+    const SelectList b = select_list(mass_b, p_b, cap_b, "estimate_select_pair");
+    TORCH_CHECK_VALUE(static_cast<int64_t>(a.segment.rows) + b.segment.rows < kIntMax, kName,
+                      ": too many rows to select from");
+    run_select_lists({&a, &b}, a.mass);
+    return {a.indices, a.count, b.indices, b.count};
 }
 
 void check_list(const at::Tensor& list, const at::Tensor& count, const char* name, const at::Tensor& like) {
@@ -266,6 +316,9 @@ void register_estimator(pybind11::module_& m) {
     m.def("estimate_select", &select,
           "top-p of each row of mass [..., n] -> (indices [..., min(cap, n)] ascending PAD padded, count) int32",
           py::arg("mass"), py::arg("p"), py::arg("cap"));
+    m.def("estimate_select_pair", &select_pair,
+          "estimate_select on two mass lists in the same launches -> (indices_a, count_a, indices_b, count_b)",
+          py::arg("mass_a"), py::arg("p_a"), py::arg("cap_a"), py::arg("mass_b"), py::arg("p_b"), py::arg("cap_b"));
     m.def("estimate_finalize", &finalize,
           "selected token diagonals and columns -> (slash, slash_count, vertical, vertical_count) int32",
           py::arg("slash_tokens"), py::arg("slash_token_count"), py::arg("columns"), py::arg("column_count"),

@@ -16,11 +16,14 @@
 // two tiles per chunk that hold it, in a fixed order. Nothing uses float atomics: every result is
 // bitwise reproducible.
 //
-// Select kernel: one CTA per row. Four radix passes over the float bits (masses >= 0 order like
-// their bits) build 256-bin histograms of (count, fixed-point mass) with integer shared-memory
-// atomics (exact, so order-free), replicated per lane so a warp's atomics never collide; each pass
-// picks the bin holding the last selected entry. Then one pass compacts, in ascending index order,
-// the entries above the threshold value plus the first ties by index.
+// Selection: one CTA per (row, chunk of kSelectChunk entries), the rows of both mass lists
+// (vertical, slash) in the same launches. Four radix passes over the float bits (masses >= 0 order
+// like their bits) build 256-bin histograms of (count, fixed-point mass) with integer atomics
+// (exact, so order-free): per lane in shared memory (a warp's atomics never collide), then per row
+// in global memory. Each pass starts by picking, from the previous pass's row histogram, the bin
+// holding the last selected entry. A write kernel then compacts, in ascending index order, the
+// entries above the threshold value plus the first ties by index, each chunk at the offset that the
+// last pass's per-chunk counts give.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -38,10 +41,11 @@ constexpr int kScoreThreads = 128;   // 4 warps x 16 rows of a 64-row chunk
 constexpr int kProbStride = 72;      // floats per row of the probability tile (conflict-free float2 stores)
 constexpr int kStatsThreads = 128;
 constexpr int kGatherThreads = 256;
-constexpr int kSelectThreads = 1024;
+constexpr int kSelectThreads = 512;
 constexpr int kSelectWarps = kSelectThreads / 32;
 constexpr int kRadixBins = 256;
 constexpr int kSelectUnroll = 8;
+constexpr int kRecordWords = 1 + kRadixBins;  // per (row, chunk): entries above the 24-bit prefix, final bin counts
 constexpr int kFinalizeThreads = 256;
 constexpr float kLog2e = 1.4426950408889634f;
 // Packed histogram entry: count << kCountShift | mass in fixed point (2^kFixedBits per unit).
@@ -311,7 +315,7 @@ __global__ void __launch_bounds__(kStatsThreads) combine_row_stats_kernel(const 
 
 // ------------------------------------------------------------------ pass B: masses
 template <typename T, int D>
-__global__ void __launch_bounds__(kScoreThreads, 2) masses_kernel(const ScoreParams p) {
+__global__ void __launch_bounds__(kScoreThreads, 3) masses_kernel(const ScoreParams p) {
     extern __shared__ __align__(128) unsigned char smem[];
     T* q_s = reinterpret_cast<T*>(smem);
     T* k_s = q_s + p.chunks * kTile * D;
@@ -366,13 +370,17 @@ __global__ void __launch_bounds__(kScoreThreads, 2) masses_kernel(const ScorePar
                 for (int i = 0; i < kTile; ++i) sum += prob[i * kProbStride + tid];
                 column += sum;
             }
-            // token diagonal d = i - j + 63 of the tile: rows max(0, d - 63) .. min(63, d)
+            // token diagonal d = i - j + 63 of the tile: rows max(0, d - 63) .. min(63, d). Every
+            // thread walks all 64 rows in step (adding 0 off its diagonal: the same sum), so a
+            // warp's 32 loads hit 32 consecutive words: no bank conflicts, no divergence.
             {
                 const int d = tid;
                 float sum = 0.f;
-                if (d < 2 * kTile - 1) {
-                    const int first = max(0, d - (kTile - 1)), last = min(kTile - 1, d);
-                    for (int i = first; i <= last; ++i) sum += prob[i * kProbStride + i - d + (kTile - 1)];
+#pragma unroll 16
+                for (int i = 0; i < kTile; ++i) {
+                    const int j = i - d + (kTile - 1);
+                    const float v = prob[i * kProbStride + max(0, min(kTile - 1, j))];
+                    sum += (j >= 0 && j < kTile) ? v : 0.f;
                 }
                 const long long slot =
                     ((head_row * p.chunks + ch) * p.num_tiles + tile) * static_cast<long long>(kDiagSlots) + d;
@@ -444,6 +452,16 @@ __device__ __forceinline__ V block_exclusive_scan(V value, V& total, V* scratch)
 }
 
 // ------------------------------------------------------------------ top-p selection
+// Rows of up to two segments (vertical and slash masses, each with its own p and cap) run in the
+// same launches; each row is cut into chunks of kSelectChunk entries, one CTA per (row, chunk).
+// Four histogram kernels (one per 8-bit radix digit of the float bits) each add their CTA's
+// 256-bin (count, fixed-point mass) histogram into the row's global histogram of that level with
+// integer atomics (exact, so order-free and reproducible). The next kernel first picks, from the
+// previous level's global histogram, the bin holding the last selected entry (every CTA of the row
+// does the same pick on the same integers; the row's chunk-0 CTA stores the result for the kernel
+// after). The last histogram kernel also records, per chunk, how many entries rank above the
+// 24-bit prefix and the counts of its 256 final bins, so the write kernel knows, per chunk, how
+// many selected entries precede it without another pass.
 __device__ __forceinline__ uint32_t mass_bits(float x) { return x > 0.f ? __float_as_uint(x) : 0u; }
 
 __device__ __forceinline__ unsigned long long fixed_mass(float x) {
@@ -458,6 +476,19 @@ struct SelectState {
     int selected, ties_taken;
 };
 
+__device__ __forceinline__ SelectState initial_select_state() {
+    SelectState s;
+    s.prefix = 0;
+    s.prefix_mask = 0;
+    s.above_count = 0;
+    s.above_mass = 0;
+    s.range_count = 0;
+    s.target = 0.0;
+    s.selected = 0;
+    s.ties_taken = 0;
+    return s;
+}
+
 // Whether bin (count, mass), preceded by `count_before` entries of mass `mass_before`, holds the
 // last selected entry (given that it is not before it): the selection ends within it.
 __device__ __forceinline__ bool ends_in(unsigned long long count_before, unsigned long long mass_before,
@@ -467,120 +498,185 @@ __device__ __forceinline__ bool ends_in(unsigned long long count_before, unsigne
                          static_cast<double>(mass_before + mass) >= target);
 }
 
-__global__ void __launch_bounds__(kSelectThreads) select_top_p_kernel(const SelectParams p) {
+// The CTA's row (within its segment), chunk and entry range; `active` is false for the CTAs past
+// the row's last chunk (the grid is sized for the longest segment).
+struct SelectWork {
+    SelectSegment seg;
+    int row;     // over all segments (scratch index)
+    int local;   // within the segment
+    int chunk, begin, end;
+    bool active;
+};
+
+__device__ __forceinline__ SelectWork select_work(const SelectParams& p) {
+    SelectWork w;
+    w.row = static_cast<int>(blockIdx.x / static_cast<unsigned>(p.max_chunks));
+    w.chunk = static_cast<int>(blockIdx.x % static_cast<unsigned>(p.max_chunks));
+    const bool second = p.segments > 1 && w.row >= p.segment[0].rows;
+    w.seg = second ? p.segment[1] : p.segment[0];
+    w.local = second ? w.row - p.segment[0].rows : w.row;
+    w.begin = w.chunk * kSelectChunk;
+    w.end = min(w.seg.n, w.begin + kSelectChunk);
+    w.active = w.begin < w.seg.n;
+    return w;
+}
+
+__device__ __forceinline__ unsigned long long* level_histogram(const SelectParams& p, int level, int row) {
+    return p.histogram + (static_cast<long long>(level) * p.total_rows + row) * kRadixBins;
+}
+
+// Warp 0: refines `state` by the digit at `level` from the row's global histogram of that level.
+__device__ __forceinline__ void pick_digit(SelectState& state, const unsigned long long* bins, int level,
+                                           int cap_n, float p_top) {
+    const int lane = threadIdx.x & 31;
+    const int shift = 24 - 8 * level;
+    // lane l scans bins 255 - 8 l down to 248 - 8 l (descending values)
+    unsigned long long v[8];
+    unsigned long long chunk_count = 0, chunk_mass = 0;
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {
+        v[u] = bins[kRadixBins - 1 - 8 * lane - u];
+        chunk_count += v[u] >> kCountShift;
+        chunk_mass += v[u] & kMassMask;
+    }
+    if (level == 0) {
+        unsigned long long total = chunk_mass;
+#pragma unroll
+        for (int offset = 16; offset > 0; offset >>= 1) total += __shfl_xor_sync(0xffffffffu, total, offset);
+        if (lane == 0) state.target = static_cast<double>(p_top) * static_cast<double>(total) * (1.0 - 1e-6);
+    }
+    __syncwarp();
+    unsigned long long count_before = chunk_count, mass_before = chunk_mass;
+#pragma unroll
+    for (int offset = 1; offset < 32; offset <<= 1) {
+        const unsigned long long c = __shfl_up_sync(0xffffffffu, count_before, offset);
+        const unsigned long long m = __shfl_up_sync(0xffffffffu, mass_before, offset);
+        if (lane >= offset) {
+            count_before += c;
+            mass_before += m;
+        }
+    }
+    count_before = count_before - chunk_count + state.above_count;
+    mass_before = mass_before - chunk_mass + state.above_mass;
+    const double target = state.target;
+    int hit_bin = -1;
+    unsigned long long hit_count = 0;
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {
+        const int bin = kRadixBins - 1 - 8 * lane - u;
+        const unsigned long long c = v[u] >> kCountShift, m = v[u] & kMassMask;
+        if (hit_bin < 0) {
+            if (ends_in(count_before, mass_before, c, m, cap_n, target)) {
+                hit_bin = bin;
+                hit_count = c;
+            } else {
+                count_before += c;
+                mass_before += m;
+            }
+        }
+    }
+    const unsigned hits = __ballot_sync(0xffffffffu, hit_bin >= 0);
+    __syncwarp();
+    // by construction some bin ends the selection; should none (impossible), keep the state, and
+    // the compaction takes no ties
+    if (hits != 0 && lane == __ffs(hits) - 1) {
+        state.prefix |= static_cast<uint32_t>(hit_bin) << shift;
+        state.prefix_mask |= 0xffu << shift;
+        state.above_count = count_before;
+        state.above_mass = mass_before;
+        state.range_count = hit_count;
+    }
+    __syncwarp();
+}
+
+// Warp 0: the row's state before the histogram of `level` (picks 0 .. level - 1 applied); the
+// chunk-0 CTA stores it for the next kernel.
+__device__ __forceinline__ void state_before(SelectState& state, const SelectParams& p, const SelectWork& w,
+                                             int level) {
+    const int lane = threadIdx.x & 31;
+    SelectState* states = static_cast<SelectState*>(p.states);  // [kSelectLevels - 1][total_rows]
+    if (lane == 0) state = level >= 2 ? states[static_cast<long long>(level - 2) * p.total_rows + w.row]
+                                      : initial_select_state();
+    __syncwarp();
+    if (level >= 1) {
+        pick_digit(state, level_histogram(p, level - 1, w.row), level - 1, min(w.seg.cap, w.seg.n), w.seg.p);
+        if (level <= kSelectLevels - 1 && w.chunk == 0 && lane == 0)
+            states[static_cast<long long>(level - 1) * p.total_rows + w.row] = state;
+    }
+}
+
+__device__ __forceinline__ uint32_t* chunk_record(const SelectParams& p, int row, int chunk) {
+    return p.records + (static_cast<long long>(row) * p.max_chunks + chunk) * kRecordWords;
+}
+
+template <int kLevel>
+__global__ void __launch_bounds__(kSelectThreads) select_histogram_kernel(const SelectParams p) {
     extern __shared__ __align__(16) unsigned char select_smem[];
     unsigned long long* histogram = reinterpret_cast<unsigned long long*>(select_smem);  // [bins][32 lanes]
-    __shared__ unsigned long long bins[kRadixBins];
-    __shared__ unsigned long long scan_scratch[kSelectWarps + 1];
     __shared__ SelectState state;
-
+    __shared__ unsigned int above_prefix;
+    const SelectWork w = select_work(p);
+    if (!w.active) return;
     const int tid = threadIdx.x;
     const int lane = tid & 31;
-    const int warp = tid >> 5;
-    const float* mass = p.mass + static_cast<long long>(blockIdx.x) * p.row_stride;
-    const int n = p.n;
-    const int cap_n = min(p.cap, n);
+    if (tid < 32) state_before(state, p, w, kLevel);
+    for (int e = tid; e < kRadixBins * 32; e += kSelectThreads) histogram[e] = 0ull;
+    if (tid == 0) above_prefix = 0;
+    __syncthreads();
 
-    if (tid == 0) {
-        state.prefix = 0;
-        state.prefix_mask = 0;
-        state.above_count = 0;
-        state.above_mass = 0;
-        state.range_count = 0;
-        state.target = 0.0;
-        state.selected = 0;
-        state.ties_taken = 0;
-    }
-
-    for (int level = 0; level < 4; ++level) {
-        const int shift = 24 - 8 * level;
-        for (int e = tid; e < kRadixBins * 32; e += kSelectThreads) histogram[e] = 0ull;
-        __syncthreads();
-        const uint32_t prefix = state.prefix, prefix_mask = state.prefix_mask;
-        for (int base = tid; base < n; base += kSelectThreads * kSelectUnroll) {
-            float value[kSelectUnroll];
+    constexpr int shift = 24 - 8 * kLevel;
+    const uint32_t prefix = state.prefix, prefix_mask = state.prefix_mask;
+    const float* mass = w.seg.mass + static_cast<long long>(w.local) * w.seg.row_stride;
+    unsigned int above = 0;
+    for (int base = w.begin + tid; base < w.end; base += kSelectThreads * kSelectUnroll) {
+        float value[kSelectUnroll];
 #pragma unroll
-            for (int u = 0; u < kSelectUnroll; ++u) {
-                const int e = base + u * kSelectThreads;
-                value[u] = e < n ? mass[e] : 0.f;
-            }
+        for (int u = 0; u < kSelectUnroll; ++u) {
+            const int e = base + u * kSelectThreads;
+            value[u] = e < w.end ? mass[e] : 0.f;
+        }
 #pragma unroll
-            for (int u = 0; u < kSelectUnroll; ++u) {
-                const int e = base + u * kSelectThreads;
-                const uint32_t bits = mass_bits(value[u]);
-                if (e < n && (bits & prefix_mask) == prefix) {
+        for (int u = 0; u < kSelectUnroll; ++u) {
+            const int e = base + u * kSelectThreads;
+            const uint32_t bits = mass_bits(value[u]);
+            if (e < w.end) {
+                if ((bits & prefix_mask) == prefix) {
                     const int bin = (bits >> shift) & (kRadixBins - 1);
                     atomicAdd(&histogram[bin * 32 + lane], (1ull << kCountShift) | fixed_mass(value[u]));
+                } else if (kLevel == kSelectLevels - 1 && (bits & prefix_mask) > prefix) {
+                    ++above;
                 }
             }
         }
-        __syncthreads();
-        if (tid < kRadixBins) {
-            unsigned long long sum = 0;
-            for (int l = 0; l < 32; ++l) sum += histogram[tid * 32 + ((l + tid) & 31)];
-            bins[tid] = sum;
-        }
-        __syncthreads();
-        if (warp == 0) {
-            // lane l scans bins 255 - 8 l down to 248 - 8 l (descending values)
-            unsigned long long chunk_count = 0, chunk_mass = 0;
-#pragma unroll
-            for (int u = 0; u < 8; ++u) {
-                const unsigned long long v = bins[kRadixBins - 1 - 8 * lane - u];
-                chunk_count += v >> kCountShift;
-                chunk_mass += v & kMassMask;
-            }
-            if (level == 0) {
-                unsigned long long total = chunk_mass;
-#pragma unroll
-                for (int offset = 16; offset > 0; offset >>= 1) total += __shfl_xor_sync(0xffffffffu, total, offset);
-                if (lane == 0) state.target = static_cast<double>(p.p) * static_cast<double>(total) * (1.0 - 1e-6);
-            }
-            __syncwarp();
-            unsigned long long count_before = chunk_count, mass_before = chunk_mass;
-#pragma unroll
-            for (int offset = 1; offset < 32; offset <<= 1) {
-                const unsigned long long c = __shfl_up_sync(0xffffffffu, count_before, offset);
-                const unsigned long long m = __shfl_up_sync(0xffffffffu, mass_before, offset);
-                if (lane >= offset) {
-                    count_before += c;
-                    mass_before += m;
-                }
-            }
-            count_before = count_before - chunk_count + state.above_count;
-            mass_before = mass_before - chunk_mass + state.above_mass;
-            const double target = state.target;
-            int hit_bin = -1;
-            unsigned long long hit_count = 0;
-#pragma unroll
-            for (int u = 0; u < 8; ++u) {
-                const int bin = kRadixBins - 1 - 8 * lane - u;
-                const unsigned long long v = bins[bin];
-                const unsigned long long c = v >> kCountShift, m = v & kMassMask;
-                if (hit_bin < 0) {
-                    if (ends_in(count_before, mass_before, c, m, cap_n, target)) {
-                        hit_bin = bin;
-                        hit_count = c;
-                    } else {
-                        count_before += c;
-                        mass_before += m;
-                    }
-                }
-            }
-            const unsigned hits = __ballot_sync(0xffffffffu, hit_bin >= 0);
-            __syncwarp();
-            // by construction some bin ends the selection; should none (impossible), keep the
-            // state, and the compaction below takes no ties
-            if (hits != 0 && lane == __ffs(hits) - 1) {
-                state.prefix |= static_cast<uint32_t>(hit_bin) << shift;
-                state.prefix_mask |= 0xffu << shift;
-                state.above_count = count_before;
-                state.above_mass = mass_before;
-                state.range_count = hit_count;
-            }
-        }
-        __syncthreads();
     }
+    if (kLevel == kSelectLevels - 1 && above > 0) atomicAdd(&above_prefix, above);
+    __syncthreads();
+    if (tid < kRadixBins) {
+        unsigned long long sum = 0;
+        for (int l = 0; l < 32; ++l) sum += histogram[tid * 32 + ((l + tid) & 31)];
+        if (sum != 0) atomicAdd(level_histogram(p, kLevel, w.row) + tid, sum);
+        if (kLevel == kSelectLevels - 1) chunk_record(p, w.row, w.chunk)[1 + tid] = static_cast<uint32_t>(sum >> kCountShift);
+    }
+    if (kLevel == kSelectLevels - 1 && tid == 0) chunk_record(p, w.row, w.chunk)[0] = above_prefix;
+}
+
+// The last pick, the tie count, then the chunk's selected entries in ascending index order at
+// their offsets in the row's list (the records of the earlier chunks give the offsets).
+__global__ void __launch_bounds__(kSelectThreads) select_write_kernel(const SelectParams p) {
+    __shared__ unsigned long long scan_scratch[kSelectWarps + 1];
+    __shared__ SelectState state;
+    __shared__ unsigned int above_earlier, ties_earlier;
+    const SelectWork w = select_work(p);
+    if (!w.active) return;
+    const int tid = threadIdx.x;
+    const int n = w.seg.n;
+    const int cap_n = min(w.seg.cap, n);
+    if (tid < 32) state_before(state, p, w, kSelectLevels);
+    if (tid == 32) {
+        above_earlier = 0;
+        ties_earlier = 0;
+    }
+    __syncthreads();
 
     // the threshold value is state.prefix; its ties are taken in index order
     if (tid == 0) {
@@ -612,46 +708,62 @@ __global__ void __launch_bounds__(kSelectThreads) select_top_p_kernel(const Sele
         state.ties_taken = static_cast<int>(taken);
         state.selected = static_cast<int>(above + taken);
     }
+    // entries of the earlier chunks above the threshold, and ties (last digit = the threshold's)
+    const uint32_t threshold = state.prefix;
+    const int low = static_cast<int>(threshold & 0xffu);
+    if (tid < kRadixBins && w.chunk > 0) {
+        unsigned int sum = 0;
+        for (int c = 0; c < w.chunk; ++c) sum += chunk_record(p, w.row, c)[1 + tid];
+        if (tid > low && sum > 0) atomicAdd(&above_earlier, sum);
+        if (tid == low) atomicAdd(&ties_earlier, sum);
+    }
+    for (int c = tid; c < w.chunk; c += kSelectThreads) {
+        const unsigned int v = chunk_record(p, w.row, c)[0];
+        if (v > 0) atomicAdd(&above_earlier, v);
+    }
     __syncthreads();
 
-    const uint32_t threshold = state.prefix;
     const unsigned long long ties_taken = static_cast<unsigned long long>(state.ties_taken);
     const int selected = state.selected;
-    int* out = p.indices + static_cast<long long>(blockIdx.x) * p.width;
-    // compaction: chunks of kSelectThreads x 8 entries, 8 consecutive per thread
-    unsigned long long above_running = 0, ties_running = 0;
+    const float* mass = w.seg.mass + static_cast<long long>(w.local) * w.seg.row_stride;
+    int* out = w.seg.indices + static_cast<long long>(w.local) * w.seg.width;
+    unsigned long long above_running = above_earlier, ties_running = ties_earlier;
+    // compaction: pieces of kSelectThreads x 8 entries, 8 consecutive per thread
     constexpr int kPerThread = 8;
-    for (int base = 0; base < n; base += kSelectThreads * kPerThread) {
+    for (int base = w.begin; base < w.end; base += kSelectThreads * kPerThread) {
         const int first = base + tid * kPerThread;
         uint32_t bits[kPerThread];
         unsigned long long mine = 0;  // above << 32 | ties
 #pragma unroll
         for (int u = 0; u < kPerThread; ++u) {
             const int e = first + u;
-            bits[u] = e < n ? mass_bits(mass[e]) : 0u;
-            if (e < n) mine += bits[u] > threshold ? (1ull << 32) : (bits[u] == threshold ? 1ull : 0ull);
+            bits[u] = e < w.end ? mass_bits(mass[e]) : 0u;
+            if (e < w.end) mine += bits[u] > threshold ? (1ull << 32) : (bits[u] == threshold ? 1ull : 0ull);
         }
-        unsigned long long chunk_total;
-        const unsigned long long before = block_exclusive_scan<kSelectThreads>(mine, chunk_total, scan_scratch);
+        unsigned long long piece_total;
+        const unsigned long long before = block_exclusive_scan<kSelectThreads>(mine, piece_total, scan_scratch);
         unsigned long long above_before = above_running + (before >> 32);
         unsigned long long ties_before = ties_running + (before & 0xffffffffull);
 #pragma unroll
         for (int u = 0; u < kPerThread; ++u) {
             const int e = first + u;
-            if (e >= n) continue;
+            if (e >= w.end) continue;
             const bool is_above = bits[u] > threshold, is_tie = bits[u] == threshold;
             if (is_above || (is_tie && ties_before < ties_taken)) {
                 const unsigned long long slot = above_before + (ties_before < ties_taken ? ties_before : ties_taken);
-                if (slot < static_cast<unsigned long long>(p.width)) out[slot] = e;
+                if (slot < static_cast<unsigned long long>(w.seg.width)) out[slot] = e;
             }
             above_before += is_above ? 1 : 0;
             ties_before += is_tie ? 1 : 0;
         }
-        above_running += chunk_total >> 32;
-        ties_running += chunk_total & 0xffffffffull;
+        above_running += piece_total >> 32;
+        ties_running += piece_total & 0xffffffffull;
     }
-    for (int slot = selected + tid; slot < p.width; slot += kSelectThreads) out[slot] = kPad;
-    if (tid == 0) p.count[blockIdx.x] = selected;
+    // the padding, spread over the row's CTAs
+    const int row_chunks = (n + kSelectChunk - 1) / kSelectChunk;
+    for (int slot = selected + w.chunk * kSelectThreads + tid; slot < w.seg.width; slot += row_chunks * kSelectThreads)
+        out[slot] = kPad;
+    if (w.chunk == 0 && tid == 0) w.seg.count[w.local] = selected;
 }
 
 // ------------------------------------------------------------------ finalize

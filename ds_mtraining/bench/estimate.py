@@ -6,7 +6,8 @@ events (median after warm-up):
 
 * ``estimate_torch_ms``: :func:`ds_mtraining.estimate.estimate_vertical_slash`;
 * ``estimate_fused_ms``: :func:`ds_mtraining.estimate_cuda.estimate_vertical_slash_cuda`, plus
-  its passes (``passes_ms``: row statistics, masses, the two selections, the index);
+  its passes (``passes_ms``: row statistics, masses, each selection alone and both in the same
+  launches (``select_pair``, what the estimator runs), the index);
 * ``fwd_bwd_ms``: ``ds_mtraining.attention.sparse_attention`` forward+backward with the fused
   index (and ``fwd_bwd_torch_index_ms`` with the torch estimator's, whose lists are trimmed);
 
@@ -105,6 +106,10 @@ def run_case(seq_len, args, device_name) -> dict:  # noqa: C901 - one flat recip
                                    args.warmup, args.repeats),
         "select_slash": time_ms(lambda: ec.select_top_p(diagonals, config.p_slash, config.max_slash_diagonals),
                                 args.warmup, args.repeats),
+        # both lists in the same launches, as estimate_vertical_slash_cuda runs them
+        "select_pair": time_ms(lambda: ec.select_top_p_pair(columns, config.p_vertical, config.max_vertical,
+                                                            diagonals, config.p_slash, config.max_slash_diagonals),
+                               args.warmup, args.repeats),
         "build_index": time_ms(lambda: ec.build_index(*slashes, *picks, seq_len, config), args.warmup, args.repeats),
     }
     expected = None
@@ -144,7 +149,8 @@ def run_case(seq_len, args, device_name) -> dict:  # noqa: C901 - one flat recip
 
 def print_table(cases):
     header = (f"{'seq':>8} {'torch ms':>9} {'fused ms':>9} {'speedup':>8} {'fwd+bwd':>9} {'share t':>8} "
-              f"{'share f':>8} {'A':>6} {'B':>6} {'selV':>6} {'selS':>6} {'idx':>6} {'diff':>11} {'target':>7}")
+              f"{'share f':>8} {'A':>6} {'B':>6} {'selV':>6} {'selS':>6} {'sel2':>6} {'idx':>6} {'diff':>11} "
+              f"{'target':>7}")
     print(header)
     for c in cases:
         p = c["passes_ms"]
@@ -153,25 +159,27 @@ def print_table(cases):
         print(f"{c['seq_len']:>8} {c.get('estimate_torch_ms', float('nan')):>9.3f} {c['estimate_fused_ms']:>9.3f} "
               f"{c.get('estimate_speedup', float('nan')):>8.1f} {c['fwd_bwd_ms']:>9.2f} "
               f"{c.get('share_torch', float('nan')):>8.1%} {c['share_fused']:>8.2%} {p['row_stats']:>6.3f} "
-              f"{p['masses']:>6.3f} {p['select_vertical']:>6.3f} {p['select_slash']:>6.3f} "
+              f"{p['masses']:>6.3f} {p['select_vertical']:>6.3f} {p['select_slash']:>6.3f} {p['select_pair']:>6.3f} "
               f"{p['build_index']:>6.3f} {diff:>11} {target:>7}")
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seq-lens", type=int, nargs="+", default=[65536, 131072, 262144])
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--kv-heads", type=int, default=2)
-    parser.add_argument("--dim", type=int, default=128)
-    parser.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
-    parser.add_argument("--block-size", type=int, default=128)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--seq-lens", type=int, nargs="+", default=[65536, 131072, 262144], help="sequence lengths")
+    parser.add_argument("--batch", type=int, default=1, help="batch size")
+    parser.add_argument("--heads", type=int, default=16, help="query heads")
+    parser.add_argument("--kv-heads", type=int, default=2, help="key/value heads")
+    parser.add_argument("--dim", type=int, default=128, help="head dimension")
+    parser.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16", help="q/k/v dtype")
+    parser.add_argument("--block-size", type=int, default=128, help="sparse block size")
     parser.add_argument("--sharp", type=float, default=1.0, help="q and k are randn * sharp")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3, help="untimed runs per measurement")
+    parser.add_argument("--repeats", type=int, default=10, help="timed runs (median reported)")
     parser.add_argument("--skip-torch", action="store_true", help="time only the fused estimator")
     parser.add_argument("--out", type=Path, default=None,
-                        help="JSON file, or directory for estimate.json (default: a fresh bench_results/estimate-<time>)")
+                        help="JSON file, or directory for estimate.json "
+                             "(None: a fresh directory bench_results/estimate-<time>)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("the estimator benchmark needs a CUDA GPU")

@@ -57,9 +57,9 @@ import torch.distributed as dist
 from .. import ops
 from ..attention import resolve_softmax_scale, sparse_attention
 from ..config import SparseConfig
-from ..estimate import estimate_vertical_slash
 from ..index import Stripe
 from ..ring import RingComm, StripedLayout, estimate_vertical_slash_distributed, ring_sparse_attention
+from ..ring.estimate import estimate_on_comm
 from ..ring import comm as ring_comm
 from ..ring.topology import Topology, create_hierarchical_groups
 from ..ring.work import imbalance, pair_work, step_work
@@ -335,7 +335,7 @@ def run_case(seq_len, args, device, dtype, topology, rings, hierarchy, clock, la
         baseline = {}
         if rank == 0:
             def single(q, k, v):
-                idx = given if given is not None else estimate_vertical_slash(q.detach(), k.detach(), config, scale)
+                idx = given if given is not None else estimate_on_comm(q.detach(), k.detach(), config, None, scale)
                 return sparse_attention(q, k, v, idx, scale)
             t1, t1_host = timed(lambda: fwd_bwd(single, full[:3], full[3]), clock, device,
                                 args.warmup, args.repeats, everyone=False)
@@ -346,7 +346,7 @@ def run_case(seq_len, args, device, dtype, topology, rings, hierarchy, clock, la
             t1k, _ = timed(kernels_only, clock, device, 1, args.repeats, everyone=False)
             t1e = [0.0]
             if given is None:
-                t1e, _ = timed(lambda: estimate_vertical_slash(full[0], full[1], config, scale), clock, device,
+                t1e, _ = timed(lambda: estimate_on_comm(full[0], full[1], config, None, scale), clock, device,
                                1, args.repeats, everyone=False)
             baseline = dict(one_gpu_ms=statistics.median(t1), one_gpu_host_ms=statistics.median(t1_host),
                             one_gpu_kernel_ms=statistics.median(t1k), one_gpu_estimate_ms=statistics.median(t1e),

@@ -6,7 +6,8 @@
 
 namespace mtraining {
 
-// Defines estimate_row_stats, estimate_masses, estimate_select and estimate_finalize on `m`.
+// Defines estimate_row_stats, estimate_masses, estimate_select, estimate_select_pair and
+// estimate_finalize on `m`.
 void register_estimator(pybind11::module_& m);
 
 }  // namespace mtraining
