@@ -98,18 +98,25 @@ def check_ring_equals_references(rank_in_group, world, group, seed):
 def check_estimation_equals_single_device(rank_in_group, world, group):
     """The distributed estimator returns the single-device index of the unstriped sequence, on
     a planted RoPE pattern and on noise whose vertical top-p needs the second candidate round."""
+    check_distributed_estimator(rank_in_group, world, group, estimate_vertical_slash_distributed,
+                                "noise, wide vertical top-p", dict(last_q=80))
+
+
+def check_distributed_estimator(rank_in_group, world, group, estimator, noise_case, noise_config):
+    """``estimator`` on this rank's shards returns the single-device torch rule's index of the
+    unstriped sequence: a planted RoPE pattern, and noise with a wide vertical top-p under
+    ``noise_config``."""
     comm = RingComm(group)
     seq_len = world * BLOCK * -(-1024 // (world * BLOCK))
     layout = StripedLayout(world, BLOCK)
     planted = synthetic.planted_qk(seq_len, 4, 2, 64, offsets=(320, 512), columns=((7, 40), (333,)))
     noise = global_qkv(seq_len, dim=64, seed=3)[:2]
     cases = (("planted", planted, SparseConfig(block_size=BLOCK)),
-             ("noise, wide vertical top-p", noise,
-              SparseConfig(block_size=BLOCK, p_vertical=0.99, p_slash=0.5, last_q=80)))
+             (noise_case, noise,
+              SparseConfig(block_size=BLOCK, p_vertical=0.99, p_slash=0.5, **noise_config)))
     for what, (q, k), config in cases:
         expected = estimate_vertical_slash(q, k, config)
-        got = estimate_vertical_slash_distributed(layout.shard(q, rank_in_group),
-                                                  layout.shard(k, rank_in_group), config, comm)
+        got = estimator(layout.shard(q, rank_in_group), layout.shard(k, rank_in_group), config, comm)
         assert torch.equal(got.slash, expected.slash), f"{what}: slash differs"
         assert torch.equal(got.vertical, expected.vertical), f"{what}: vertical differs"
 
@@ -187,21 +194,11 @@ def check_fused_estimator_scheme_on_cpu(rank_in_group, world, group):
     ranks, fixed-width candidate selection), run with torch versions of the CUDA passes: the
     single-device index, on planted patterns and on noise (last_q > block: several hops)."""
     from ds_mtraining.ring.estimate import estimate_vertical_slash_cuda_distributed
-    comm = RingComm(group)
-    seq_len = world * BLOCK * -(-1024 // (world * BLOCK))
-    layout = StripedLayout(world, BLOCK)
-    planted = synthetic.planted_qk(seq_len, 4, 2, 64, offsets=(320, 512), columns=((7, 40), (333,)))
-    noise = global_qkv(seq_len, dim=64, seed=3)[:2]
-    cases = (("planted", planted, SparseConfig(block_size=BLOCK)),
-             ("noise, last_q 150", noise,
-              SparseConfig(block_size=BLOCK, p_vertical=0.99, p_slash=0.5, last_q=150, max_vertical=300)))
-    for what, (q, k), config in cases:
-        expected = estimate_vertical_slash(q, k, config)
-        got = estimate_vertical_slash_cuda_distributed(layout.shard(q, rank_in_group),
-                                                       layout.shard(k, rank_in_group), config, comm,
-                                                       passes=TorchPasses)
-        assert torch.equal(got.slash, expected.slash), f"{what}: slash differs"
-        assert torch.equal(got.vertical, expected.vertical), f"{what}: vertical differs"
+
+    def estimator(q, k, config, comm):
+        return estimate_vertical_slash_cuda_distributed(q, k, config, comm, passes=TorchPasses)
+    check_distributed_estimator(rank_in_group, world, group, estimator, "noise, last_q 150",
+                                dict(last_q=150, max_vertical=300))
 
 
 class TorchPasses:

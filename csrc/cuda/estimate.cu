@@ -45,17 +45,25 @@ int score_smem_bytes(int head_dim, int chunks, bool masses) {
 
 int select_smem_bytes() { return kRadixBins * 32 * static_cast<int>(sizeof(unsigned long long)); }
 
-cudaError_t run_row_stats(const ScoreParams& p, Elem elem, cudaStream_t stream) {
-    if (!valid_scores(p)) return cudaErrorInvalidValue;
-    cudaError_t status = dispatch(elem, p.head_dim, [&](auto element, auto dim) {
+// Launches a score pass (row statistics, or masses with the probability tile) for p's dtype and
+// head dim, after granting it the dynamic shared memory it needs.
+template <bool kMasses>
+cudaError_t launch_score_pass(const ScoreParams& p, Elem elem, cudaStream_t stream) {
+    return dispatch(elem, p.head_dim, [&](auto element, auto dim) {
         using T = decltype(element);
         constexpr int D = decltype(dim)::value;
-        const int smem = score_smem<T, D>(p.chunks, false);
-        cudaError_t s = cudaFuncSetAttribute(row_stats_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+        const auto kernel = kMasses ? masses_kernel<T, D> : row_stats_kernel<T, D>;
+        const int smem = score_smem<T, D>(p.chunks, kMasses);
+        cudaError_t s = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
         if (s != cudaSuccess) return s;
-        row_stats_kernel<T, D><<<score_grid(p), kScoreThreads, smem, stream>>>(p);
+        kernel<<<score_grid(p), kScoreThreads, smem, stream>>>(p);
         return cudaGetLastError();
     });
+}
+
+cudaError_t run_row_stats(const ScoreParams& p, Elem elem, cudaStream_t stream) {
+    if (!valid_scores(p)) return cudaErrorInvalidValue;
+    cudaError_t status = launch_score_pass<false>(p, elem, stream);
     if (status != cudaSuccess) return status;
     const long long rows = static_cast<long long>(p.batch) * p.heads * p.lq;
     combine_row_stats_kernel<<<static_cast<unsigned>((rows + kStatsThreads - 1) / kStatsThreads), kStatsThreads, 0,
@@ -65,15 +73,7 @@ cudaError_t run_row_stats(const ScoreParams& p, Elem elem, cudaStream_t stream) 
 
 cudaError_t run_masses(const ScoreParams& p, Elem elem, cudaStream_t stream) {
     if (!valid_scores(p)) return cudaErrorInvalidValue;
-    cudaError_t status = dispatch(elem, p.head_dim, [&](auto element, auto dim) {
-        using T = decltype(element);
-        constexpr int D = decltype(dim)::value;
-        const int smem = score_smem<T, D>(p.chunks, true);
-        cudaError_t s = cudaFuncSetAttribute(masses_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-        if (s != cudaSuccess) return s;
-        masses_kernel<T, D><<<score_grid(p), kScoreThreads, smem, stream>>>(p);
-        return cudaGetLastError();
-    });
+    cudaError_t status = launch_score_pass<true>(p, elem, stream);
     if (status != cudaSuccess) return status;
     const dim3 grid(static_cast<unsigned>((p.seq_len + kGatherThreads - 1) / kGatherThreads),
                     static_cast<unsigned>(p.batch * p.heads));

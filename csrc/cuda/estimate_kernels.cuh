@@ -33,6 +33,7 @@
 #include <stdint.h>
 
 #include "estimate_api.cuh"
+#include "warp_mma.cuh"
 
 namespace mtr {
 namespace est {
@@ -47,7 +48,6 @@ constexpr int kRadixBins = 256;
 constexpr int kSelectUnroll = 8;
 constexpr int kRecordWords = 1 + kRadixBins;  // per (row, chunk): entries above the 24-bit prefix, final bin counts
 constexpr int kFinalizeThreads = 256;
-constexpr float kLog2e = 1.4426950408889634f;
 // Packed histogram entry: count << kCountShift | mass in fixed point (2^kFixedBits per unit).
 constexpr int kCountShift = 42;
 constexpr unsigned long long kMassMask = (1ull << kCountShift) - 1;
@@ -55,61 +55,10 @@ constexpr float kFixedOne = 274877906944.0f;  // 2^38: masses up to 16 sum into 
 constexpr float kMaxMass = 15.0f;
 
 // ------------------------------------------------------------------ primitives
-__device__ __forceinline__ uint32_t shared_address(const void* pointer) {
-    return static_cast<uint32_t>(__cvta_generic_to_shared(pointer));
-}
-
-// Copies 16 bytes, or writes 16 zero bytes when !valid (the source is then not read).
-__device__ __forceinline__ void copy_16(void* smem, const void* src, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(shared_address(smem)), "l"(src),
-                 "r"(valid ? 16 : 0)
-                 : "memory");
-}
-
-__device__ __forceinline__ void copy_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-
-template <int kPending>
-__device__ __forceinline__ void copy_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
-}
-
-__device__ __forceinline__ void load_matrix_x4(uint32_t (&r)[4], uint32_t address) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(address));
-}
-
-template <typename T> struct TensorCore;
-
-template <> struct TensorCore<__nv_bfloat16> {
-    static __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-        asm volatile(
-            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-            "{%8, %9}, {%0, %1, %2, %3};\n"
-            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    }
-};
-
-template <> struct TensorCore<__half> {
-    static __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-        asm volatile(
-            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-            "{%8, %9}, {%0, %1, %2, %3};\n"
-            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    }
-};
+// cp.async, ldmatrix and mma.sync come from warp_mma.cuh (the attention kernels' own).
 
 // exp(x) for x <= 0 (and -inf -> 0) through ex2.
 __device__ __forceinline__ float exp_of(float x) { return exp2f(x * kLog2e); }
-
-// Element offset of (row, 16-byte chunk) in a [rows][D] tile whose chunks are XOR-swizzled by
-// row % 8: the 8 rows of an ldmatrix and the 16-byte stores of cp.async hit distinct banks.
-template <int D>
-__device__ __forceinline__ int tile_offset(int row, int chunk) {
-    return row * D + ((chunk ^ (row & 7)) << 3);
-}
 
 // Rows 0 .. 63 of a [64][D] tile from rows at `stride` elements (rows >= valid_rows zero-filled).
 template <int D, typename T>
@@ -124,7 +73,7 @@ __device__ __forceinline__ void load_tile_async(T* tile, const T* base, long lon
         const int row = row0 + step * kRowsPerStep;
         const bool valid = row < valid_rows;
         const T* src = valid ? base + row * stride + chunk * 8 : base;
-        copy_16(tile + tile_offset<D>(row, chunk), src, valid);
+        cp_async_16(tile + swizzled_offset<D>(row, chunk), src, valid);
     }
 }
 
@@ -145,13 +94,13 @@ __device__ __forceinline__ void tile_scores(float (&acc)[8][4], const T* q_tile,
 #pragma unroll
     for (int kc = 0; kc < D / 16; ++kc) {
         uint32_t a[4];
-        load_matrix_x4(a, shared_address(q_tile + tile_offset<D>(a_row, 2 * kc + a_half)));
+        ldmatrix_x4(a, smem_address(q_tile + swizzled_offset<D>(a_row, 2 * kc + a_half)));
 #pragma unroll
         for (int np = 0; np < 4; ++np) {
             uint32_t b[4];
-            load_matrix_x4(b, shared_address(k_tile + tile_offset<D>(np * 16 + b_row, 2 * kc + b_half)));
-            TensorCore<T>::mma(acc[2 * np], a, b[0], b[1]);
-            TensorCore<T>::mma(acc[2 * np + 1], a, b[2], b[3]);
+            ldmatrix_x4(b, smem_address(k_tile + swizzled_offset<D>(np * 16 + b_row, 2 * kc + b_half)));
+            Mma<T>::run(acc[2 * np], a, b[0], b[1]);
+            Mma<T>::run(acc[2 * np + 1], a, b[2], b[3]);
         }
     }
 }
@@ -197,17 +146,17 @@ __device__ __forceinline__ void stream_key_tiles(const ScoreParams& p, const Sco
                            p.sk - tile * kTile);
     };
     if (w.tile_begin < w.tile_end) load_keys(w.tile_begin, 0);
-    copy_commit();
+    cp_async_commit();
     for (int tile = w.tile_begin; tile < w.tile_end; ++tile) {
         const int buffer = (tile - w.tile_begin) & 1;
         if (tile + 1 < w.tile_end) load_keys(tile + 1, buffer ^ 1);
-        copy_commit();
-        copy_wait<1>();
+        cp_async_commit();
+        cp_async_wait<1>();
         __syncthreads();
         compute(tile, k_s + buffer * kTile * D);
         __syncthreads();  // the buffer just read is the next one refilled
     }
-    copy_wait<0>();
+    cp_async_wait<0>();
 }
 
 // Largest visible key index j (0 .. 63) of the tile for query row i, or -1: keys must exist locally

@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 import datetime
+import statistics
 from pathlib import Path
 from typing import Callable
+
+import torch
 
 from ..index import SparseIndex
 
@@ -38,3 +41,20 @@ def index_for_density(build: Callable[[int], SparseIndex], most: int, target: fl
         else:
             high = middle - 1
     return best
+
+
+def time_ms(fn, warmup: int = 3, repeats: int = 10) -> float:
+    """Median milliseconds of ``fn()`` over ``repeats`` runs after ``warmup`` runs, timed with CUDA
+    events (the GPU benchmarks)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)

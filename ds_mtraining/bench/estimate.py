@@ -24,30 +24,15 @@ import argparse
 import datetime
 import json
 import math
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
+from . import fresh_output_dir, time_ms
+
 TARGET_MS = {131072: 1.0, 262144: 2.0}
 TARGET_SHARE = {65536: 0.05}
-
-
-def time_ms(fn, warmup: int, repeats: int) -> float:
-    """Median milliseconds of ``fn()`` over ``repeats`` runs after ``warmup`` runs (CUDA events)."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def index_difference(fused, expected) -> tuple[int, int]:
@@ -184,10 +169,9 @@ def main(argv=None):
     if not torch.cuda.is_available():
         sys.exit("the estimator benchmark needs a CUDA GPU")
     device_name = torch.cuda.get_device_name()
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    out = args.out if args.out is not None else Path("bench_results") / f"estimate-{stamp}"
+    out = args.out if args.out is not None else fresh_output_dir("estimate")
     if out.suffix != ".json":
-        out.mkdir(parents=True, exist_ok=args.out is not None)
+        out.mkdir(parents=True, exist_ok=True)
         out = out / "estimate.json"
     else:
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -22,34 +22,17 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
-from . import fresh_output_dir, index_for_density
+from . import fresh_output_dir, index_for_density, time_ms
 
 SINK_TOKENS = 64
 HOT_BLOCKS = 16           # key blocks holding clustered vertical columns, per head
 COLUMNS_PER_HOT_BLOCK = 16
 FWD_BWD_FLOP_FACTOR = 3.5
-
-
-def time_ms(fn, warmup: int = 3, repeats: int = 10) -> float:
-    """Median milliseconds of ``fn()`` over ``repeats`` runs after ``warmup`` runs (CUDA events)."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def build_index(batch, heads, seq, block, n_slash, generator):
