@@ -3,7 +3,7 @@
 
 Four kernels (``csrc/cuda/estimate_kernels.cuh``), each exposed here for the distributed path
 (:func:`ds_mtraining.ring.estimate.estimate_vertical_slash_cuda_distributed`: passes A and B on
-each rank's keys, the row statistics merged by :func:`merge_row_stats`, the diagonal shares
+each rank's keys, the row statistics merged across ranks, the diagonal shares
 spilled to the next rank(s) instead of all-reduced, the selection over fixed-width candidates):
 
 * :func:`row_stats` (pass A): per query row, the max logit over the local keys and the sum of
@@ -25,10 +25,9 @@ bitwise reproducible for a given device and shape.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from .attention import resolve_softmax_scale
-from .config import SparseConfig
+from .config import SUPPORTED_BLOCK_SIZES, SparseConfig
 from .estimate import check_qk
 from .index import PAD, SparseIndex
 
@@ -37,7 +36,7 @@ SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 SUPPORTED_HEAD_DIMS = (64, 128)
 
 __all__ = ["estimate_vertical_slash_cuda", "row_stats", "masses", "select_top_p", "select_top_p_pair",
-           "build_index", "trusted_index", "merge_row_stats", "supports"]
+           "build_index", "trusted_index", "supports"]
 
 
 def _op():
@@ -45,15 +44,16 @@ def _op():
     return op_module("cuda")
 
 
-def supports(q: torch.Tensor, config: SparseConfig) -> str | None:
-    """Why the fused estimator cannot take ``q`` (``None`` when it can)."""
+def supports(q: torch.Tensor, k: torch.Tensor, config: SparseConfig, seq_len: int) -> str | None:
+    """Why the fused estimator cannot take q/k of a ``seq_len``-token sequence (``None`` when it
+    can): the one statement of what it takes, for one device and for the ring alike."""
     if q.device.type != "cuda":
         return f"q is on {q.device}, not a CUDA device"
-    if q.dtype not in SUPPORTED_DTYPES:
-        return f"q is {q.dtype}; the fused estimator takes bfloat16 or float16"
+    if q.dtype not in SUPPORTED_DTYPES or k.dtype != q.dtype:
+        return f"q/k are {q.dtype}/{k.dtype}; the fused estimator takes bfloat16 or float16 for both"
     if q.shape[-1] not in SUPPORTED_HEAD_DIMS:
         return f"head_dim={q.shape[-1]}; the fused estimator takes {SUPPORTED_HEAD_DIMS}"
-    if min(config.last_q, q.shape[1]) > MAX_LAST_Q:
+    if min(config.last_q, seq_len) > MAX_LAST_Q:
         return f"last_q={config.last_q} > {MAX_LAST_Q}"
     return None
 
@@ -74,7 +74,8 @@ def trusted_index(slash: torch.Tensor, slash_count: torch.Tensor, vertical: torc
 
 # ---------------------------------------------------------------------- the passes
 def row_stats(q_last: torch.Tensor, k: torch.Tensor, q_start: int, seq_len: int, scale: float,
-              world: int = 1, rank: int = 0, block_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+              world: int = 1, rank: int = 0, block_size: int | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pass A. ``q_last`` [B, L, H, D]: the queries at global positions ``q_start .. q_start + L - 1``;
     ``k`` [B, Sk, Hkv, D]: this rank's keys (local key ``t`` is global position
     ``((t // block) * world + rank) * block + t % block``).
@@ -82,18 +83,30 @@ def row_stats(q_last: torch.Tensor, k: torch.Tensor, q_start: int, seq_len: int,
     Returns (row_max, row_sum) float32 [B, H, L]: the max logit ``scale * q.k`` of each row over the
     visible local keys and the sum of ``exp(logit - row_max)`` (``-inf`` and 0 if none is visible)."""
     return tuple(_op().estimate_row_stats(q_last, k, int(q_start), int(seq_len), int(world),
-                                          int(rank), int(block_size), float(scale)))
+                                          int(rank), _stripe_block(world, block_size), float(scale)))
 
 
 def masses(q_last: torch.Tensor, k: torch.Tensor, row_max: torch.Tensor, row_sum: torch.Tensor,
            q_start: int, seq_len: int, scale: float, world: int = 1, rank: int = 0,
-           block_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+           block_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Pass B, given the global row statistics (:func:`row_stats`, merged over ranks by
-    :func:`merge_row_stats`). Returns float32 (columns [B, H, Sk]: the mass of each local key,
+    ``ring.estimate.merge_row_stats``). Returns float32 (columns [B, H, Sk]: the mass of each local key,
     diagonals [B, H, seq_len]: the mass of token diagonal ``t = query - key`` over the local keys),
     both summed over the L rows and divided by L."""
     return tuple(_op().estimate_masses(q_last, k, row_max, row_sum, int(q_start), int(seq_len),
-                                       int(world), int(rank), int(block_size), float(scale)))
+                                       int(world), int(rank), _stripe_block(world, block_size),
+                                       float(scale)))
+
+
+def _stripe_block(world: int, block_size: int | None) -> int:
+    """The stripe width the passes map local keys with: required on a ring (world > 1); on one
+    device every width maps local key t to position t, so any supported one will do."""
+    if block_size is None:
+        if world > 1:
+            raise ValueError(f"block_size (the stripe width the keys were sharded with) is required "
+                             f"when world={world} > 1")
+        return SUPPORTED_BLOCK_SIZES[0]
+    return int(block_size)
 
 
 def select_top_p(mass: torch.Tensor, p: float, cap: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,20 +139,6 @@ def build_index(slash_tokens: torch.Tensor, slash_count: torch.Tensor, columns: 
     return trusted_index(slash, s_count, vertical, v_count, seq_len, config.block_size)
 
 
-# ---------------------------------------------------------------------- distributed helpers
-def merge_row_stats(row_max: torch.Tensor, row_sum: torch.Tensor, group=None
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """All-reduces per-rank :func:`row_stats` into the global ones (collective, on the GPU): the max
-    over ranks, and each rank's sum rescaled to it then summed."""
-    global_max = row_max.clone()
-    dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=group)
-    finite = torch.isfinite(row_max)
-    scaled = torch.where(finite, row_sum * torch.exp(torch.where(finite, row_max, global_max) - global_max),
-                         torch.zeros_like(row_sum))
-    dist.all_reduce(scaled, group=group)
-    return global_max, scaled
-
-
 # ---------------------------------------------------------------------- single device
 @torch.no_grad()
 def estimate_vertical_slash_cuda(q: torch.Tensor, k: torch.Tensor, config: SparseConfig,
@@ -150,7 +149,7 @@ def estimate_vertical_slash_cuda(q: torch.Tensor, k: torch.Tensor, config: Spars
     entries equal the torch rule's up to float summation order (only entries at the top-p
     threshold can differ)."""
     check_qk(q, k)
-    reason = supports(q, config)
+    reason = supports(q, k, config, q.shape[1])
     if reason is not None:
         raise ValueError(f"estimate_vertical_slash_cuda: {reason}; use ds_mtraining.estimate."
                          f"estimate_vertical_slash")

@@ -55,6 +55,14 @@ def _sorted_unique(values: torch.Tensor) -> torch.Tensor:
     return values[..., :max(width, 1)].to(torch.int32).contiguous()
 
 
+def membership(lists: torch.Tensor, size: int) -> torch.Tensor:
+    """[B, H, size] bool: which values of ``range(size)`` each PAD-padded list holds (a dense view, O(size): recall
+    and tests)."""
+    present = torch.zeros(*lists.shape[:-1], size + 1, dtype=torch.bool, device=lists.device)
+    present.scatter_(-1, lists.long().clamp(max=size), True)
+    return present[..., :size]
+
+
 class SparseIndex:
     """A vertical-slash pattern for a ``[B, S, H, D]`` attention, in O(selected entries) memory.
 
@@ -82,6 +90,13 @@ class SparseIndex:
             raise ValueError(f"slash block diagonals must be < num_blocks={self.num_blocks}")
         if bool(((self.vertical != PAD) & (self.vertical >= self.seq_len)).any()):
             raise ValueError(f"vertical key positions must be < seq_len={self.seq_len}")
+        for name, lists in (("slash", self.slash), ("vertical", self.vertical)):
+            # the kernels walk each list in order and stop at the first PAD
+            later = lists[..., 1:]
+            if bool((lists < 0).any()) or bool(((later <= lists[..., :-1]) & (later != PAD)).any()):
+                raise ValueError(
+                    f"{name} lists must be strictly increasing non-negative values with PAD only at "
+                    f"their tail; build the index with SparseIndex.from_vertical_slash or from_blocks")
         self.slash_count = (self.slash != PAD).sum(-1).to(torch.int32)
         self.vertical_count = (self.vertical != PAD).sum(-1).to(torch.int32)
 

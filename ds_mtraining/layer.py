@@ -48,7 +48,9 @@ from .attention import resolve_softmax_scale
 from .config import SparseConfig
 from .index import SparseIndex
 from .ring import ring_sparse_attention
-from .ring.agreement import check_due, current_step, in_backward, mark_checked, new_step
+from .ring.agreement import (check_due, check_ranks_before_collectives, current_step, in_backward,
+                              mark_checked, new_step)
+from .ring.comm import ring_comm
 from .ring.estimate import estimate_index
 from .ring.layout import StripedLayout, check_divisible
 from .ring.work import imbalance, pair_work, step_work
@@ -233,6 +235,7 @@ def striped_sparse_attention(q, k, v, settings: MTrainingAttentionSettings,
     ring, the statistics), apart from the once-per-step checks.
     """
     recompute = in_backward()
+    check_ranks_before_collectives(ring_comm(settings.group), q, k, v, settings.sparse)
     if position_ids is not None:
         if not position_ids.is_cuda:
             check_striped(position_ids, settings)
@@ -422,6 +425,7 @@ class DistributedAttention(torch.nn.Module):
             q, k = (apply_rotary(x, cos, sin).to(x.dtype) for x in (q, k))
         restripe = self.input_layout == "contiguous" and world > 1
         if restripe:
+            check_ranks_before_collectives(ring_comm(self.settings.group), q, k, v, self.settings.sparse)
             plan = self._plan(world, rank, local, q.device)
             q, k, v = self._qkv_to_striped(plan, q, k, v)
         out = striped_sparse_attention(q.contiguous(), k.contiguous(), v.contiguous(), self.settings, scale,

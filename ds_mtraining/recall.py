@@ -29,8 +29,7 @@ import torch
 
 from .attention import resolve_softmax_scale
 from .estimate import check_qk
-from .index import SparseIndex
-from .reference import membership
+from .index import SparseIndex, membership
 
 
 @dataclass

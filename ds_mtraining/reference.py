@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from .attention import resolve_softmax_scale
-from .index import PAD, SparseIndex, Stripe
+from .index import PAD, SparseIndex, Stripe, membership
 from .ring.layout import StripedLayout
 
 MAX_DENSE_ELEMENTS = 1 << 28
@@ -47,13 +47,6 @@ def outputs_and_grads(attention, q, k, v, dout):
 
 
 # ---------------------------------------------------------------------- dense views of an index
-def membership(lists: torch.Tensor, size: int) -> torch.Tensor:
-    """[B, H, size] bool: which values of ``range(size)`` each PAD-padded list holds."""
-    present = torch.zeros(*lists.shape[:-1], size + 1, dtype=torch.bool, device=lists.device)
-    present.scatter_(-1, lists.long().clamp(max=size), True)
-    return present[..., :size]
-
-
 def mask_between(index: SparseIndex, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
     """Bool [B, H, len(q_pos), len(k_pos)]: the entries computed between these global positions."""
     elements = index.batch * index.heads * q_pos.numel() * k_pos.numel()

@@ -213,7 +213,7 @@ def unshard(parts: list, layout: str, world: int):
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"W{w}")
-def ulysses_results(request):
+def ulysses_results(request, cpu_op):  # the op is built before the ranks start
     world = request.param
     return world, run_on_ranks(_ulysses_worker, world, timeout=TIMEOUT_S)
 
@@ -309,6 +309,7 @@ class NoneScale(torch.nn.Module):
     softmax_scale = None  # flash-attn / Megatron convention: 1/sqrt(D)
 
 
+@pytest.mark.usefixtures("cpu_op")  # calls the op in this process
 @pytest.mark.parametrize("local_attention, kwargs, expected_scale", [
     (F.scaled_dot_product_attention, dict(is_causal=True), 1 / math.sqrt(DIM)),
     (F.scaled_dot_product_attention, dict(is_causal=True, scale=0.2), 0.2),
@@ -326,6 +327,7 @@ def test_softmax_scale_sources(local_attention, kwargs, expected_scale):
     torch.testing.assert_close(out.double(), dense_reference(q, k, v, expected_scale), **DENSE_TOL)
 
 
+@pytest.mark.usefixtures("cpu_op")  # calls the op in this process
 def test_one_process_rotary_and_sequence_first_equal_dense():
     q, k, v = single_inputs()
     cos, sin = rope_angles(S1)

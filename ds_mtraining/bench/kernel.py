@@ -75,7 +75,7 @@ class FlexMask:
     def for_index(self, index):
         """(BlockMask, fraction of the causal blocks that flex computes)."""
         from torch.nn.attention.flex_attention import BlockMask
-        from ds_mtraining.reference import membership
+        from ds_mtraining.index import membership
         nb, device = self.blocks, self.in_slash.device
         self.in_slash.copy_(membership(index.slash, nb))
         self.in_vertical.copy_(membership(index.vertical, self.seq_len))

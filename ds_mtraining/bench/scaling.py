@@ -4,7 +4,7 @@ the same sparse attention on the whole sequence, and where the ring's time goes.
 For each sequence length it draws q, k, v, dout [1, S, H, D] (bf16 on GPU, fp32 on CPU) and
 estimates a vertical-slash index once with the project's distributed estimator, its slash budget
 calibrated to ``--density`` (random q/k spread the last rows' mass evenly, so top-p selects up to
-the caps: ``max_slash`` sets the density). Then, per mode and ring:
+the caps: ``max_slash_diagonals`` sets the density). Then, per mode and ring:
 
 * ``given_index``: the ring with that index; ``per_call_estimation``: the ring estimating the
   index from the shards in every call (index=None, same budgets);
@@ -286,7 +286,7 @@ def timed(fn, clock: Clock, device, warmup: int, repeats: int, everyone: bool = 
 
 
 def calibrated_index(q, k, seq_len, args, device, comm, scale):
-    """(config, index) from the distributed estimator on the shards, ``max_slash`` scaled until the
+    """(config, index) from the distributed estimator on the shards, ``max_slash_diagonals`` scaled until the
     density is within 10% of --density (every rank holds the same index, so decides alike)."""
     nb = seq_len // args.block_size
     slash = max(1, round(args.density * nb))  # in block diagonals
@@ -545,7 +545,7 @@ def main(argv=None):
                           shape=dict(heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
                                      block_size=args.block_size, dtype=str(dtype).removeprefix("torch.")),
                           index=("estimated once per length by the distributed estimator from random q/k "
-                                 f"(last_q 64, top-p 0.9), max_slash calibrated to density {args.density}, "
+                                 f"(last_q 64, top-p 0.9), max_slash_diagonals calibrated to density {args.density}, "
                                  f"max_vertical {args.max_vertical}"),
                           efficiency="T_1gpu / (W x T_ring), T_ring = median over repeats of the slowest rank",
                           runs=[run], cases=cases)

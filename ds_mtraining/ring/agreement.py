@@ -128,3 +128,21 @@ def check_ranks_agree(comm: RingComm, q, k, v, config: SparseConfig, index: Spar
         raise ValueError("ring_sparse_attention: the ranks of the group were called with different "
                          "inputs; every rank must pass its S/W-token shard of the same attention "
                          "(same shapes, dtype, config and index):\n" + "\n".join(lines))
+
+
+def check_ranks_before_collectives(comm, q, k, v, config: SparseConfig):
+    """The ranks' agreement check (:func:`check_ranks_agree`, without an index) when it is due,
+    for callers that run collectives of their own before the ring (the layer's re-stripe and
+    estimation): a mismatch then raises on every rank instead of hanging in them. It counts as
+    the ring's check of this step (same key), so the ring does not repeat it."""
+    if comm is None:
+        return
+    key = ranks_check_key(comm)
+    if check_due(key):
+        check_ranks_agree(comm, q, k, v, config, None)
+        mark_checked(key)
+
+
+def ranks_check_key(comm) -> tuple:
+    """The once-per-step key of the ranks' agreement check on ``comm``'s group."""
+    return ("ranks", id(comm.group))

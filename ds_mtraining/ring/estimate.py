@@ -180,6 +180,19 @@ def estimate_vertical_slash_distributed(q: torch.Tensor, k: torch.Tensor, config
 
 
 # ---------------------------------------------------------------------- fused CUDA, distributed
+def merge_row_stats(row_max: torch.Tensor, row_sum: torch.Tensor, group=None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """All-reduces per-rank :func:`ds_mtraining.estimate_cuda.row_stats` into the global ones (collective, on the GPU): the max
+    over ranks, and each rank's sum rescaled to it then summed."""
+    global_max = row_max.clone()
+    dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=group)
+    finite = torch.isfinite(row_max)
+    scaled = torch.where(finite, row_sum * torch.exp(torch.where(finite, row_max, global_max) - global_max),
+                         torch.zeros_like(row_sum))
+    dist.all_reduce(scaled, group=group)
+    return global_max, scaled
+
+
 def owned_diagonals_from_shares(shares: torch.Tensor, layout: StripedLayout, comm: RingComm,
                                 count: int) -> torch.Tensor:
     """The complete token-diagonal masses [B, H, S/W] of the diagonals whose last key this rank
@@ -283,7 +296,7 @@ def estimate_vertical_slash_cuda_distributed(q: torch.Tensor, k: torch.Tensor, c
     first = seq_len - count
     q_last = _last_queries(q, layout, comm, count, dtype=k.dtype)
     stats = passes.row_stats(q_last, k, first, seq_len, scale, world, rank, block)
-    row_max, row_sum = estimate_cuda.merge_row_stats(*stats, group=comm.group)
+    row_max, row_sum = merge_row_stats(*stats, group=comm.group)
     columns, shares = passes.masses(q_last, k, row_max, row_sum, first, seq_len, scale, world, rank, block)
     k_pos = layout.positions(seq_len, rank, device=q.device)
     diagonals = owned_diagonals_from_shares(shares, layout, comm, count).flip(-1)
@@ -296,13 +309,11 @@ def estimate_vertical_slash_cuda_distributed(q: torch.Tensor, k: torch.Tensor, c
 
 
 def fused_estimator_takes(q: torch.Tensor, k: torch.Tensor, config: SparseConfig, seq_len: int) -> bool:
-    """Whether the fused CUDA estimator takes these inputs (CUDA, bf16/fp16, head_dim 64/128,
-    ``min(last_q, S) <= 256``)."""
+    """Whether the fused CUDA estimator takes these inputs (:func:`ds_mtraining.estimate_cuda.supports`)."""
     if not q.is_cuda:
         return False
-    from .. import estimate_cuda as ec
-    return (q.dtype in ec.SUPPORTED_DTYPES and k.dtype == q.dtype and q.shape[-1] in ec.SUPPORTED_HEAD_DIMS
-            and min(config.last_q, seq_len) <= ec.MAX_LAST_Q)
+    from .. import estimate_cuda
+    return estimate_cuda.supports(q, k, config, seq_len) is None
 
 
 def estimate_on_comm(q, k, config: SparseConfig, comm: RingComm | None,

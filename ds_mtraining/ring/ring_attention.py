@@ -9,7 +9,7 @@ from __future__ import annotations
 from ..attention import check_attention_inputs, resolve_softmax_scale, sparse_attention_with_lse
 from ..config import SparseConfig
 from ..index import SparseIndex
-from .agreement import check_due, check_ranks_agree, mark_checked
+from .agreement import check_due, check_ranks_agree, mark_checked, ranks_check_key
 from .comm import ring_comm
 from .estimate import estimate_on_comm
 from .layout import StripedLayout
@@ -59,7 +59,7 @@ def ring_sparse_attention_with_lse(q, k, v, config: SparseConfig, group=None,
     comm = ring_comm(group)
     if comm is None:
         return _single_device(q, k, v, config, softmax_scale, index)
-    check_key = ("ranks", id(comm.group))
+    check_key = ranks_check_key(comm)
     checking = check_due(check_key)
     if checking:
         check_ranks_agree(comm, q, k, v, config, index)

@@ -57,10 +57,6 @@ def _with_overrides(config, overrides: dict, key: str):
         setattr(config, field, value)
     if not rope:
         return config
-    if not hasattr(config, "rope_parameters"):  # transformers 4: plain attributes
-        for field, value in rope.items():
-            setattr(config, field, value)
-        return config
     # transformers 5 keeps theta and scaling together in ``rope_parameters``: rebuild the config so
     # that its own standardization and validation run on the new values
     parameters = dict(rope.get("rope_parameters") or config.rope_parameters or {})
