@@ -139,12 +139,12 @@ def test_benchmarks_write_to_a_fresh_directory(tmp_path, monkeypatch):
 
 
 # ----------------------------------------------------------------------------- launched runs
-def launch(workspace, log: Path, *extra, steps=3, save_dir=None, data=None) -> subprocess.Popen:
+def launch(workspace, log: Path, *extra, steps=3, save_dir=None, data=None, env=None) -> subprocess.Popen:
     command = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "--module", "ds_mtraining.train",
                "--deepspeed_config", str(workspace / "config.json"), "--model", str(workspace / "model"),
                "--data", str(data or workspace / "data"), "--steps", str(steps),
                "--save_dir", str(save_dir or workspace / "run"), "--save_interval", "2", *extra]
-    return start(command, log)
+    return start(command, log, env)
 
 
 def rank_pids(launcher: subprocess.Popen) -> dict[int, int]:
@@ -230,9 +230,7 @@ def side_launches(workspace, cpu_op, tmp_path_factory):  # the op is built befor
     (by a thread) once its ranks are past init_distributed, a launch with an empty data folder,
     and one process with a bad config key. Whatever still runs at the end is killed."""
     root = tmp_path_factory.mktemp("side")
-    # data of its own (half the files): a copy of the folder (same names, sizes and times) shares
-    # its datasets cache entry, and the training run must not find its tokenization done (no
-    # "tokenizing" bar to count)
+    # data of its own (half the files), so that no datasets cache entry is shared with the training run
     (root / "data").mkdir()
     (root / "data" / "part0.jsonl").write_text((workspace / "data" / "part0.jsonl").read_text())
     log = root / "launcher.txt"
@@ -261,7 +259,10 @@ def side_launches(workspace, cpu_op, tmp_path_factory):  # the op is built befor
 def trained(workspace, cpu_op, side_launches):  # the op is built before the launched ranks start
     """3 steps of continued training (checkpoints step2, step3), then the export."""
     log = workspace / "train.txt"
-    finish(launch(workspace, log, "--export_hf", str(workspace / "export")), log, LAUNCH_TIMEOUT_S)
+    # in-memory datasets: both ranks tokenize (no cache file), so rank 0 always draws its
+    # "tokenizing" bar (with the on-disk cache, rank 1 may finish first and rank 0 load its result)
+    env = environment(HF_DATASETS_IN_MEMORY_MAX_SIZE=str(1 << 30))
+    finish(launch(workspace, log, "--export_hf", str(workspace / "export"), env=env), log, LAUNCH_TIMEOUT_S)
     return log.read_text()
 
 
