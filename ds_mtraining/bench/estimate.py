@@ -23,12 +23,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import sys
 from pathlib import Path
 
 import torch
 
+from ..attention import resolve_softmax_scale
 from . import fresh_output_dir, time_ms
 
 TARGET_MS = {131072: 1.0, 262144: 2.0}
@@ -70,7 +70,7 @@ def run_case(seq_len, args, device_name) -> dict:  # noqa: C901 - one flat recip
     v = torch.randn(shape_k, generator=g, device="cuda").to(dtype)
     dout = torch.randn(shape_q, generator=g, device="cuda").to(dtype)
     config = SparseConfig(block_size=args.block_size)
-    scale = 1.0 / math.sqrt(args.dim)
+    scale = resolve_softmax_scale(args.dim)
     lq = min(config.last_q, seq_len)
     q_last = q[:, seq_len - lq:]
     case = dict(seq_len=seq_len, batch=args.batch, heads=args.heads, kv_heads=args.kv_heads, dim=args.dim,

@@ -12,7 +12,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from ..config import SparseConfig
-from ..data import ByteTokenizer, HFTokenizer, datasets_offline, load_documents, stdlib_documents
+from ..data import ByteTokenizer, HFTokenizer, datasets_offline, folder_spec, load_documents, stdlib_documents
 from ..hf import mtraining_attention_forward, use_mtraining_attention
 from ..layer import AttentionStats, MTrainingAttentionSettings
 
@@ -118,11 +118,12 @@ def greedy_generate(model, input_ids, max_new_tokens: int) -> list[int]:
 
 
 def data_spec(value: str) -> dict:
-    """``--data``: "stdlib", a saved dataset directory, or comma-separated local files."""
+    """``--data``: "stdlib", a folder (read as training's ``--data DIR`` reads it: a saved dataset
+    or its jsonl/parquet/arrow/csv files), or comma-separated local files."""
     if value == "stdlib":
         return {"source": "stdlib"}
     if Path(value).is_dir():
-        return {"saved_dataset": value}
+        return folder_spec(value)
     return {"files": value.split(",")}
 
 
