@@ -13,8 +13,6 @@ Skipped without CUDA (the two-GPU test without two GPUs).
 from __future__ import annotations
 
 import contextlib
-import os
-import tempfile
 
 import pytest
 import torch
@@ -116,53 +114,40 @@ def test_hf_qwen2_attention_does_not_synchronise(monkeypatch, checkpointing):
 
 
 # ---------------------------------------------------------------------------- two GPUs
-def _ring_worker(rank, world, port, result_dir):
-    import torch.distributed as dist
-
+def _ring_worker(rank, world):
     from ds_mtraining.estimate_cuda import estimate_vertical_slash_cuda
     from ds_mtraining.ring.estimate import estimate_index
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     device = torch.device("cuda", rank)
-    torch.cuda.set_device(device)
-    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
-    try:
-        seq = 4096
-        layout = StripedLayout(world, CONFIG.block_size)
-        q, k, v = _qkv(seq, device)
-        shards = [layout.shard(t, rank).contiguous() for t in (q, k, v)]
-        positions = layout.positions(seq, rank, device=device)[None]
-        settings = MTrainingAttentionSettings(CONFIG, stats=AttentionStats())
-        dout = torch.randn_like(shards[0])
-        cache = IndexCache()
-        settings.stats.reset()
-        first = _step(*shards, settings, positions, cache, dout)  # the step's checks run here
-        torch.cuda.synchronize()
-        with sync_is_an_error():
-            second = _step(*shards, settings, positions, cache, dout)
-            distributed = estimate_index(shards[0], shards[1], CONFIG)
-        torch.cuda.synchronize()
-        same = all(torch.equal(a, b) for a, b in zip(first, second))
-        single = estimate_vertical_slash_cuda(q, k, CONFIG)
-        differing = total = 0
-        for mine, theirs in ((distributed.slash, single.slash), (distributed.vertical, single.vertical)):
-            for a, b in zip(mine.reshape(-1, mine.shape[-1]).tolist(), theirs.reshape(-1, theirs.shape[-1]).tolist()):
-                a, b = {x for x in a if x != PAD}, {x for x in b if x != PAD}
-                differing += len(a ^ b)
-                total += len(b)
-        torch.save(dict(same=same, differing=differing, total=total), os.path.join(result_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    seq = 4096
+    layout = StripedLayout(world, CONFIG.block_size)
+    q, k, v = _qkv(seq, device)
+    shards = [layout.shard(t, rank).contiguous() for t in (q, k, v)]
+    positions = layout.positions(seq, rank, device=device)[None]
+    settings = MTrainingAttentionSettings(CONFIG, stats=AttentionStats())
+    dout = torch.randn_like(shards[0])
+    cache = IndexCache()
+    settings.stats.reset()
+    first = _step(*shards, settings, positions, cache, dout)  # the step's checks run here
+    torch.cuda.synchronize()
+    with sync_is_an_error():
+        second = _step(*shards, settings, positions, cache, dout)
+        distributed = estimate_index(shards[0], shards[1], CONFIG)
+    torch.cuda.synchronize()
+    same = all(torch.equal(a, b) for a, b in zip(first, second))
+    single = estimate_vertical_slash_cuda(q, k, CONFIG)
+    differing = total = 0
+    for mine, theirs in ((distributed.slash, single.slash), (distributed.vertical, single.vertical)):
+        for a, b in zip(mine.reshape(-1, mine.shape[-1]).tolist(), theirs.reshape(-1, theirs.shape[-1]).tolist()):
+            a, b = {x for x in a if x != PAD}, {x for x in b if x != PAD}
+            differing += len(a ^ b)
+            total += len(b)
+    return dict(same=same, differing=differing, total=total)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 def test_two_gpu_ring_does_not_synchronise():
-    import torch.multiprocessing as mp
-
-    from ds_mtraining.distributed.spawn import free_port
-    with tempfile.TemporaryDirectory() as result_dir:
-        mp.start_processes(_ring_worker, args=(2, free_port(), result_dir), nprocs=2, join=True,
-                           start_method="spawn")
-        results = [torch.load(os.path.join(result_dir, f"rank{r}.pt")) for r in range(2)]
+    from ds_mtraining.distributed.spawn import run_on_ranks
+    results = run_on_ranks(_ring_worker, 2, timeout=240, backend="nccl")
     for rank, result in enumerate(results):
         assert result["same"], f"rank {rank}: the second step differs from the first"
         assert result["differing"] <= max(2, result["total"] // 100), (

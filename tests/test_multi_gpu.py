@@ -14,17 +14,14 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from ds_mtraining.distributed.spawn import free_port
+from ds_mtraining.distributed.spawn import free_port, run_on_ranks
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2,
                                 reason="needs two CUDA GPUs (NCCL); scripts/multi_gpu_check.sh runs these")
@@ -42,35 +39,10 @@ def rel_error(got, want) -> float:
 
 
 # ---------------------------------------------------------------------- NCCL ranks
-def _rank_main(rank, world, port, fn, args, result_dir, timeout):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", rank=rank, world_size=world, timeout=timedelta(seconds=timeout))
-    try:
-        result = fn(rank, world, *args)
-        torch.save(result, os.path.join(result_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
-
-
 def run_nccl(fn, *args, world=WORLD, timeout=SPAWN_TIMEOUT_S) -> list:
     """``fn(rank, world, *args)`` on ``world`` spawned processes, one GPU each (NCCL); their
     results in rank order. A rank that dies or hangs fails the test instead of hanging it."""
-    with tempfile.TemporaryDirectory() as result_dir:
-        context = mp.start_processes(_rank_main, args=(world, free_port(), fn, args, result_dir, timeout),
-                                     nprocs=world, join=False, start_method="spawn")
-        deadline = time.monotonic() + timeout
-        try:
-            while not context.join(timeout=1.0):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{world} NCCL ranks running {fn.__name__} did not finish within "
-                                       f"{timeout} s (a hang?)")
-        finally:
-            for process in context.processes:
-                if process.is_alive():
-                    process.kill()
-        return [torch.load(os.path.join(result_dir, f"rank{r}.pt"), weights_only=False) for r in range(world)]
+    return run_on_ranks(fn, world, *args, timeout=timeout, backend="nccl")
 
 
 def launch(commands, logs, timeout=LAUNCH_TIMEOUT_S) -> list[str]:

@@ -1,4 +1,5 @@
-"""Run a function on ``world_size`` local gloo ranks, with a deadline: CPU tests and small demos.
+"""Run a function on ``world_size`` local ranks (gloo on CPU, or NCCL with one GPU each), with a
+deadline: tests and small demos.
 
 A rank that hangs (a deadlocked collective) or dies makes :func:`run_on_ranks` raise instead of
 waiting forever; the others are killed.
@@ -28,13 +29,15 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _rank_main(rank, world_size, port, fn, args, result_dir, timeout):
+def _rank_main(rank, world_size, port, fn, args, result_dir, timeout, backend):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)  # ranks usually outnumber this machine's cores
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
     # collectives time out too, so a rank stuck in a mismatched collective errors instead of hanging
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout))
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout))
     try:
         result = fn(rank, world_size, *args)
         torch.save(result, os.path.join(result_dir, f"rank{rank}.pt"))
@@ -42,15 +45,19 @@ def _rank_main(rank, world_size, port, fn, args, result_dir, timeout):
         dist.destroy_process_group()
 
 
-def run_on_ranks(fn, world_size: int, *args, timeout: float = 120.0) -> list:
-    """Runs ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo processes and returns
-    their results (picklable, saved with ``torch.save``) in rank order.
+def run_on_ranks(fn, world_size: int, *args, timeout: float = 120.0, backend: str = "gloo") -> list:
+    """Runs ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes (``backend`` gloo,
+    or nccl with GPU ``rank`` each) and returns their results (picklable, saved with
+    ``torch.save``) in rank order.
 
     ``fn`` must be importable (a module-level function). Raises ``TimeoutError`` if the ranks do
     not finish within ``timeout`` seconds and re-raises the first rank failure."""
     with tempfile.TemporaryDirectory() as result_dir:
-        context = mp.start_processes(_rank_main, args=(world_size, free_port(), fn, args, result_dir, timeout),
-                                     nprocs=world_size, join=False, start_method=START_METHOD)
+        # CUDA ranks start from a fresh interpreter: a forked one cannot initialise CUDA
+        method = "spawn" if backend == "nccl" else START_METHOD
+        context = mp.start_processes(_rank_main,
+                                     args=(world_size, free_port(), fn, args, result_dir, timeout, backend),
+                                     nprocs=world_size, join=False, start_method=method)
         deadline = time.monotonic() + timeout
         try:
             while not context.join(timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
