@@ -288,13 +288,14 @@ class RestripePlan:
 
     def __init__(self, group, world: int, rank: int, local: int, block: int, device):
         self.group = group
+        layout = StripedLayout(world, block)
         start = rank * local
         positions = torch.arange(start, start + local)
-        destination = (positions // block) % world
+        destination = layout.block_owner(local * world // block)[positions // block]
         self.order = torch.argsort(destination, stable=True).to(device)
         self.inverse = torch.argsort(self.order)
         self.send = torch.bincount(destination, minlength=world).tolist()
-        mine = StripedLayout(world, block).positions(local * world, rank)
+        mine = layout.positions(local * world, rank)
         self.receive = torch.bincount(mine // local, minlength=world).tolist()
 
     def _exchange(self, rows: torch.Tensor, send: list, receive: list) -> torch.Tensor:

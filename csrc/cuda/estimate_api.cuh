@@ -19,18 +19,21 @@
 //           tokens, less the columns in the last `leading run` blocks (SparseIndex.from_blocks).
 //
 // Local key kk of rank `rank` in a group of `world` striped ranks sits at global position
-// ((kk / block) * world + rank) * block + kk % block (block a multiple of 64).
+// ((kk / block) * world + rank) * block + kk % block (block a multiple of 64;
+// mtraining::stripe_global_token in pattern.h).
 #pragma once
 
 #include <cuda_runtime.h>
 #include <stdint.h>
+
+#include "mtraining/pattern.h"
 
 namespace mtr {
 namespace est {
 
 enum class Elem { kBF16, kFP16 };
 
-constexpr int kPad = 1 << 30;     // list padding of SparseIndex
+constexpr int kPad = mtraining::kListPad;  // list padding of SparseIndex
 constexpr int kTile = 64;         // keys per tile, query rows per chunk
 constexpr int kMaxChunks = 4;     // lq <= 256
 constexpr int kDiagSlots = 128;   // per (chunk, key tile): its 127 token diagonals, one spare

@@ -72,7 +72,7 @@ ScoreCall score_call(const at::Tensor& q_in, const at::Tensor& k_in, int64_t q_s
     TORCH_CHECK_VALUE(world >= 1 && rank >= 0 && rank < world, kName, ": need world >= 1 and 0 <= rank < world");
     TORCH_CHECK_VALUE(seq_len >= 1 && seq_len < kIntMax / 2 && q_start >= 0 && q_start + lq <= seq_len, kName,
                       ": query rows [", q_start, ", ", q_start + lq, ") must lie in [0, seq_len=", seq_len, ")");
-    const int64_t last_key = ((sk - 1) / block * world + rank) * block + (sk - 1) % block;
+    const int64_t last_key = mtraining::stripe_global_token<int64_t>(sk - 1, block, world, rank);
     TORCH_CHECK_VALUE(last_key < kIntMax / 2, kName, ": key positions overflow int32");
     TORCH_CHECK_VALUE(batch * heads * std::max<int64_t>(sk, seq_len) < (int64_t{1} << 40), kName,
                       ": the mass outputs are too large");

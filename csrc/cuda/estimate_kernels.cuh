@@ -107,7 +107,7 @@ __device__ __forceinline__ void tile_scores(float (&acc)[8][4], const T* q_tile,
 
 // Global position of local key kk.
 __device__ __forceinline__ int key_position(const ScoreParams& p, int kk) {
-    return ((kk / p.block) * p.world + p.rank) * p.block + kk % p.block;
+    return mtraining::stripe_global_token(kk, p.block, p.world, p.rank);
 }
 
 // The CTA's work: batch, query head, its KV head, and its key tiles [tile_begin, tile_end).

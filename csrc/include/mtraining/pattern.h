@@ -42,6 +42,12 @@ MT_HOST_DEVICE inline Int stripe_local_token(Int column, Int block, Int world) {
     return column / block / world * block + column % block;
 }
 
+// Global position of local token `local` of `rank` (the inverse of stripe_local_token).
+template <typename Int>
+MT_HOST_DEVICE inline Int stripe_global_token(Int local, Int block, Int world, Int rank) {
+    return (local / block * world + rank) * block + local % block;
+}
+
 // Padding value of the slash and vertical lists (2^30), as in ds_mtraining/index.py.
 constexpr int32_t kListPad = 1 << 30;
 
