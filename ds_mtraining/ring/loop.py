@@ -5,7 +5,7 @@ Every step calls the sparse kernel with the *global* compact index and the step'
 and columns in O(selected). Forward partial outputs merge exactly in fp32 through their LSEs,
 in place into the first step's output.
 
-Backward runs the forward's steps in reverse order (:meth:`RingSchedule.kv_steps_backward`),
+Backward runs the forward's steps in reverse order (:meth:`RingSchedule.kv_steps`, ``reverse``),
 starting from the K/V this rank held at the forward's last step (saved, so no transfer precedes
 the first kernel) and ending on the local pair. dQ stays home (the first step's dQ, then added
 in place). The dK/dV accumulators (fp32) travel with the K/V, the other way round the ring, each
@@ -41,7 +41,7 @@ def ring_forward(schedule: RingSchedule, q, k, v, index: SparseIndex, scale: flo
     this rank's queries over all keys."""
     out = lse = None
     held = (k, v)
-    for _, stripe, step_k, step_v in schedule.kv_steps(k, v):
+    for _, _, stripe, step_k, step_v in schedule.kv_steps(k, v):
         step_out, step_lse = ops.attention_forward(q, step_k, step_v, index, scale, stripe)
         if out is None:
             out, lse = step_out, step_lse
@@ -102,7 +102,8 @@ def ring_backward(schedule: RingSchedule, dout, q, k, v, out, lse, index: Sparse
     inner_comm = schedule.inner if schedule.per_node > 1 else None
     outer_comm = schedule.outer if schedule.nodes > 1 else None
     dq = inner_grads = outer_grads = None
-    for outer_step, inner_step, stripe, step_k, step_v in schedule.kv_steps_backward(held_k, held_v):
+    for outer_step, inner_step, stripe, step_k, step_v in schedule.kv_steps(held_k, held_v,
+                                                                             reverse=True):
         dq_step, dk_step, dv_step = ops.attention_backward(dout, q, step_k, step_v, out, lse, index,
                                                            scale, stripe)
         dq = _float(dq_step) if dq is None else dq.add_(dq_step)

@@ -30,37 +30,25 @@ class RingSchedule:
         key_local = (self.inner.rank - inner_step) % self.per_node
         return Stripe(self.world, self.position, key_node * self.per_node + key_local)
 
-    def kv_steps(self, k, v):
-        """Yields ``(inner_step, stripe, k, v)`` for every ring step: the K/V this rank holds
-        then. The next inner step's K/V travel during each step, and the next node's K/V (outer
-        ring) during the whole inner ring; a consumer's work between two yields overlaps them."""
-        for outer_step in range(self.nodes):
-            next_node_kv = self.outer.rotate([k, v], KV_TAG) if outer_step + 1 < self.nodes else None
-            inner_k, inner_v = k, v
-            for inner_step in range(self.per_node):
-                pending = (self.inner.rotate([inner_k, inner_v], KV_TAG)
-                           if inner_step + 1 < self.per_node else None)
-                yield inner_step, self.stripe(outer_step, inner_step), inner_k, inner_v
-                if pending is not None:
-                    inner_k, inner_v = pending.wait()
-            if next_node_kv is not None:
-                k, v = next_node_kv.wait()
+    def kv_steps(self, k, v, reverse: bool = False):
+        """Yields ``(outer_step, inner_step, stripe, k, v)`` for every ring step: the K/V this rank
+        holds then. The next inner step's K/V travel during each step, and the next node's K/V
+        (outer ring) during the whole inner ring; a consumer's work between two yields overlaps
+        them.
 
-
-    def kv_steps_backward(self, k, v):
-        """The steps of :meth:`kv_steps` in reverse order, for the backward ring: yields
-        ``(outer_step, inner_step, stripe, k, v)``. ``k``/``v`` are the K/V this rank held at the
-        forward's last step (outer ``N - 1``, inner ``G - 1``: those of position
-        ``(node + 1, local + 1)``), so the first step needs no transfer, and the last step is the
-        local pair. K/V travel the other way round both rings (received from the next rank/node):
-        the next inner step's during each step, the next outer step's starting K/V (sent by the
-        next node at its outer step's start) during the whole inner ring."""
-        for outer_step in reversed(range(self.nodes)):
-            next_node_kv = (self.outer.rotate([k, v], KV_TAG, reverse=True) if outer_step > 0 else None)
+        ``reverse`` (the backward ring): the same steps in reverse order, starting from the K/V
+        this rank held at the forward's last step (outer ``N - 1``, inner ``G - 1``: those of
+        position ``(node + 1, local + 1)``), so the first step needs no transfer and the last one
+        is the local pair; K/V then travel the other way round both rings."""
+        outer_steps = reversed(range(self.nodes)) if reverse else range(self.nodes)
+        inner_steps = list(reversed(range(self.per_node)) if reverse else range(self.per_node))
+        for n, outer_step in enumerate(outer_steps):
+            next_node_kv = (self.outer.rotate([k, v], KV_TAG, reverse=reverse)
+                            if n + 1 < self.nodes else None)
             inner_k, inner_v = k, v
-            for inner_step in reversed(range(self.per_node)):
-                pending = (self.inner.rotate([inner_k, inner_v], KV_TAG, reverse=True)
-                           if inner_step > 0 else None)
+            for i, inner_step in enumerate(inner_steps):
+                pending = (self.inner.rotate([inner_k, inner_v], KV_TAG, reverse=reverse)
+                           if i + 1 < self.per_node else None)
                 yield outer_step, inner_step, self.stripe(outer_step, inner_step), inner_k, inner_v
                 if pending is not None:
                     inner_k, inner_v = pending.wait()
