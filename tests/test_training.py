@@ -157,3 +157,16 @@ def test_mpu_groups_drive_a_zero2_engine_like_one_process():
             torch.testing.assert_close(result["params"][name], param.detach() - 0.5 * param.grad,
                                        rtol=1e-5, atol=1e-6, msg=name)
 
+
+
+def test_depth_override_gives_the_config_transformers_builds_for_that_depth():
+    # a deeper preset must derive its per-layer fields (Qwen2's layer_types) for the new depth,
+    # exactly as transformers does when the config is built with that depth
+    from transformers import Qwen2Config
+    from ds_mtraining.training.model import PRESETS, model_config
+    overrides = {"num_hidden_layers": 5, "hidden_size": 96}
+    config = model_config({"name_or_path": "tiny-qwen2", "config_overrides": dict(overrides)})
+    preset = {k: v for k, v in PRESETS["tiny-qwen2"].items() if k != "model_type"}
+    reference = Qwen2Config(**{**preset, **overrides})
+    assert config.layer_types == reference.layer_types and len(config.layer_types) == 5
+    assert config.to_dict() == reference.to_dict()

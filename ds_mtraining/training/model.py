@@ -55,6 +55,11 @@ def _with_overrides(config, overrides: dict, key: str):
             if name in overrides}
     for field, value in overrides.items():
         setattr(config, field, value)
+    if "num_hidden_layers" in overrides and "layer_types" not in overrides and getattr(config, "layer_types", None):
+        # the config derives one entry of layer_types per layer when it is built: derive it again
+        values = config.to_dict()
+        values.pop("layer_types")
+        config = type(config).from_dict(values)
     if not rope:
         return config
     # transformers 5 keeps theta and scaling together in ``rope_parameters``: rebuild the config so
