@@ -14,7 +14,8 @@ Sources (the ``mtraining.data`` section of the DeepSpeed JSON, see :func:`load_d
 * any source: ``"passkey_fraction"`` (default 0) turns that share of the samples into passkey
   retrieval samples (:func:`ds_mtraining.eval.passkey.passkey_training_sample`: a random key at a
   random depth of the sample's own text, the question and the key at the end), chosen per sample
-  index with a seeded generator, so a resumed run sees the same samples.
+  index with a seeded generator, so a resumed run sees the same samples. ``"passkey_questions"``
+  (default 1) asks for the key that many times per sample (more retrieval examples per step).
 
 Tokenizers: ``"bytes"`` (default), :class:`ByteTokenizer` (UTF-8 bytes 0..255 plus an end-of-
 document token 256, implemented here, nothing to download), or the path of a local tokenizer
@@ -108,25 +109,32 @@ def _stdlib_documents(document_chars: int, max_documents: int | None) -> tuple:
     for directory, subdirectories, names in os.walk(root):  # not into site-packages (large)
         subdirectories[:] = [d for d in subdirectories if d != "site-packages"]
         files += [Path(directory, name) for name in names if name.endswith(".py")]
-    files.sort()
     if not files:
         raise DataConfigError(f"no .py files under the standard library directory {root}; "
                               f"set mtraining.data.files to your own corpus")
     if max_documents is not None and max_documents < 1:
         raise DataConfigError(f"max_documents={max_documents} must be a positive integer")
+    return tuple((text, str(root)) for text in join_files(root, files, document_chars, max_documents))
+
+
+def join_files(root: Path, files, document_chars: int, max_documents: int | None = None,
+               read=lambda path: path.read_text(encoding="utf-8", errors="replace")) -> list[str]:
+    """The ``files`` (under ``root``), in sorted order, joined into documents of at least
+    ``document_chars`` characters, each file under a ``# relative/path`` header line; at most
+    ``max_documents`` documents (no file beyond them is read)."""
     documents, parts, size = [], [], 0
-    for path in files:
-        text = f"# {path.relative_to(root)}\n" + path.read_text(encoding="utf-8", errors="replace")
+    for path in sorted(files):
+        text = f"# {path.relative_to(root)}\n" + read(path)
         parts.append(text)
         size += len(text)
         if size >= document_chars:
-            documents.append(("\n".join(parts), str(root)))
+            documents.append("\n".join(parts))
             parts, size = [], 0
             if len(documents) == max_documents:
-                return tuple(documents)
+                return documents
     if parts:
-        documents.append(("\n".join(parts), str(root)))
-    return tuple(documents)
+        documents.append("\n".join(parts))
+    return documents
 
 
 def check_data_spec(spec: dict | None, key: str = "mtraining.data") -> dict:
@@ -134,7 +142,7 @@ def check_data_spec(spec: dict | None, key: str = "mtraining.data") -> dict:
     returns it with defaults filled in."""
     spec = dict(spec or {"source": "stdlib"})
     known = {"source", "files", "format", "text_field", "saved_dataset", "split", "document_chars",
-             "max_documents", "passkey_fraction"}
+             "max_documents", "passkey_fraction", "passkey_questions"}
     unknown = sorted(set(spec) - known)
     if unknown:
         raise DataConfigError(f"unknown key(s) {unknown} in '{key}'; valid keys are {sorted(known)}")
@@ -153,6 +161,10 @@ def check_data_spec(spec: dict | None, key: str = "mtraining.data") -> dict:
     if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 <= fraction <= 1.0:
         raise DataConfigError(f"{key}.passkey_fraction={fraction!r} must be a number in [0, 1] (the share "
                               f"of samples carrying a passkey retrieval task)")
+    questions = spec.get("passkey_questions", 1)
+    if type(questions) is not int or questions < 1:
+        raise DataConfigError(f"{key}.passkey_questions={questions!r} must be a positive integer (how many "
+                              f"times a passkey sample asks for its key)")
     if "files" in spec:
         files = [spec["files"]] if isinstance(spec["files"], str) else list(spec["files"])
         missing = [f for f in files if not Path(f).is_file()]
@@ -246,15 +258,17 @@ class PackedSequences:
 
     ``self[i]`` is ``(input_ids [L], labels [L])`` int64, labels shifted by one on the stream.
     With ``passkey_fraction`` > 0 (and the ``tokenizer``), sample i is a passkey sample made from
-    its own window with probability ``passkey_fraction``, decided by a generator seeded (seed, i)."""
+    its own window with probability ``passkey_fraction``, decided by a generator seeded (seed, i),
+    asking ``passkey_questions`` times for its key."""
 
     def __init__(self, tokenized, seq_len: int, passkey_fraction: float = 0.0, tokenizer=None,
-                 seed: int = 0):
+                 seed: int = 0, passkey_questions: int = 1):
         self.documents = tokenized
         self.seq_len = seq_len
         if passkey_fraction and tokenizer is None:
             raise ValueError("passkey samples need the tokenizer (to encode the question and the key)")
         self.passkey_fraction, self.tokenizer, self.seed = passkey_fraction, tokenizer, seed
+        self.passkey_questions = passkey_questions
         lengths = tokenized["length"].to_numpy().astype(np.int64)
         self.starts = np.concatenate([[0], np.cumsum(lengths)])
         self.total_tokens = int(self.starts[-1])
@@ -286,7 +300,7 @@ class PackedSequences:
             rng = np.random.default_rng([self.seed, i, 0x9A55])
             if rng.random() < self.passkey_fraction:
                 from .eval.passkey import passkey_training_sample
-                tokens = passkey_training_sample(tokens, self.tokenizer, rng)
+                tokens = passkey_training_sample(tokens, self.tokenizer, rng, questions=self.passkey_questions)
         tokens = torch.from_numpy(tokens)
         return tokens[:-1], tokens[1:]
 

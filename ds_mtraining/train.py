@@ -132,7 +132,8 @@ def train(args, watchdog: Watchdog | None = None) -> dict:
     tokenizer = load_tokenizer(run.tokenizer)
     documents = load_documents(run.data, key=f"{MTRAINING_KEY}.data")
     samples = PackedSequences(tokenize_documents(documents, tokenizer), run.seq_len,
-                              run.data.get("passkey_fraction", 0.0), tokenizer, args.seed)
+                              run.data.get("passkey_fraction", 0.0), tokenizer, args.seed,
+                              run.data.get("passkey_questions", 1))
 
     # this rank's GPU before any collective (the watchdog's pid exchange runs before
     # deepspeed.initialize would set it; NCCL refuses a tensor on another device)

@@ -16,19 +16,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_check_out}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/torch_ext} MAX_JOBS=${MAX_JOBS:-16}
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site:$PWD || { echo "wheel install failed"; exit 1; }
-else
-  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-fi
-# the op builder imports as ds_mtraining_op_builder (setup.py's name for op_builder/): link it for
-# a plain checkout on PYTHONPATH
-if ! python3 -c "import ds_mtraining_op_builder" >/dev/null 2>&1; then
-  mkdir -p /tmp/ds_mtraining_site && ln -sfn "$PWD/op_builder" /tmp/ds_mtraining_site/ds_mtraining_op_builder
-  export PYTHONPATH=/tmp/ds_mtraining_site:$PYTHONPATH
-fi
+source scripts/device_env.sh
 summary=()
 stage() {  # stage NAME TIMEOUT_S LOG COMMAND...: runs (appending to LOG), records status and seconds
   local name=$1 limit=$2 log=$3; shift 3

@@ -27,23 +27,7 @@ mkdir -p "$OUT"
 LOG=$OUT/multi_gpu.log
 WORK=$(mktemp -d /tmp/multi_gpu.XXXXXX)
 BUDGET_S=${BUDGET_S:-560}
-export PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/torch_ext} MAX_JOBS=${MAX_JOBS:-16}
-# NVLink multicast stays off (the machines' rule; also for launchers that build their own env)
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-if ! python3 -c "import deepspeed" >/dev/null 2>&1 && ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    || { echo "wheel install failed"; exit 1; }
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-fi
-
-# the op builder imports as ds_mtraining_op_builder (what setup.py installs op_builder/ as); a plain
-# checkout on PYTHONPATH gets it through a link
-if ! python3 -c "import ds_mtraining_op_builder" >/dev/null 2>&1; then
-  mkdir -p "$WORK/site" && ln -sfn "$PWD/op_builder" "$WORK/site/ds_mtraining_op_builder"
-  export PYTHONPATH=$WORK/site:$PYTHONPATH
-fi
+source scripts/device_env.sh
 
 gpus=$(python3 -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
 if [ -n "${ALLOW_CPU:-}" ]; then  # a dry run of this script's stages on CPU (gloo; GPU tests skip)

@@ -75,6 +75,19 @@ def test_passkey_grid_scores_an_oracle_and_a_wrong_decoder():
     assert wrong["accuracy"] == [[0.0]]
 
 
+def test_passkey_training_sample_asking_several_times():
+    tokens = text_tokens(2049).numpy().astype(np.int64)
+    sample = passkey_training_sample(tokens, TOKENIZER, np.random.default_rng(5), questions=4)
+    text = TOKENIZER.decode(sample)
+    needle = re.search(r"\n\nThe pass key is (\d+)\. Remember it\. \1 is the pass key\.\n\n", text)
+    key, asked = needle.group(1), QUESTION + ANSWER.format(key=needle.group(1))
+    assert len(sample) == 2049 and text.endswith(asked) and text.count(asked) == 4
+    assert text.index(asked) > needle.end()  # every question comes after the needle
+    # without the intro, needle and questions, what is left is the window's own text, in order
+    filler = text[len(INTRO):].replace(needle.group(0), "").replace(asked, "")
+    assert TOKENIZER.decode(tokens).startswith(filler)
+
+
 def test_passkey_training_samples_in_the_packed_data():
     tokens = text_tokens(1025).numpy().astype(np.int64)
     sample = passkey_training_sample(tokens, TOKENIZER, np.random.default_rng(0))
@@ -223,6 +236,7 @@ def mode_config(**mtraining) -> dict:
     (dict(attention="static", static={"window_tokens": 100}), r"window_tokens=100 is not a multiple of the stripe block 64"),
     (dict(attention="static", static={"density": 0.1, "sinks": 4}), r"unknown key\(s\) \['sinks'\]"),
     (dict(data={"source": "stdlib", "passkey_fraction": 1.5}), r"mtraining.data.passkey_fraction=1.5 must be"),
+    (dict(data={"source": "stdlib", "passkey_questions": 0}), r"mtraining.data.passkey_questions=0 must be"),
 ])
 def test_bad_attention_mode_is_one_clear_error(change, message):
     with pytest.raises(ConfigError, match=message):

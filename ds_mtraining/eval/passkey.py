@@ -59,19 +59,30 @@ def _encode(tokenizer, text: str) -> np.ndarray:
     return np.asarray(tokenizer.encode(text), dtype=np.int64)
 
 
-def _assemble(tokenizer, filler: np.ndarray, length: int, depth: float, key: str, answer: bool):
+def _assemble(tokenizer, filler: np.ndarray, length: int, depth: float, key: str, answer: bool,
+              asked_before: int = 0, rng: np.random.Generator | None = None):
+    """The prompt; ``asked_before`` more question + answer pairs go into the filler after the
+    needle at uniform random places (``rng``), before the final question."""
     if not 0.0 <= depth <= 1.0:
         raise ValueError(f"depth={depth} must lie in [0, 1] (share of the filler before the needle)")
     intro, needle, question = (_encode(tokenizer, t) for t in (INTRO, NEEDLE.format(key=key), QUESTION))
     answer_ids = _encode(tokenizer, ANSWER.format(key=key))
-    fixed = len(intro) + len(needle) + len(question) + (len(answer_ids) if answer else 0)
+    fixed = (len(intro) + len(needle) + len(question) + (len(answer_ids) if answer else 0)
+             + asked_before * (len(question) + len(answer_ids)))
     n = length - fixed
     if n < 0:
         raise ValueError(f"length {length} is shorter than the passkey prompt's fixed text ({fixed} tokens)")
     if len(filler) < n:
         raise ValueError(f"{len(filler)} filler tokens given, {n} needed for length {length}")
     at = int(round(depth * n))
-    parts = [intro, filler[:at], needle, filler[at:n], question] + ([answer_ids] if answer else [])
+    after = [filler[at:n]]
+    if asked_before:
+        cuts = np.sort(rng.integers(0, n - at + 1, asked_before))
+        pieces = np.split(filler[at:n], cuts)
+        after = [pieces[0]]
+        for piece in pieces[1:]:
+            after += [question, answer_ids, piece]
+    parts = [intro, filler[:at], needle, *after, question] + ([answer_ids] if answer else [])
     ids = np.concatenate([np.asarray(p, dtype=np.int64) for p in parts])
     return PasskeyPrompt(ids, key, depth, len(intro) + at, len(needle), answer_ids)
 
@@ -82,12 +93,17 @@ def passkey_prompt(tokenizer, filler: np.ndarray, length: int, depth: float, key
 
 
 def passkey_training_sample(tokens: np.ndarray, tokenizer, rng: np.random.Generator,
-                            digits: int = DEFAULT_DIGITS) -> np.ndarray:
+                            digits: int = DEFAULT_DIGITS, questions: int = 1) -> np.ndarray:
     """The training window ``tokens`` (L + 1 ids of real text) turned into a passkey sample of
     the same length: a random key at a uniform random depth, filler from the window itself, the
-    question and the answer at the end (so the last tokens' labels are the key)."""
+    question and the answer at the end (so the last tokens' labels are the key). ``questions``
+    > 1 also asks ``questions - 1`` times at uniform random places after the needle, each
+    question followed by its answer: more retrieval examples per sample (the first of them
+    retrieves from the needle, later ones may copy the nearest answer)."""
+    if questions < 1:
+        raise ValueError(f"questions={questions} must be >= 1")
     prompt = _assemble(tokenizer, np.asarray(tokens), len(tokens), float(rng.random()),
-                       random_key(rng, digits), answer=True)
+                       random_key(rng, digits), answer=True, asked_before=questions - 1, rng=rng)
     return prompt.input_ids.astype(np.asarray(tokens).dtype)
 
 

@@ -1,0 +1,399 @@
+"""``python -m ds_mtraining.bench.quality``: does a model trained with MTraining match one
+trained with dense attention?
+
+One study trains the same model three times through the real training path
+(:mod:`ds_mtraining.train`: same initialisation, same data order, same steps, same seed),
+changing only ``mtraining.attention``:
+
+* ``dense``: full causal attention (torch's flash SDPA on one GPU);
+* ``sparse``: MTraining's estimated vertical-slash index (the config's budgets);
+* ``static``: sinks + a local window at the density MTraining reached (its mean over the last
+  tenth of training), the static sparse baseline.
+
+Each run is exported to a HF directory and evaluated with dense attention, as the paper
+evaluates, by :mod:`ds_mtraining.eval`: held-out loss, loss by position, passkey retrieval over
+a depth x length grid, and the recall of MTraining's estimator on the model's own attention.
+``compare`` then writes ``quality_<tag>.json`` (held-out loss gaps, passkey gaps, the last
+position bucket's gap, MTraining's density over training) and PNGs.
+
+    python -m ds_mtraining.bench.quality run --config ds_configs/quality_32k.json \\
+        --data data/quality --steps 1000 --devices cuda:0,cuda:1 --out quality_results/32k
+    python -m ds_mtraining.bench.quality compare quality_results/32k --tag 32k
+
+With two devices, dense trains on the first while sparse and then static (which needs sparse's
+density) train on the second; with one, the three run one after another. ``--time_budget S``
+instead of ``--steps``: dense and sparse first train ``--calibration_steps`` steps each, and the
+study takes the largest step count whose runs (measured seconds per step and launch time, plus
+``--eval_seconds`` per evaluation) end within S seconds of the start. ``data/quality`` comes
+from :mod:`ds_mtraining.eval.corpus` (``train.parquet`` for training, ``heldout.parquet`` for
+evaluation: no held-out text is trained on).
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+MODES = ("dense", "sparse", "static")
+STATIC_DENSITY_TAIL = 0.1  # static trains at sparse's mean density over this last share of steps
+
+
+# ----------------------------------------------------------------------------- configs
+def mode_config(base: dict, mode: str, steps: int, data_file: str, static_density: float | None = None) -> dict:
+    """The DeepSpeed JSON of one run: ``base`` with this mode, the training data and a learning-rate
+    schedule that decays over exactly ``steps`` steps."""
+    config = json.loads(json.dumps(base))
+    section = config["mtraining"]
+    section["attention"] = mode
+    section.pop("static", None)
+    if mode == "static":
+        if static_density is None:
+            raise ValueError("the static run needs MTraining's measured density (train sparse first)")
+        section["static"] = {"density": float(static_density), "sink_tokens": section["sparse"].get("sink_tokens", 4)}
+    section["data"] = {**section.get("data", {}), "files": [str(Path(data_file).resolve())]}
+    section["data"].pop("source", None)
+    scheduler = config.get("scheduler", {})
+    if scheduler.get("type") == "WarmupDecayLR":
+        scheduler["params"]["total_num_steps"] = steps
+    return config
+
+
+def read_metric(run_dir: Path, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """(steps, values) of one metric of a training run's csv monitor."""
+    path = run_dir / "metrics" / "mtraining" / f"Train_mtraining_{name}.csv"
+    with open(path) as handle:
+        rows = list(csv.reader(handle))[1:]
+    steps = np.array([int(r[0]) for r in rows])
+    return steps, np.array([float(r[1]) for r in rows])
+
+
+def tail_mean(values: np.ndarray, share: float = STATIC_DENSITY_TAIL) -> float:
+    """The mean of the last ``share`` of ``values`` (at least one value)."""
+    if len(values) == 0:
+        raise ValueError("no values logged (is --log_interval larger than --steps?)")
+    return float(np.mean(values[-max(1, int(round(share * len(values)))):]))
+
+
+# ----------------------------------------------------------------------------- runs
+class Study:
+    """Runs the three trainings and evaluations of one study directory."""
+
+    def __init__(self, args):
+        self.args = args
+        self.out = Path(args.out)
+        self.base = json.loads(Path(args.config).read_text())
+        self.data = Path(args.data)
+        for name in ("train.parquet", "heldout.parquet"):
+            if not (self.data / name).is_file():
+                raise FileNotFoundError(f"{self.data / name} is missing; build the corpus with "
+                                        f"python -m ds_mtraining.eval.corpus --out {self.data} ...")
+        self.lock = threading.Lock()
+        self.start = time.time()
+
+    def say(self, message: str):
+        with self.lock:
+            print(f"[{time.time() - self.start:7.1f} s] {message}", flush=True)
+
+    def _run(self, command: list[str], log: Path, env: dict):
+        with open(log, "w") as handle:
+            done = subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT, env=env)
+        if done.returncode != 0:
+            tail = "".join(log.read_text().splitlines(keepends=True)[-15:])
+            raise RuntimeError(f"{' '.join(command[:6])} ... failed (exit {done.returncode}); "
+                               f"last lines of {log}:\n{tail}")
+
+    def train(self, mode: str, folder: Path, steps: int, device: str, port: int, export: bool,
+              static_density: float | None = None) -> float:
+        """Trains one run into ``folder``; returns its wall time (launch included)."""
+        folder.mkdir(parents=True, exist_ok=True)
+        config = mode_config(self.base, mode, steps, str(self.data / "train.parquet"), static_density)
+        (folder / "config.json").write_text(json.dumps(config, indent=2))
+        placement = ["--num_gpus", "1"]
+        if device.startswith("cuda:"):
+            placement = ["--include", f"localhost:{device.split(':')[1]}"]
+        command = [sys.executable, "-m", "deepspeed.launcher.runner", *placement, "--master_port", str(port),
+                   "--module", "ds_mtraining.train", "--deepspeed_config", str(folder / "config.json"),
+                   "--steps", str(steps), "--save_dir", str(folder / "run"), "--seed", str(self.args.seed),
+                   "--log_interval", str(min(self.args.log_interval, steps)), "--no_progress"]
+        if export:
+            command += ["--export_hf", str(folder / "hf")]
+        began = time.time()
+        self._run(command, folder / "train.log", {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"})
+        return time.time() - began
+
+    def calibrate(self, lanes) -> int:
+        """Trains dense and sparse briefly (concurrently when there are two lanes) and returns the
+        largest step count that fits the time budget."""
+        args, measured, errors = self.args, {}, []
+
+        def measure(mode, device, port):
+            try:
+                folder = self.out / "calibration" / mode
+                wall = self.train(mode, folder, args.calibration_steps, device, port, export=False)
+                seq_len = self.base["mtraining"]["seq_len"]
+                per_step = float(np.median(seq_len / read_metric(folder / "run", "tokens_per_s")[1]))
+                measured[mode] = {"step_s": per_step, "launch_s": max(0.0, wall - args.calibration_steps * per_step)}
+            except Exception as error:  # noqa: BLE001 - reported after the other lane ends
+                errors.append(error)
+
+        self.say(f"calibrating: {args.calibration_steps} steps of dense and sparse")
+        self._in_lanes([(["dense"], lanes[0][1]), (["sparse"], lanes[-1][1])] if len(lanes) > 1 else
+                       [(["dense", "sparse"], lanes[0][1])], measure)
+        if errors:
+            raise errors[0]
+        left = args.time_budget - (time.time() - self.start) - 30  # the comparison and plots
+        static = measured["sparse"]  # same kernels and shapes as sparse, no estimation: at most as slow
+        costs = {"dense": measured["dense"], "sparse": measured["sparse"], "static": static}
+        steps = min(int((left - sum(costs[m]["launch_s"] + args.eval_seconds for m in modes))
+                        / sum(costs[m]["step_s"] for m in modes)) for modes, _ in lanes)
+        (self.out / "calibration.json").write_text(json.dumps({"measured": measured, "steps": steps,
+                                                                "time_left_s": left}, indent=2))
+        rates = ", ".join(f"{mode} {value['step_s']:.3f} s/step" for mode, value in measured.items())
+        self.say(f"calibrated: {rates} -> {steps} steps")
+        if steps < args.calibration_steps:
+            raise RuntimeError(f"--time_budget {args.time_budget} s leaves room for only {steps} steps; "
+                               f"give more time or a smaller model/sequence")
+        return steps
+
+    def _in_lanes(self, lanes, work):
+        threads = [threading.Thread(target=lambda ms, d, p: [work(m, d, p) for m in ms],
+                                    args=(modes, device, self.args.port + 10 * i))
+                   for i, (modes, device) in enumerate(lanes)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+
+    def run_mode(self, mode: str, device: str, port: int):
+        args, folder = self.args, self.out / mode
+        density = None
+        if mode == "static":
+            density = tail_mean(read_metric(self.out / "sparse" / "run", "density")[1])
+        self.say(f"{mode}: training {args.steps} steps on {device}" +
+                 (f" (static density {density:.4f})" if density is not None else ""))
+        trained = self.train(mode, folder, args.steps, device, port, export=True, static_density=density)
+        config = json.loads((folder / "config.json").read_text())
+        env = dict(os.environ)
+        if device.startswith("cuda:"):
+            env["CUDA_VISIBLE_DEVICES"] = device.split(":")[1]
+        began = time.time()
+        self.say(f"{mode}: trained in {trained:.0f} s; evaluating")
+        evaluate = [sys.executable, "-m", "ds_mtraining.eval", str(folder / "hf"), "--out", str(folder / "eval"),
+                    "--data", str(self.data / "heldout.parquet"), "--lengths", args.passkey_lengths,
+                    "--depths", args.passkey_depths, "--trials", str(args.passkey_trials),
+                    "--loss_length", str(config["mtraining"]["seq_len"]), "--loss_windows", str(args.loss_windows),
+                    "--recall_length", str(args.recall_length), "--sparse_config",
+                    json.dumps(config["mtraining"]["sparse"]), "--device", "cuda" if device != "cpu" else "cpu",
+                    "--seed", str(args.seed), "--no_progress"]
+        self._run(evaluate, folder / "eval.log", env)
+        (folder / "timing.json").write_text(json.dumps({"train_s": trained, "eval_s": time.time() - began,
+                                                        "device": device}))
+        self.say(f"{mode}: done")
+
+    def run(self):
+        devices = self.args.devices.split(",")
+        if len(devices) >= 2:
+            lanes = [(["dense"], devices[0]), (["sparse", "static"], devices[1])]
+        else:
+            lanes = [(["sparse", "static", "dense"], devices[0])]
+        if self.args.steps is None:
+            self.args.steps = self.calibrate(lanes)
+        errors, failed = [], set()
+
+        def run(mode, device, port):
+            if failed & {device}:  # a lane stops at its first failure (static needs sparse)
+                return
+            try:
+                self.run_mode(mode, device, port)
+            except Exception as error:  # noqa: BLE001 - reported after the other lane ends
+                errors.append(error)
+                failed.add(device)
+
+        self._in_lanes(lanes, run)
+        if errors:
+            raise errors[0]
+
+
+# ----------------------------------------------------------------------------- comparison
+def _eval_file(folder: Path, name: str) -> dict:
+    return json.loads((folder / "eval" / f"{name}.json").read_text())
+
+
+def mode_results(folder: Path) -> dict:
+    """One run's training curve, density and evaluation results."""
+    run = folder / "run"
+    steps, loss = read_metric(run, "loss")
+    _, density = read_metric(run, "density")
+    _, speed = read_metric(run, "tokens_per_s")
+    position = _eval_file(folder, "loss_by_position")
+    passkey = _eval_file(folder, "passkey")
+    result = {"train_steps": steps.tolist(), "train_loss": loss.tolist(), "density": density.tolist(),
+              "final_density": tail_mean(density), "tokens_per_s": float(np.median(speed)),
+              "heldout_loss": position["overall"], "heldout_tokens": int(sum(position["tokens"])),
+              "loss_by_position": {"edges": position["edges"], "mean_loss": position["mean_loss"]},
+              "last_bucket_loss": position["mean_loss"][-1],
+              "passkey_accuracy": float(np.mean(passkey["accuracy"])),
+              "passkey": {k: passkey[k] for k in ("lengths", "depths", "accuracy")},
+              "config": json.loads((folder / "config.json").read_text())["mtraining"]}
+    recall = folder / "eval" / "recall.json"
+    if recall.is_file():
+        result["recall"] = json.loads(recall.read_text())["mean"]
+    timing = folder / "timing.json"
+    if timing.is_file():
+        result["timing"] = json.loads(timing.read_text())
+    return result
+
+
+def gaps(mode: dict, dense: dict) -> dict:
+    """``mode`` against dense: relative loss gaps (positive: worse than dense) and the passkey
+    accuracy difference in points (positive: better than dense)."""
+    return {"heldout_loss_gap": mode["heldout_loss"] / dense["heldout_loss"] - 1.0,
+            "last_bucket_loss_gap": mode["last_bucket_loss"] / dense["last_bucket_loss"] - 1.0,
+            "passkey_gap_points": 100.0 * (mode["passkey_accuracy"] - dense["passkey_accuracy"])}
+
+
+def verdict(results: dict) -> dict:
+    """The study's questions, each answered from the numbers (see the issue's must-show list)."""
+    sparse, static, dense = (results["modes"][m] for m in ("sparse", "static", "dense"))
+    vs_sparse, vs_static = results["sparse_vs_dense"], results["static_vs_dense"]
+    return {
+        "sparse_final_density_le_0.15": sparse["final_density"] <= 0.15,
+        "sparse_heldout_loss_within_1pct_of_dense": abs(vs_sparse["heldout_loss_gap"]) <= 0.01
+                                                    or vs_sparse["heldout_loss_gap"] < 0,
+        "static_worse_than_dense_1pct_loss_or_10pt_passkey": vs_static["heldout_loss_gap"] >= 0.01
+                                                             or vs_static["passkey_gap_points"] <= -10,
+        "dense_passkey_ge_80pct": dense["passkey_accuracy"] >= 0.8,
+        "sparse_passkey_ge_dense_minus_2pt": vs_sparse["passkey_gap_points"] >= -2,
+        "sparse_last_bucket_within_2pct_of_dense": vs_sparse["last_bucket_loss_gap"] <= 0.02,
+    }
+
+
+def compare(study: Path) -> dict:
+    results = {"modes": {m: mode_results(study / m) for m in MODES}}
+    dense = results["modes"]["dense"]
+    for mode in ("sparse", "static"):
+        results[f"{mode}_vs_dense"] = gaps(results["modes"][mode], dense)
+    results["verdict"] = verdict(results)
+    return results
+
+
+def plot(results: dict, out: Path, tag: str) -> list[str]:
+    """Training loss, MTraining's density, loss by position and the passkey grids of the three runs."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    colors = {"dense": "black", "sparse": "tab:blue", "static": "tab:orange"}
+    modes = results["modes"]
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.2))
+    for mode, r in modes.items():
+        axes[0].plot(r["train_steps"], r["train_loss"], color=colors[mode], label=mode, lw=1)
+        edges = np.array(r["loss_by_position"]["edges"])
+        axes[2].plot((edges[:-1] + edges[1:]) / 2, r["loss_by_position"]["mean_loss"], "o-", color=colors[mode],
+                     label=f"{mode} ({r['heldout_loss']:.4f})", ms=3)
+    axes[0].set(xlabel="step", ylabel="training loss (nats/token)", title="training loss")
+    axes[0].set_ylim(top=min(max(modes["dense"]["train_loss"]), 2 * min(modes["dense"]["train_loss"]) + 1))
+    for mode in ("sparse", "static"):
+        axes[1].plot(modes[mode]["train_steps"], modes[mode]["density"], color=colors[mode], label=mode)
+    axes[1].axhline(0.15, color="gray", ls="--", lw=0.8, label="15%")
+    axes[1].set(xlabel="step", ylabel="computed / causal entries", title="attention density in training")
+    axes[2].set(xlabel="position (tokens)", ylabel="held-out loss", title="held-out loss by position")
+    for ax in axes:
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    curves = out / f"quality_{tag}_curves.png"
+    fig.savefig(curves, dpi=110)
+    plt.close(fig)
+    fig, axes = plt.subplots(1, 3, figsize=(15, 3.8))
+    for ax, (mode, r) in zip(axes, modes.items()):
+        grid = np.array(r["passkey"]["accuracy"])
+        image = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+        ax.set_xticks(range(len(r["passkey"]["lengths"])), [str(n) for n in r["passkey"]["lengths"]])
+        ax.set_yticks(range(len(r["passkey"]["depths"])), [f"{d:.2f}" for d in r["passkey"]["depths"]])
+        ax.set(xlabel="prompt length (tokens)", ylabel="needle depth",
+               title=f"{mode}: passkey {100 * r['passkey_accuracy']:.0f}%")
+        for (i, j), value in np.ndenumerate(grid):
+            ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=7)
+    fig.colorbar(image, ax=axes, shrink=0.8)
+    passkey = out / f"quality_{tag}_passkey.png"
+    fig.savefig(passkey, dpi=110)
+    plt.close(fig)
+    return [curves.name, passkey.name]
+
+
+# ----------------------------------------------------------------------------- command line
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m ds_mtraining.bench.quality",
+                                     description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="train, export and evaluate dense, sparse and static, then compare",
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    run.add_argument("--config", required=True, help="base DeepSpeed JSON (its mtraining.attention is replaced)")
+    run.add_argument("--data", required=True, help="corpus folder with train.parquet and heldout.parquet")
+    length = run.add_mutually_exclusive_group(required=True)
+    length.add_argument("--steps", type=int, help="optimizer steps of every run")
+    length.add_argument("--time_budget", type=float, help="seconds for the whole study: calibrate the steps")
+    run.add_argument("--calibration_steps", type=int, default=20, help="steps of each calibration run")
+    run.add_argument("--eval_seconds", type=float, default=90, help="time allowed per evaluation (calibration)")
+    run.add_argument("--devices", default="cuda:0,cuda:1", help="'cuda:0,cuda:1', 'cuda:0' or 'cpu'")
+    run.add_argument("--out", required=True, help="study directory (one folder per mode)")
+    run.add_argument("--seed", type=int, default=1234, help="initialisation and data order of every run")
+    run.add_argument("--log_interval", type=int, default=10, help="steps between logged metrics")
+    run.add_argument("--port", type=int, default=29610, help="first master port (lanes add 10)")
+    run.add_argument("--passkey_lengths", default="4096,8192,16384,32768")
+    run.add_argument("--passkey_depths", default="0,0.25,0.5,0.75,1")
+    run.add_argument("--passkey_trials", type=int, default=4)
+    run.add_argument("--loss_windows", type=int, default=8, help="held-out windows of seq_len tokens")
+    run.add_argument("--recall_length", type=int, default=16384)
+    run.add_argument("--tag", default=None, help="results name: quality_<tag>.json (default: the out folder's name)")
+    run.add_argument("--results", default="benchmarks/results", help="where quality_<tag>.json and PNGs go")
+    cmp = sub.add_parser("compare", help="write quality_<tag>.json and PNGs from a study directory",
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    cmp.add_argument("study", help="the study directory of a run")
+    cmp.add_argument("--tag", default=None, help="default: the study folder's name")
+    cmp.add_argument("--results", default="benchmarks/results")
+    args = parser.parse_args(argv)
+    if args.command == "run":
+        if (args.steps or 1) < 1 or args.calibration_steps < 2:
+            parser.error("--steps must be >= 1 and --calibration_steps >= 2")
+        try:
+            Study(args).run()
+        except (FileNotFoundError, RuntimeError, ValueError) as error:
+            print(f"ds_mtraining.bench.quality: error: {error}", file=sys.stderr)
+            sys.exit(2)
+        study = Path(args.out)
+    else:
+        study = Path(args.study)
+    tag = args.tag or study.name
+    results = compare(study)
+    results.update(date=time.strftime("%Y-%m-%d"), command=" ".join(["python -m ds_mtraining.bench.quality"] + sys.argv[1:]),
+                   device=_device_name(), study=str(study))
+    out = Path(args.results)
+    out.mkdir(parents=True, exist_ok=True)
+    results["plots"] = plot(results, out, tag)
+    (out / f"quality_{tag}.json").write_text(json.dumps(results, indent=1))
+    for mode in ("sparse", "static"):
+        g = results[f"{mode}_vs_dense"]
+        print(f"{mode} vs dense: held-out loss {100 * g['heldout_loss_gap']:+.2f}%, last bucket "
+              f"{100 * g['last_bucket_loss_gap']:+.2f}%, passkey {g['passkey_gap_points']:+.1f} points")
+    for question, answer in results["verdict"].items():
+        print(f"  {'yes' if answer else 'NO '}  {question}")
+    print(f"results: {out / f'quality_{tag}.json'}")
+
+
+def _device_name() -> str:
+    import torch
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,20 @@
+# Sourced by the device scripts (gpu_check.sh, multi_gpu_check.sh, quality_study.sh), from the
+# repository root: the Python environment of a bare GPU machine.
+# - installs the wheels carried in .whl/ (deepspeed, datasets, ...) into /tmp/site when deepspeed
+#   is missing, and puts the checkout on PYTHONPATH;
+# - links op_builder/ as ds_mtraining_op_builder (the name setup.py installs it under);
+# - NVLink multicast off (the machines' rule; also for launchers that build their own env);
+# - one extension cache and 16 build jobs.
+export PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/torch_ext} MAX_JOBS=${MAX_JOBS:-16}
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+if ! python3 -c "import deepspeed" >/dev/null 2>&1 && ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || { echo "wheel install failed"; exit 1; }
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+fi
+if ! python3 -c "import ds_mtraining_op_builder" >/dev/null 2>&1; then
+  mkdir -p /tmp/ds_mtraining_site && ln -sfn "$PWD/op_builder" /tmp/ds_mtraining_site/ds_mtraining_op_builder
+  export PYTHONPATH=/tmp/ds_mtraining_site:$PYTHONPATH
+fi

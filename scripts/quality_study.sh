@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The dense / MTraining / static quality study (python -m ds_mtraining.bench.quality) in one
+# device call: dense trains on GPU 0 while MTraining and then static train on GPU 1
+# (nvidia-h200-x2; on one GPU the three run in turn). The step count is calibrated to fit
+# BUDGET_S. Checkpoints and exported models stay on the machine (too large to bring back); $OUT
+# gets quality_<TAG>.json, its PNGs, quality.log and study.tar.gz (the study directory's JSON,
+# metrics and logs, refreshed every 20 s, so a call cut short still returns what finished;
+# `bench.quality compare` rebuilds the results from it).
+#
+#   data:        python -m ds_mtraining.eval.corpus ... --out data/quality   (see its --help)
+#   device run:  bash scripts/quality_study.sh      carry: .whl and data/quality
+#   Env: BUDGET_S (570: seconds for this script), CONFIG (ds_configs/quality_32k.json),
+#        DATA (data/quality), TAG (32k), STEPS (fixed steps instead of calibrating),
+#        STUDY_ARGS (more options of `bench.quality run`)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+start=$SECONDS
+OUT=${OUT:-$PWD/quality_out}
+STUDY=/tmp/quality_study
+mkdir -p "$OUT" "$STUDY"
+source scripts/device_env.sh
+
+gpus=$(python3 -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+case "$gpus" in
+  0) echo "quality_study: no CUDA device visible"; exit 1 ;;
+  1) devices=cuda:0 ;;
+  *) devices=cuda:0,cuda:1 ;;
+esac
+python3 -c "
+import time; t = time.time()
+from ds_mtraining import ops
+ops.op_module('cuda')
+print(f'CUDA op built and loaded in {time.time() - t:.1f} s')" || exit 1
+
+sync_out() {  # one archive (the device returns 8 files): everything but checkpoints and models
+  tar czf "$OUT/study.tar.gz.part" --exclude hf --exclude 'global_step*' -C "$(dirname "$STUDY")" \
+    "$(basename "$STUDY")" 2>/dev/null && mv "$OUT/study.tar.gz.part" "$OUT/study.tar.gz"
+}
+( while sleep 20; do sync_out; done ) &
+syncer=$!
+
+left=$(( ${BUDGET_S:-570} - (SECONDS - start) ))
+length=(--time_budget "$left")
+[ -n "${STEPS:-}" ] && length=(--steps "$STEPS")
+python3 -m ds_mtraining.bench.quality run --config "${CONFIG:-ds_configs/quality_32k.json}" \
+  --data "${DATA:-data/quality}" "${length[@]}" --devices "$devices" --out "$STUDY" \
+  --tag "${TAG:-32k}" --results "$OUT" ${STUDY_ARGS:-} 2>&1 | tee "$OUT/quality.log"
+code=${PIPESTATUS[0]}
+kill "$syncer" 2>/dev/null
+sync_out
+echo "quality_study: exit $code after $((SECONDS - start)) s"
+exit "$code"
