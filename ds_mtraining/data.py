@@ -269,6 +269,13 @@ class PackedSequences:
             raise ValueError("passkey samples need the tokenizer (to encode the question and the key)")
         self.passkey_fraction, self.tokenizer, self.seed = passkey_fraction, tokenizer, seed
         self.passkey_questions = passkey_questions
+        if passkey_fraction:
+            from .eval.passkey import passkey_fixed_tokens
+            fixed = passkey_fixed_tokens(tokenizer, questions=passkey_questions)
+            if fixed > seq_len:
+                raise DataConfigError(f"a passkey sample's fixed text ({passkey_questions} question(s)) takes {fixed} "
+                                      f"tokens, more than mtraining.seq_len={seq_len}; lower "
+                                      f"mtraining.data.passkey_questions or raise seq_len")
         lengths = tokenized["length"].to_numpy().astype(np.int64)
         self.starts = np.concatenate([[0], np.cumsum(lengths)])
         self.total_tokens = int(self.starts[-1])

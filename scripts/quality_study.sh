@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The dense / MTraining / static quality study (python -m ds_mtraining.bench.quality) in one
-# device call: dense trains on GPU 0 while MTraining and then static train on GPU 1
-# (nvidia-h200-x2; on one GPU the three run in turn). The step count is calibrated to fit
-# BUDGET_S. Checkpoints and exported models stay on the machine (too large to bring back); $OUT
+# device call: a dense stage 1 at 4K (data parallel on every GPU, PRETRAIN_STEPS) trains the
+# shared initialisation; then dense continues at 32K on GPU 0 while MTraining and then static
+# continue on GPU 1 (nvidia-h200-x2; on one GPU the three run in turn), the step count
+# calibrated to fit BUDGET_S. Checkpoints and exported models stay on the machine (too large to bring back); $OUT
 # gets quality_<TAG>.json, its PNGs, quality.log and study.tar.gz (the study directory's JSON,
 # metrics and logs, refreshed every 20 s, so a call cut short still returns what finished;
 # `bench.quality compare` rebuilds the results from it).
@@ -10,6 +11,7 @@
 #   data:        python -m ds_mtraining.eval.corpus ... --out data/quality   (see its --help)
 #   device run:  bash scripts/quality_study.sh      carry: .whl and data/quality
 #   Env: BUDGET_S (570: seconds for this script), CONFIG (ds_configs/quality_32k.json),
+#        PRETRAIN_CONFIG (ds_configs/quality_pretrain_4k.json; empty: none), PRETRAIN_STEPS (800),
 #        DATA (data/quality), TAG (32k), STEPS (fixed steps instead of calibrating),
 #        STUDY_ARGS (more options of `bench.quality run`)
 set -uo pipefail
@@ -33,7 +35,7 @@ ops.op_module('cuda')
 print(f'CUDA op built and loaded in {time.time() - t:.1f} s')" || exit 1
 
 sync_out() {  # one archive (the device returns 8 files): everything but checkpoints and models
-  tar czf "$OUT/study.tar.gz.part" --exclude hf --exclude 'global_step*' -C "$(dirname "$STUDY")" \
+  tar czf "$OUT/study.tar.gz.part" --exclude hf --exclude 'step[0-9]*' -C "$(dirname "$STUDY")" \
     "$(basename "$STUDY")" 2>/dev/null && mv "$OUT/study.tar.gz.part" "$OUT/study.tar.gz"
 }
 ( while sleep 20; do sync_out; done ) &
@@ -42,8 +44,10 @@ syncer=$!
 left=$(( ${BUDGET_S:-570} - (SECONDS - start) ))
 length=(--time_budget "$left")
 [ -n "${STEPS:-}" ] && length=(--steps "$STEPS")
+pretrain=(--pretrain_config "${PRETRAIN_CONFIG-ds_configs/quality_pretrain_4k.json}" --pretrain_steps "${PRETRAIN_STEPS:-800}")
+[ -z "${PRETRAIN_CONFIG-x}" ] && pretrain=()
 python3 -m ds_mtraining.bench.quality run --config "${CONFIG:-ds_configs/quality_32k.json}" \
-  --data "${DATA:-data/quality}" "${length[@]}" --devices "$devices" --out "$STUDY" \
+  --data "${DATA:-data/quality}" "${length[@]}" "${pretrain[@]}" --devices "$devices" --out "$STUDY" \
   --tag "${TAG:-32k}" --results "$OUT" ${STUDY_ARGS:-} 2>&1 | tee "$OUT/quality.log"
 code=${PIPESTATUS[0]}
 kill "$syncer" 2>/dev/null

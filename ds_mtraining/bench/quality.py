@@ -10,6 +10,11 @@ changing only ``mtraining.attention``:
 * ``static``: sinks + a local window at the density MTraining reached (its mean over the last
   tenth of training), the static sparse baseline.
 
+With ``--pretrain_config``, a dense stage 1 (e.g. at a short context, data parallel over all
+devices) trains the shared initialisation first and the three runs continue from it, as the
+paper continues a pretrained model at a longer context; ``config.json`` of each run and
+``pretrain/`` in the study directory record both stages.
+
 Each run is exported to a HF directory and evaluated with dense attention, as the paper
 evaluates, by :mod:`ds_mtraining.eval`: held-out loss, loss by position, passkey retrieval over
 a depth x length grid, and the recall of MTraining's estimator on the model's own attention.
@@ -47,12 +52,15 @@ STATIC_DENSITY_TAIL = 0.1  # static trains at sparse's mean density over this la
 
 
 # ----------------------------------------------------------------------------- configs
-def mode_config(base: dict, mode: str, steps: int, data_file: str, static_density: float | None = None) -> dict:
-    """The DeepSpeed JSON of one run: ``base`` with this mode, the training data and a learning-rate
-    schedule that decays over exactly ``steps`` steps."""
+def mode_config(base: dict, mode: str, steps: int, data_file: str, static_density: float | None = None,
+                model: str | None = None) -> dict:
+    """The DeepSpeed JSON of one run: ``base`` with this mode, the training data, a learning-rate
+    schedule that decays over exactly ``steps`` steps and, if given, a pretrained ``model`` dir."""
     config = json.loads(json.dumps(base))
     section = config["mtraining"]
     section["attention"] = mode
+    if model is not None:
+        section["model"] = str(model)
     section.pop("static", None)
     if mode == "static":
         if static_density is None:
@@ -97,6 +105,7 @@ class Study:
                                         f"python -m ds_mtraining.eval.corpus --out {self.data} ...")
         self.lock = threading.Lock()
         self.start = time.time()
+        self.pretrained = None
 
     def say(self, message: str):
         with self.lock:
@@ -111,14 +120,17 @@ class Study:
                                f"last lines of {log}:\n{tail}")
 
     def train(self, mode: str, folder: Path, steps: int, device: str, port: int, export: bool,
-              static_density: float | None = None) -> float:
-        """Trains one run into ``folder``; returns its wall time (launch included)."""
+              static_density: float | None = None, base: dict | None = None) -> float:
+        """Trains one run into ``folder`` (``device``: one, or comma-separated for data parallel);
+        returns its wall time (launch included)."""
         folder.mkdir(parents=True, exist_ok=True)
-        config = mode_config(self.base, mode, steps, str(self.data / "train.parquet"), static_density)
+        config = mode_config(base or self.base, mode, steps, str(self.data / "train.parquet"), static_density,
+                             None if base else self.pretrained)
         (folder / "config.json").write_text(json.dumps(config, indent=2))
-        placement = ["--num_gpus", "1"]
+        devices = device.split(",")
+        placement = ["--num_gpus", str(len(devices))]
         if device.startswith("cuda:"):
-            placement = ["--include", f"localhost:{device.split(':')[1]}"]
+            placement = ["--include", "localhost:" + ",".join(d.split(":")[1] for d in devices)]
         command = [sys.executable, "-m", "deepspeed.launcher.runner", *placement, "--master_port", str(port),
                    "--module", "ds_mtraining.train", "--deepspeed_config", str(folder / "config.json"),
                    "--steps", str(steps), "--save_dir", str(folder / "run"), "--seed", str(self.args.seed),
@@ -163,6 +175,16 @@ class Study:
                                f"give more time or a smaller model/sequence")
         return steps
 
+    def pretrain(self, devices: str):
+        """Stage 1: dense training of the shared initialisation (data parallel over ``devices``);
+        every study run continues from its export."""
+        args, folder = self.args, self.out / "pretrain"
+        base = json.loads(Path(args.pretrain_config).read_text())
+        self.say(f"pretraining (dense, {args.pretrain_steps} steps of {args.pretrain_config}) on {devices}")
+        wall = self.train("dense", folder, args.pretrain_steps, devices, args.port + 50, export=True, base=base)
+        self.pretrained = str((folder / "hf").resolve())
+        self.say(f"pretrained in {wall:.0f} s -> {self.pretrained}")
+
     def _in_lanes(self, lanes, work):
         threads = [threading.Thread(target=lambda ms, d, p: [work(m, d, p) for m in ms],
                                     args=(modes, device, self.args.port + 10 * i))
@@ -204,6 +226,8 @@ class Study:
             lanes = [(["dense"], devices[0]), (["sparse", "static"], devices[1])]
         else:
             lanes = [(["sparse", "static", "dense"], devices[0])]
+        if self.args.pretrain_config:
+            self.pretrain(",".join(devices))
         if self.args.steps is None:
             self.args.steps = self.calibrate(lanes)
         errors, failed = [], set()
@@ -282,6 +306,10 @@ def compare(study: Path) -> dict:
     for mode in ("sparse", "static"):
         results[f"{mode}_vs_dense"] = gaps(results["modes"][mode], dense)
     results["verdict"] = verdict(results)
+    if (study / "pretrain" / "config.json").is_file():
+        steps, loss = read_metric(study / "pretrain" / "run", "loss")
+        results["pretrain"] = {"config": json.loads((study / "pretrain" / "config.json").read_text())["mtraining"],
+                               "steps": int(steps[-1]), "train_loss": loss.tolist()}
     return results
 
 
@@ -343,7 +371,11 @@ def main(argv=None):
     length.add_argument("--steps", type=int, help="optimizer steps of every run")
     length.add_argument("--time_budget", type=float, help="seconds for the whole study: calibrate the steps")
     run.add_argument("--calibration_steps", type=int, default=20, help="steps of each calibration run")
-    run.add_argument("--eval_seconds", type=float, default=90, help="time allowed per evaluation (calibration)")
+    run.add_argument("--eval_seconds", type=float, default=45, help="time allowed per evaluation (calibration)")
+    run.add_argument("--pretrain_config", default=None,
+                     help="stage 1: a DeepSpeed JSON trained densely (data parallel over --devices) before the "
+                          "study; every run continues from it (the paper's setting: context extension)")
+    run.add_argument("--pretrain_steps", type=int, default=0, help="steps of stage 1")
     run.add_argument("--devices", default="cuda:0,cuda:1", help="'cuda:0,cuda:1', 'cuda:0' or 'cpu'")
     run.add_argument("--out", required=True, help="study directory (one folder per mode)")
     run.add_argument("--seed", type=int, default=1234, help="initialisation and data order of every run")
@@ -365,6 +397,8 @@ def main(argv=None):
     if args.command == "run":
         if (args.steps or 1) < 1 or args.calibration_steps < 2:
             parser.error("--steps must be >= 1 and --calibration_steps >= 2")
+        if bool(args.pretrain_config) != (args.pretrain_steps > 0):
+            parser.error("--pretrain_config and --pretrain_steps >= 1 go together")
         try:
             Study(args).run()
         except (FileNotFoundError, RuntimeError, ValueError) as error:

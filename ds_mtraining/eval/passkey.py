@@ -107,6 +107,13 @@ def passkey_training_sample(tokens: np.ndarray, tokenizer, rng: np.random.Genera
     return prompt.input_ids.astype(np.asarray(tokens).dtype)
 
 
+def passkey_fixed_tokens(tokenizer, digits: int = DEFAULT_DIGITS, questions: int = 1) -> int:
+    """Tokens of a passkey training sample that are not filler (intro, needle, questions, answers)."""
+    key = "9" * digits
+    parts = [INTRO, NEEDLE.format(key=key)] + [QUESTION, ANSWER.format(key=key)] * questions
+    return sum(len(_encode(tokenizer, text)) for text in parts)
+
+
 @dataclass
 class PasskeyTrial:
     length: int
