@@ -190,6 +190,25 @@ def test_model_recall_matches_dense_float64():
     assert model.config._attn_implementation == "eager"  # restored after capturing
 
 
+def test_index_densities_are_the_dense_masks_share_of_causal_entries():
+    # per config: the mean over layers and heads of the estimated index's dense mask / causal entries
+    from ds_mtraining.eval.model_recall import index_densities
+    model = tiny_model("qwen2")
+    input_ids, _ = sequence(seq_len=512)
+    configs = [SparseConfig(block_size=64, last_q=32, p_vertical=0.5, p_slash=p, max_vertical=8,
+                            max_slash_diagonals=cap, sink_tokens=2) for p, cap in ((0.5, 2), (0.9, 64))]
+    causal = 512 * 513 / 2
+    expected = []
+    for config in configs:
+        indices = model_recall(model, input_ids, config, dtype=torch.float64, keep_indices=True)["indices"]
+        expected.append(np.mean([dense_mask(index)[0].sum((-1, -2)).double().mean().item() / causal
+                                 for index in indices]))
+    got = index_densities(model, input_ids, configs)
+    np.testing.assert_allclose(got, expected, rtol=1e-9)
+    assert got[0] < got[1]  # the larger budget computes more
+    assert model.config._attn_implementation == "eager"
+
+
 # ----------------------------------------------------------------------------- static pattern
 @pytest.mark.parametrize("target", [0.05, 0.2, 0.33, 0.9])
 def test_static_density_is_the_nearest_achievable(target):

@@ -90,6 +90,41 @@ def tail_mean(values: np.ndarray, share: float = STATIC_DENSITY_TAIL) -> float:
     return float(np.mean(values[-max(1, int(round(share * len(values)))):]))
 
 
+def budget_candidates(sparse: dict, smallest: int = 16) -> list[dict]:
+    """``sparse`` with max_slash_diagonals halved step by step (most generous first)."""
+    candidates, cap = [], sparse.get("max_slash_diagonals", 4096)
+    while cap >= smallest:
+        candidates.append({**sparse, "max_slash_diagonals": cap})
+        cap //= 2
+    return candidates
+
+
+def choose_budget(model_dir: str, config: dict, data_file: str, target: float, device: str) -> dict:
+    """The most generous slash budget (:func:`budget_candidates` of the config's ``sparse``) whose
+    index, estimated on the model's own q/k over ``seq_len`` tokens of ``data_file``, has a mean
+    density <= ``target``: the budget that keeps a study inside its density limit."""
+    import torch
+    from ..config import SparseConfig
+    from ..data import load_tokenizer
+    from ..eval.model_recall import index_densities
+    from ..eval.runtime import data_spec, heldout_stream, load_model
+    section = config["mtraining"]
+    candidates = budget_candidates({"block_size": section.get("stripe_block", 128), **section["sparse"]})
+    model = load_model(model_dir, torch.device(device), torch.bfloat16 if device.startswith("cuda") else torch.float32)
+    ids = heldout_stream(data_spec(data_file), load_tokenizer(section.get("tokenizer", "bytes")), section["seq_len"])
+    densities = index_densities(model, ids[:section["seq_len"]], [SparseConfig.from_dict(c) for c in candidates])
+    fitting = [i for i, d in enumerate(densities) if d <= target]
+    if not fitting:
+        raise RuntimeError(f"no slash budget down to max_slash_diagonals={candidates[-1]['max_slash_diagonals']} "
+                           f"reaches density {target} (densities {densities}); lower p_slash/max_vertical "
+                           f"or lengthen seq_len")
+    chosen = fitting[0]
+    return {"target": target, "seq_len": section["seq_len"], "chosen": candidates[chosen],
+            "density": densities[chosen],
+            "candidates": [{"max_slash_diagonals": c["max_slash_diagonals"], "density": d}
+                           for c, d in zip(candidates, densities)]}
+
+
 # ----------------------------------------------------------------------------- runs
 class Study:
     """Runs the three trainings and evaluations of one study directory."""
@@ -106,6 +141,7 @@ class Study:
         self.lock = threading.Lock()
         self.start = time.time()
         self.pretrained = None
+        self.static_density = None  # from the budget choice, else sparse's measured density
 
     def say(self, message: str):
         with self.lock:
@@ -185,6 +221,28 @@ class Study:
         self.pretrained = str((folder / "hf").resolve())
         self.say(f"pretrained in {wall:.0f} s -> {self.pretrained}")
 
+    def choose_budget(self, device: str):
+        """Sets the study's slash budget to the most generous one whose density on the starting
+        model is <= --density_target (:func:`choose_budget`); static trains at that density."""
+        args = self.args
+        model = self.pretrained
+        if model is None:
+            raise ValueError("--density_target needs a trained starting model (--pretrain_config)")
+        self.say(f"choosing the slash budget for density <= {args.density_target}")
+        out = self.out / "budget.json"
+        command = [sys.executable, "-m", "ds_mtraining.bench.quality", "budget", model, "--config", args.config,
+                   "--data", str(self.data / "train.parquet"), "--target", str(args.density_target),
+                   "--device", "cuda" if device.startswith("cuda") else "cpu", "--out", str(out)]
+        env = dict(os.environ)
+        if device.startswith("cuda:"):
+            env["CUDA_VISIBLE_DEVICES"] = device.split(":")[1]
+        self._run(command, self.out / "budget.log", env)
+        choice = json.loads(out.read_text())
+        self.base["mtraining"]["sparse"] = {k: v for k, v in choice["chosen"].items() if k != "block_size"}
+        self.static_density = choice["density"]
+        self.say(f"slash budget: max_slash_diagonals={choice['chosen']['max_slash_diagonals']} "
+                 f"(density {choice['density']:.4f} on the starting model)")
+
     def _in_lanes(self, lanes, work):
         threads = [threading.Thread(target=lambda ms, d, p: [work(m, d, p) for m in ms],
                                     args=(modes, device, self.args.port + 10 * i))
@@ -198,7 +256,7 @@ class Study:
         args, folder = self.args, self.out / mode
         density = None
         if mode == "static":
-            density = tail_mean(read_metric(self.out / "sparse" / "run", "density")[1])
+            density = self.static_density or tail_mean(read_metric(self.out / "sparse" / "run", "density")[1])
         self.say(f"{mode}: training {args.steps} steps on {device}" +
                  (f" (static density {density:.4f})" if density is not None else ""))
         trained = self.train(mode, folder, args.steps, device, port, export=True, static_density=density)
@@ -228,6 +286,10 @@ class Study:
             lanes = [(["sparse", "static", "dense"], devices[0])]
         if self.args.pretrain_config:
             self.pretrain(",".join(devices))
+        if self.args.density_target:
+            self.choose_budget(devices[0])
+            if len(devices) >= 2:  # static knows its density now: it trains beside sparse
+                lanes = [(["dense"], devices[0]), (["sparse"], devices[1]), (["static"], devices[1])]
         if self.args.steps is None:
             self.args.steps = self.calibrate(lanes)
         errors, failed = [], set()
@@ -306,6 +368,8 @@ def compare(study: Path) -> dict:
     for mode in ("sparse", "static"):
         results[f"{mode}_vs_dense"] = gaps(results["modes"][mode], dense)
     results["verdict"] = verdict(results)
+    if (study / "budget.json").is_file():
+        results["budget"] = json.loads((study / "budget.json").read_text())
     if (study / "pretrain" / "config.json").is_file():
         steps, loss = read_metric(study / "pretrain" / "run", "loss")
         results["pretrain"] = {"config": json.loads((study / "pretrain" / "config.json").read_text())["mtraining"],
@@ -376,6 +440,17 @@ def main(argv=None):
                      help="stage 1: a DeepSpeed JSON trained densely (data parallel over --devices) before the "
                           "study; every run continues from it (the paper's setting: context extension)")
     run.add_argument("--pretrain_steps", type=int, default=0, help="steps of stage 1")
+    run.add_argument("--density_target", type=float, default=None,
+                     help="choose the slash budget whose density on the stage-1 model is <= this; static "
+                          "then trains at that density, beside sparse")
+    budget = sub.add_parser("budget", help="the slash budget of a config that keeps a model's density <= target",
+                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    budget.add_argument("model", help="HF model directory")
+    budget.add_argument("--config", required=True, help="DeepSpeed JSON: its mtraining.sparse, seq_len, tokenizer")
+    budget.add_argument("--data", required=True, help="text file (parquet/jsonl) to estimate on")
+    budget.add_argument("--target", type=float, required=True, help="largest mean density")
+    budget.add_argument("--device", default="cuda")
+    budget.add_argument("--out", required=True, help="JSON file for the choice")
     run.add_argument("--devices", default="cuda:0,cuda:1", help="'cuda:0,cuda:1', 'cuda:0' or 'cpu'")
     run.add_argument("--out", required=True, help="study directory (one folder per mode)")
     run.add_argument("--seed", type=int, default=1234, help="initialisation and data order of every run")
@@ -394,6 +469,16 @@ def main(argv=None):
     cmp.add_argument("--tag", default=None, help="default: the study folder's name")
     cmp.add_argument("--results", default="benchmarks/results")
     args = parser.parse_args(argv)
+    if args.command == "budget":
+        try:
+            choice = choose_budget(args.model, json.loads(Path(args.config).read_text()), args.data, args.target,
+                                   args.device)
+        except (FileNotFoundError, RuntimeError, ValueError) as error:
+            print(f"ds_mtraining.bench.quality: error: {error}", file=sys.stderr)
+            sys.exit(2)
+        Path(args.out).write_text(json.dumps(choice, indent=2))
+        print(json.dumps(choice, indent=2))
+        return
     if args.command == "run":
         if (args.steps or 1) < 1 or args.calibration_steps < 2:
             parser.error("--steps must be >= 1 and --calibration_steps >= 2")

@@ -17,6 +17,8 @@ Layers are processed as the forward reaches them, so q/k of only one layer are a
 """
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import torch
 from transformers import AttentionInterface
@@ -60,6 +62,43 @@ def layer_recall(q, k, sparse: SparseConfig, scale: float | None, dtype=torch.fl
     return {name: v[0].tolist() for name, v in values.items()}, index
 
 
+@contextlib.contextmanager
+def capturing(model, hook):
+    """Within the block, every attention layer of ``model`` hands ``hook(module, q, k, scale)``
+    its q [B, S, H, D], k [B, S, Hkv, D] and softmax scale before attending (SDPA)."""
+    from ..hf import attention_modules
+    modules = attention_modules(model)
+    previous = model.config._attn_implementation
+    for module in modules:
+        setattr(module, HOOK_ATTRIBUTE, hook)
+    try:
+        model.set_attn_implementation(CAPTURE)
+        yield
+    finally:
+        for module in modules:
+            delattr(module, HOOK_ATTRIBUTE)
+        model.set_attn_implementation(previous)
+
+
+@torch.no_grad()
+def index_densities(model, input_ids, configs) -> list[float]:
+    """The mean density (computed / causal entries, over layers and heads) of the index that each
+    :class:`SparseConfig` of ``configs`` estimates on ``model``'s own q/k for ``input_ids``: one
+    forward, no recall arithmetic (to choose budgets for a density)."""
+    device = next(model.parameters()).device
+    ids = torch.as_tensor(np.asarray(input_ids), dtype=torch.long, device=device).reshape(1, -1)
+    causal = ids.shape[1] * (ids.shape[1] + 1) / 2
+    per_layer = []
+
+    def hook(module, q, k, scale):
+        per_layer.append([float(estimate_vertical_slash(q, k, config, scale).num_entries().double().mean() / causal)
+                          for config in configs])
+
+    with capturing(model, hook):
+        model.base_model(input_ids=ids)
+    return np.mean(per_layer, axis=0).tolist()
+
+
 @torch.no_grad()
 def model_recall(model, input_ids, sparse: SparseConfig | None = None, dtype=torch.float32,
                  advance=None, keep_indices: bool = False) -> dict:
@@ -67,7 +106,6 @@ def model_recall(model, input_ids, sparse: SparseConfig | None = None, dtype=tor
     ([S] or [1, S] ids). ``dtype``: of the recall arithmetic (float64 for exact checks).
     Returns ``{"seq_len", "sparse", "layers": [{"layer", "recall": [H], ...}], "mean": {...}}``
     (and ``"indices"``, the estimated index per layer, with ``keep_indices``)."""
-    from ..hf import attention_modules
     sparse = sparse or SparseConfig()
     device = next(model.parameters()).device
     ids = torch.as_tensor(np.asarray(input_ids), dtype=torch.long, device=device).reshape(1, -1)
@@ -80,17 +118,8 @@ def model_recall(model, input_ids, sparse: SparseConfig | None = None, dtype=tor
         if advance is not None:
             advance()
 
-    modules = attention_modules(model)
-    previous = model.config._attn_implementation
-    for module in modules:
-        setattr(module, HOOK_ATTRIBUTE, hook)
-    try:
-        model.set_attn_implementation(CAPTURE)
+    with capturing(model, hook):
         model.base_model(input_ids=ids)
-    finally:
-        for module in modules:
-            delattr(module, HOOK_ATTRIBUTE)
-        model.set_attn_implementation(previous)
     rows = [{"layer": i, **layers[i]} for i in sorted(layers)]
     names = ("recall", "density", "static_recall", "static_density", "oracle_recall")
     result = {"seq_len": ids.shape[1], "sparse": sparse.to_dict(), "layers": rows,
