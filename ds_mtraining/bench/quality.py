@@ -404,13 +404,13 @@ def plot(results: dict, out: Path, tag: str) -> list[str]:
     curves = out / f"quality_{tag}_curves.png"
     fig.savefig(curves, dpi=110)
     plt.close(fig)
-    fig, axes = plt.subplots(1, 3, figsize=(15, 3.8))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 3.8), constrained_layout=True)
     for ax, (mode, r) in zip(axes, modes.items()):
         grid = np.array(r["passkey"]["accuracy"])
         image = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
         ax.set_xticks(range(len(r["passkey"]["lengths"])), [str(n) for n in r["passkey"]["lengths"]])
         ax.set_yticks(range(len(r["passkey"]["depths"])), [f"{d:.2f}" for d in r["passkey"]["depths"]])
-        ax.set(xlabel="prompt length (tokens)", ylabel="needle depth",
+        ax.set(xlabel="prompt length (tokens)", ylabel="needle depth" if ax is axes[0] else None,
                title=f"{mode}: passkey {100 * r['passkey_accuracy']:.0f}%")
         for (i, j), value in np.ndenumerate(grid):
             ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=7)
