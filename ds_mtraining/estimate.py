@@ -16,6 +16,22 @@ The rule, exactly (also the contract of a fused GPU estimator). Per (batch, quer
    marks block diagonal ``t // block_size`` and, unless ``t % block_size == 0``, the next one;
    block diagonals ``0 .. local_blocks-1`` always (:meth:`SparseIndex.from_vertical_slash`).
 
+With document masking (``doc_start`` [B, S], :mod:`ds_mtraining.documents`: query i sees keys
+``doc_start[i] .. i``) the last L queries of the sequence would see only its last document, so
+short documents would lose their pattern. Step 1-2 then run per document instead:
+
+1'. each document d of n_d tokens scores its own last ``L_d = min(last_q, n_d)`` queries against its
+   own causal keys (softmax over the document only);
+2'. its column masses (at global key positions) and token-diagonal masses (query - key, shared by
+   all documents) are divided by L_d, weighted by ``w_d = n_d / S`` (its share of the sequence's
+   query rows, :data:`DOCUMENT_WEIGHTS` ``"tokens"``: the weight each document's rows carry in
+   the recall) and summed over the documents of the row;
+
+then steps 3-4 select per sequence with the same budgets. One document per row gives today's
+masses bit for bit. Cost: documents are grouped by length into power-of-two key windows (at most
+log2 S groups, each one batched einsum), so the work stays about ``2 last_q S`` logits per head
+however many documents there are.
+
 Token diagonals are summed through a skewed strided view of P (no scatter). The pieces
 (:func:`last_query_scores`, :func:`last_key_mass`, :func:`top_p_count`) are shared with the
 distributed estimator, which computes the same masses from sequence shards.
@@ -27,6 +43,7 @@ import torch.nn.functional as F
 
 from .attention import resolve_softmax_scale
 from .config import SparseConfig
+from .documents import check_doc_start, cu_seqlens_from_doc_start
 from .index import SparseIndex
 
 
@@ -102,6 +119,63 @@ def select_top_p(mass: torch.Tensor, p: float, cap: int) -> torch.Tensor:
     return torch.where(keep, order[..., :width], -1)
 
 
+# weight of document d's row-mean masses (n: its tokens, lq: its scored queries, both [docs] float64;
+# seq_len: S). Compared by bench.recall_documents; "tokens" is the default (see the module docstring).
+DOCUMENT_WEIGHTS = {
+    "tokens": lambda n, lq, seq_len: n / seq_len,
+    "queries": lambda n, lq, seq_len: lq / lq.sum(),
+    "entries": lambda n, lq, seq_len: n * (n + 1) / (n * (n + 1)).sum(),
+    "documents": lambda n, lq, seq_len: torch.full_like(n, 1.0 / n.numel()),
+}
+
+
+def document_column_and_diagonal_mass(q: torch.Tensor, k: torch.Tensor, doc_start: torch.Tensor,
+                                      last_q: int, scale: float, weight: str = "tokens"
+                                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Column masses [B, H, S] (global key positions) and token-diagonal masses [B, H, S] of rules
+    1'-2' (module docstring): each document's last ``min(last_q, n_d)`` queries against its own
+    keys, row-mean masses weighted by ``DOCUMENT_WEIGHTS[weight]`` and summed per batch row.
+
+    Documents go in groups of equal window W (the next power of two >= n_d, at most S): a window
+    holds the W keys ending at the document's last token, right-aligned, so every document of a
+    group shares the causal mask of :func:`last_query_scores` and the diagonal view of
+    :func:`column_and_diagonal_mass`; keys before the document's start are masked."""
+    b, s, h, _ = q.shape
+    starts, ends, rows = [], [], []
+    for row in range(b):  # a loop over the batch rows only
+        cu = cu_seqlens_from_doc_start(doc_start[row])
+        starts.append(cu[:-1])
+        ends.append(cu[1:])
+        rows.append(torch.full_like(cu[:-1], row))
+    start, end, row = (torch.cat(t).to(q.device) for t in (starts, ends, rows))
+    length = end - start
+    scored = length.clamp(max=last_q)
+    weights = DOCUMENT_WEIGHTS[weight](length.double(), scored.double(), s)
+    window = torch.minimum(2 ** torch.ceil(torch.log2(length.double())).long(), length.new_tensor(s))
+    columns = torch.zeros(b * s, h, dtype=torch.float32, device=q.device)
+    diagonals = torch.zeros(b, h, s, dtype=torch.float32, device=q.device)
+    for width in torch.unique(window).tolist():
+        docs = (window == width).nonzero().squeeze(1)
+        lq = min(last_q, width)
+        local = torch.arange(width, device=q.device)
+        key_pos = end[docs, None] - width + local  # global positions of the window, [docs, W]
+        query_pos = key_pos[:, width - lq:]
+        keys = k[row[docs, None], key_pos.clamp(min=0)]
+        queries = q[row[docs, None], query_pos.clamp(min=0)]
+        logits = last_query_scores(queries, keys, local[width - lq:], local, scale)
+        before_start = key_pos < start[docs, None]  # also masks rows of queries before the start
+        logits.masked_fill_(before_start[:, None, None, :], float("-inf"))
+        probs = torch.softmax(logits, -1).masked_fill_(before_start[:, None, width - lq:, None], 0.0)
+        # (sum / L_d) * w_d: with one document w_d = 1.0 and this is today's sum / L exactly
+        scale_rows, weight = scored[docs, None, None], weights[docs, None, None].float()
+        col = probs.sum(-2) / scale_rows * weight
+        diag = last_key_mass(probs)[..., :width].flip(-1) / scale_rows * weight
+        flat = (row[docs, None] * s + key_pos.clamp(min=0)).flatten()
+        columns.index_add_(0, flat, col.transpose(1, 2).reshape(-1, h))
+        diagonals[..., :width].index_add_(0, row[docs], diag)
+    return columns.view(b, s, h).transpose(1, 2).contiguous(), diagonals
+
+
 def sink_columns(batch: int, heads: int, config: SparseConfig, seq_len: int, device) -> torch.Tensor:
     sinks = torch.arange(min(config.sink_tokens, seq_len), device=device)
     return sinks.expand(batch, heads, -1)
@@ -109,22 +183,30 @@ def sink_columns(batch: int, heads: int, config: SparseConfig, seq_len: int, dev
 
 @torch.no_grad()
 def estimate_vertical_slash(q: torch.Tensor, k: torch.Tensor, config: SparseConfig,
-                            softmax_scale: float | None = None) -> SparseIndex:
+                            softmax_scale: float | None = None,
+                            doc_start: torch.Tensor | None = None) -> SparseIndex:
     """Estimates the vertical-slash index of causal attention ``softmax(q k^T)`` for this step.
 
     Args:
         q: [B, S, H, D] queries (after RoPE); k: [B, S, Hkv, D] keys, H a multiple of Hkv.
         config: budgets and granularity.
+        doc_start: int [B, S] (:mod:`ds_mtraining.documents`) for packed documents: the masses
+            come from every document's own last queries and keys (rules 1'-2' of the module
+            docstring); None: one document per row (rules 1-2).
     Returns:
         A :class:`SparseIndex` for [B, S, H].
     """
     check_qk(q, k)
     b, s, h, d = q.shape
     scale = resolve_softmax_scale(d, softmax_scale)
-    lq = min(config.last_q, s)
-    pos = torch.arange(s, device=q.device)
-    logits = last_query_scores(q[:, s - lq:], k, pos[s - lq:], pos, scale)
-    columns, diagonals = column_and_diagonal_mass(torch.softmax(logits, dim=-1))
+    if doc_start is None:
+        lq = min(config.last_q, s)
+        pos = torch.arange(s, device=q.device)
+        logits = last_query_scores(q[:, s - lq:], k, pos[s - lq:], pos, scale)
+        columns, diagonals = column_and_diagonal_mass(torch.softmax(logits, dim=-1))
+    else:
+        doc_start = check_doc_start(doc_start, b, s, q.device)
+        columns, diagonals = document_column_and_diagonal_mass(q, k, doc_start, config.last_q, scale)
     vertical = select_top_p(columns, config.p_vertical, config.max_vertical)
     vertical = torch.cat([vertical, sink_columns(b, h, config, s, q.device)], -1)
     slash = select_top_p(diagonals, config.p_slash, config.max_slash_diagonals)

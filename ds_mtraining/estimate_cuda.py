@@ -44,9 +44,13 @@ def _op():
     return op_module("cuda")
 
 
-def supports(q: torch.Tensor, k: torch.Tensor, config: SparseConfig, seq_len: int) -> str | None:
+def supports(q: torch.Tensor, k: torch.Tensor, config: SparseConfig, seq_len: int,
+             doc_start: torch.Tensor | None = None) -> str | None:
     """Why the fused estimator cannot take q/k of a ``seq_len``-token sequence (``None`` when it
     can): the one statement of what it takes, for one device and for the ring alike."""
+    if doc_start is not None:  # the kernels score only the sequence's last queries
+        return ("document masking (doc_start) is not supported by the fused estimator; the torch rule "
+                "scores each document")
     if q.device.type != "cuda":
         return f"q is on {q.device}, not a CUDA device"
     if q.dtype not in SUPPORTED_DTYPES or k.dtype != q.dtype:

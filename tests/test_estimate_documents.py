@@ -1,0 +1,188 @@
+"""Document masking in the estimator (rules 1'-2' of ds_mtraining.estimate) and in the recall,
+against plain float64 loops written here."""
+import math
+
+import pytest
+import torch
+
+from ds_mtraining import SparseConfig, SparseIndex, estimate_vertical_slash, estimate_cuda, synthetic
+from ds_mtraining.documents import doc_start_from_cu_seqlens, document_causal_mask
+from ds_mtraining.estimate import (column_and_diagonal_mass, document_column_and_diagonal_mass,
+                                   last_query_scores, select_top_p, sink_columns)
+from ds_mtraining.recall import attention_recall, recall
+from ds_mtraining.reference import dense_attention_with_lse, dense_mask
+
+# lengths of packings: a document shorter than a block (64) straddling a boundary, single tokens,
+# and many short documents next to one long one
+PACKINGS = {
+    "mixed": [3, 40, 1, 100, 21, 155],
+    "short-then-long": [5, 17, 2, 30, 9, 11, 1, 25] * 3 + [200],
+    "long-then-short": [230, 1, 7, 60, 22],
+}
+
+
+def packed_qk(lengths, heads=4, kv_heads=2, dim=32, seed=0):
+    """Noise q/k of the packing plus doc_start [1, S]."""
+    s = sum(lengths)
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, s, heads, dim, generator=g)
+    k = torch.randn(1, s, kv_heads, dim, generator=g)
+    cu = torch.tensor([0, *lengths]).cumsum(0)
+    return q, k, doc_start_from_cu_seqlens(cu, s)
+
+
+def loop_masses(q, k, doc_start, last_q, scale, weight):
+    """Float64 column and token-diagonal masses of rules 1'-2', one query row at a time."""
+    b, s, h, _ = q.shape
+    group = h // k.shape[2]
+    columns = torch.zeros(b, h, s, dtype=torch.float64)
+    diagonals = torch.zeros(b, h, s, dtype=torch.float64)
+    for row in range(b):
+        starts = [t for t in range(s) if int(doc_start[row, t]) == t]
+        documents = list(zip(starts, starts[1:] + [s]))
+        scored = [min(last_q, end - begin) for begin, end in documents]
+        for (begin, end), n_scored in zip(documents, scored):
+            n = end - begin
+            w = {"tokens": n / s, "queries": n_scored / sum(scored),
+                 "entries": n * (n + 1) / sum((e - b_) * (e - b_ + 1) for b_, e in documents)}[weight]
+            for head in range(h):
+                for i in range(end - n_scored, end):
+                    keys = k[row, begin:i + 1, head // group].double()
+                    p = torch.softmax(scale * keys @ q[row, i, head].double(), 0)
+                    columns[row, head, begin:i + 1] += p * w / n_scored  # key j = begin + index
+                    diagonals[row, head, :i - begin + 1] += p.flip(0) * w / n_scored  # t = i - j
+    return columns, diagonals
+
+
+@pytest.mark.parametrize("weight", ["tokens", "queries", "entries"])
+@pytest.mark.parametrize("packing", list(PACKINGS))
+def test_document_masses_equal_a_loop_over_rows(packing, weight):
+    q, k, doc_start = packed_qk(PACKINGS[packing])
+    scale = 1 / math.sqrt(q.shape[-1])
+    columns, diagonals = document_column_and_diagonal_mass(q, k, doc_start, 16, scale, weight)
+    expected_c, expected_d = loop_masses(q, k, doc_start, 16, scale, weight)
+    torch.testing.assert_close(columns.double(), expected_c, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(diagonals.double(), expected_d, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(columns.sum(-1), torch.ones(1, 4), rtol=0, atol=1e-5)  # weights sum to 1
+
+
+def test_two_batch_rows_with_their_own_packings():
+    """Each batch row uses its own documents (one packing per row)."""
+    lengths = ([3, 40, 1, 100, 21, 155], [200, 120])
+    s = 320
+    g = torch.Generator().manual_seed(3)
+    q, k = torch.randn(2, s, 2, 16, generator=g), torch.randn(2, s, 1, 16, generator=g)
+    doc_start = doc_start_from_cu_seqlens([torch.tensor([0, *n]).cumsum(0) for n in lengths], s, batch=2)
+    got = document_column_and_diagonal_mass(q, k, doc_start, 24, 0.25)
+    expected = loop_masses(q, k, doc_start, 24, 0.25, "tokens")
+    for a, e in zip(got, expected):
+        torch.testing.assert_close(a.double(), e, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("packing", list(PACKINGS))
+def test_index_is_the_selection_of_the_loop_masses(packing):
+    """Steps 3-4 run per sequence on the document masses: the index equals top-p (with caps) of the
+    float64 loop masses, sinks and local blocks added."""
+    q, k, doc_start = packed_qk(PACKINGS[packing], seed=1)
+    config = SparseConfig(block_size=64, last_q=16, p_vertical=0.7, p_slash=0.8, max_vertical=50,
+                          max_slash_diagonals=20, sink_tokens=2)
+    columns, diagonals = loop_masses(q, k, doc_start, 16, 1 / math.sqrt(q.shape[-1]), "tokens")
+    vertical = torch.cat([select_top_p(columns, config.p_vertical, config.max_vertical),
+                          sink_columns(1, 4, config, q.shape[1], "cpu")], -1)
+    slash = select_top_p(diagonals, config.p_slash, config.max_slash_diagonals)
+    expected = SparseIndex.from_vertical_slash(vertical, slash, q.shape[1], 64)
+    got = estimate_vertical_slash(q, k, config, doc_start=doc_start)
+    assert torch.equal(got.slash, expected.slash) and torch.equal(got.vertical, expected.vertical)
+
+
+@pytest.mark.parametrize("seq_len,last_q", [(1000, 64), (640, 100), (50, 64)])
+def test_one_document_is_todays_estimator_bit_for_bit(seq_len, last_q):
+    q, k = synthetic.planted_qk(seq_len, 4, 2, 64, offsets=(100, 30), columns=((7,), (20,)))
+    scale = 0.125
+    config = SparseConfig(block_size=64, last_q=last_q)
+    one_document = torch.zeros(1, seq_len, dtype=torch.int32)
+    pos = torch.arange(seq_len)
+    lq = min(last_q, seq_len)
+    today = column_and_diagonal_mass(torch.softmax(
+        last_query_scores(q[:, seq_len - lq:], k, pos[seq_len - lq:], pos, scale), -1))
+    for got, expected in zip(document_column_and_diagonal_mass(q, k, one_document, last_q, scale), today):
+        assert torch.equal(got, expected)
+    plain = estimate_vertical_slash(q, k, config)
+    for index in (estimate_vertical_slash(q, k, config, doc_start=one_document),
+                  estimate_vertical_slash(q, k, config, doc_start=None)):
+        assert torch.equal(index.slash, plain.slash) and torch.equal(index.vertical, plain.vertical)
+
+
+def test_a_short_document_keeps_its_pattern():
+    """A short document (180 tokens, planted column at its key 30 and slash 70) before a long one
+    (planted elsewhere): the document rule keeps the short document's column and diagonal, which
+    scoring only the sequence's last queries would never see."""
+    short = synthetic.planted_qk(180, 2, 1, 64, offsets=(70,), columns=((30,),), seed=1)
+    long = synthetic.planted_qk(900, 2, 1, 64, offsets=(300,), columns=((500,),), seed=2)
+    q, k = (torch.cat([a, b], 1) for a, b in zip(short, long))
+    doc_start = doc_start_from_cu_seqlens(torch.tensor([0, 180, 1080]), 1080)
+    config = SparseConfig(block_size=64, sink_tokens=0)
+    index = estimate_vertical_slash(q, k, config, doc_start=doc_start)
+    mask = dense_mask(index)[0, 0]
+    rows = torch.arange(70, 180)
+    assert mask[rows, rows - 70].all(), "the short document's slash 70 is lost"
+    assert mask[31:180, 30].all(), "the short document's column 30 is lost"
+    long_rows = torch.arange(180 + 300, 1080)
+    assert mask[180 + 500:, 180 + 500].all() and mask[long_rows, long_rows - 300].all()
+    documents = document_causal_mask(doc_start)[0]
+    short_rows = recall_of_rows(q, k, index, documents)[:, :180]
+    assert short_rows.mean() > 0.9
+
+
+def recall_of_rows(q, k, index, allowed):
+    """Float64 [H, S]: each row's kept share of its softmax over the keys ``allowed`` [S, S]."""
+    kept = dense_mask(index)[0] & allowed
+    _, full = dense_attention_with_lse(q.double(), k.double(), k.double(), allowed.expand_as(kept)[None])
+    _, part = dense_attention_with_lse(q.double(), k.double(), k.double(), kept[None])
+    return torch.exp(part - full)[0]
+
+
+def test_recall_with_documents_by_hand():
+    """q = 0: row i is uniform over keys doc_start[i] .. i. Documents [0, 100) and [100, 128),
+    index = the diagonal blocks (64) only. Rows 0-63 keep all; rows 64-99 keep keys 64..i of
+    0..i; rows 100-127 keep all (their keys 100..i lie in block 1). Density: kept entries
+    (i - max(64 block start, doc start) + 1 summed) over the document entries."""
+    s = 128
+    q, k = torch.zeros(1, s, 1, 16, dtype=torch.float64), torch.randn(1, s, 1, 16, dtype=torch.float64)
+    doc_start = doc_start_from_cu_seqlens(torch.tensor([0, 100, 128]), s)
+    index = SparseIndex.from_blocks(torch.zeros(1, 1, 1, dtype=torch.long), torch.full((1, 1, 1), -1), s, 64)
+    expected_recall = (64 + sum((i - 63) / (i + 1) for i in range(64, 100)) + 28) / s
+    entries = sum(i + 1 for i in range(100)) + sum(i - 99 for i in range(100, 128))
+    kept = sum(i + 1 for i in range(64)) + sum(i - 63 for i in range(64, 100)) + sum(i - 99 for i in range(100, 128))
+    result = attention_recall(q, k, [index], 64, key_chunk=48, doc_start=doc_start)
+    assert result.recall.item() == pytest.approx(expected_recall, abs=1e-13)
+    assert result.density.item() == pytest.approx(kept / entries, abs=1e-15)
+    without = attention_recall(q, k, [index], 64)
+    assert without.recall.item() < expected_recall - 0.01, "without documents rows 100+ see block 0 too"
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 2e-5)])
+def test_recall_with_documents_equals_dense_attention(random_index, dtype, tol):
+    """Random indices, GQA, a partial last block, key chunks that cut blocks, two batch rows with
+    their own packings: recall and density equal the float64 dense document-masked attention."""
+    s = 64 * 5 + 17
+    q, k = synthetic.planted_qk(s, 4, 2, 32, offsets=(70, 150), columns=((3, 90), (200,)), batch=2, dtype=dtype)
+    cu = [torch.tensor([0, 5, 6, 90, 250, s]), torch.tensor([0, 130, s])]
+    doc_start = doc_start_from_cu_seqlens(cu, s, batch=2)
+    documents = document_causal_mask(doc_start)
+    indices = [random_index(2, 4, s, 64, n_vertical=6, n_slash=3, seed=seed) for seed in range(3)]
+    result = attention_recall(q, k, indices, 64, key_chunk=100, doc_start=doc_start)
+    for n, index in enumerate(indices):
+        kept = dense_mask(index) & documents[:, None]
+        _, full = dense_attention_with_lse(q.double(), k.double(), k.double(), documents[:, None].expand_as(kept))
+        _, part = dense_attention_with_lse(q.double(), k.double(), k.double(), kept)
+        torch.testing.assert_close(result.recall[n], torch.exp(part - full).mean(-1), rtol=0, atol=tol)
+        torch.testing.assert_close(result.density[n], kept.sum((-1, -2)).double() / documents.sum((-1, -2))[:, None],
+                                   rtol=0, atol=1e-15)
+    torch.testing.assert_close(recall(q, k, indices[0], doc_start=doc_start), result.recall[0], rtol=0, atol=tol)
+
+
+def test_fused_estimator_refuses_documents():
+    q = torch.zeros(1, 128, 2, 64, dtype=torch.bfloat16)
+    reason = estimate_cuda.supports(q, q, SparseConfig(), 128, doc_start=torch.zeros(1, 128, dtype=torch.int32))
+    assert reason is not None and "doc_start" in reason
