@@ -11,6 +11,7 @@ import math
 import torch
 
 from . import ops
+from .documents import check_doc_start
 from .index import SparseIndex, Stripe
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -50,32 +51,39 @@ def check_attention_inputs(q, k, v, index: SparseIndex | None = None, local_inde
 
 
 class SparseAttentionFunction(torch.autograd.Function):
-    """Causal vertical-slash sparse attention; returns (out in q's dtype, lse fp32 [B, H, S])."""
+    """Causal vertical-slash sparse attention, within the documents of ``doc_start`` when given;
+    returns (out in q's dtype, lse fp32 [B, H, S])."""
 
     @staticmethod
-    def forward(ctx, q, k, v, index: SparseIndex, scale: float):
-        out, lse = ops.attention_forward(q, k, v, index, scale, Stripe())
+    def forward(ctx, q, k, v, index: SparseIndex, scale: float, doc_start=None):
+        out, lse = ops.attention_forward(q, k, v, index, scale, Stripe(), doc_start=doc_start)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.index, ctx.scale = index, scale
+        ctx.index, ctx.scale, ctx.doc_start = index, scale, doc_start
         ctx.mark_non_differentiable(lse)
         return out.to(q.dtype), lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ops.attention_backward(dout, q, k, v, out, lse, ctx.index, ctx.scale, Stripe())
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+        dq, dk, dv = ops.attention_backward(dout, q, k, v, out, lse, ctx.index, ctx.scale, Stripe(),
+                                            doc_start=ctx.doc_start)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
-def sparse_attention_with_lse(q, k, v, index: SparseIndex, softmax_scale: float | None = None):
-    """Sparse causal attention of q [B, S, H, D] over k, v [B, S, Hkv, D] on ``index``.
+def sparse_attention_with_lse(q, k, v, index: SparseIndex, softmax_scale: float | None = None, *,
+                              doc_start: torch.Tensor | None = None):
+    """Sparse causal attention of q [B, S, H, D] over k, v [B, S, Hkv, D] on ``index``; with
+    ``doc_start`` [B, S] (ds_mtraining.documents) each query sees only its own document.
 
     Returns (out [B, S, H, D] in q's dtype, lse [B, H, S] float32)."""
     check_attention_inputs(q, k, v, index)
+    if doc_start is not None:
+        doc_start = check_doc_start(doc_start, q.shape[0], q.shape[1], q.device)
     scale = resolve_softmax_scale(q.shape[-1], softmax_scale)
-    return SparseAttentionFunction.apply(q, k, v, index, scale)
+    return SparseAttentionFunction.apply(q, k, v, index, scale, doc_start)
 
 
-def sparse_attention(q, k, v, index: SparseIndex, softmax_scale: float | None = None):
+def sparse_attention(q, k, v, index: SparseIndex, softmax_scale: float | None = None, *,
+                     doc_start: torch.Tensor | None = None):
     """Like :func:`sparse_attention_with_lse`, returning only the output."""
-    return sparse_attention_with_lse(q, k, v, index, softmax_scale)[0]
+    return sparse_attention_with_lse(q, k, v, index, softmax_scale, doc_start=doc_start)[0]

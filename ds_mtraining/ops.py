@@ -28,37 +28,43 @@ def op_module(device_type: str):
     return module
 
 
-def op_index(index: SparseIndex, stripe: Stripe = Stripe()) -> dict:
-    """The ``index`` argument of the compiled ops: the compact lists, the block size and the ring
-    position, one entry per field of ``OpIndex`` (csrc/include/mtraining/op_index.h)."""
+def op_index(index: SparseIndex, stripe: Stripe = Stripe(), doc_start: torch.Tensor | None = None) -> dict:
+    """The ``index`` argument of the compiled ops: the compact lists, the block size, the ring
+    position and ``doc_start`` (int32 [B, S_global], see ds_mtraining.documents; None: no document
+    masking, passed as an empty tensor), one entry per field of ``OpIndex``
+    (csrc/include/mtraining/op_index.h)."""
     if not isinstance(index, SparseIndex):
         raise TypeError(f"index must be a ds_mtraining.SparseIndex, got {type(index).__name__}")
+    if doc_start is None:
+        doc_start = torch.empty(0, dtype=torch.int32, device=index.device)
     return dict(slash=index.slash, slash_count=index.slash_count, vertical=index.vertical,
                 vertical_count=index.vertical_count, block_size=index.block_size,
-                world=stripe.world, q_rank=stripe.q_rank, k_rank=stripe.k_rank)
+                world=stripe.world, q_rank=stripe.q_rank, k_rank=stripe.k_rank, doc_start=doc_start)
 
 
-def _call_index(q: torch.Tensor, index: SparseIndex, stripe: Stripe) -> dict:
+def _call_index(q: torch.Tensor, index: SparseIndex, stripe: Stripe, doc_start) -> dict:
     """op_index after checking that the index fits this call's queries."""
-    op_args = op_index(index, stripe)
+    op_args = op_index(index, stripe, doc_start)
     if q.dim() == 4:
         index.check_matches(q.shape[0], q.shape[1] * stripe.world, q.shape[2])
     return op_args
 
 
-def attention_forward(q, k, v, index: SparseIndex, scale: float, stripe: Stripe = Stripe()):
-    """Sparse attention of ``stripe.q_rank``'s queries over ``stripe.k_rank``'s keys.
+def attention_forward(q, k, v, index: SparseIndex, scale: float, stripe: Stripe = Stripe(), *,
+                      doc_start: torch.Tensor | None = None):
+    """Sparse attention of ``stripe.q_rank``'s queries over ``stripe.k_rank``'s keys, within the
+    documents of ``doc_start`` when given.
 
     Returns (out float32 [B, Sq, H, D], lse float32 [B, H, Sq]); rows that see no key in this
     call get out 0 and lse -inf."""
     module = op_module(q.device.type)
-    return tuple(module.forward(q, k, v, _call_index(q, index, stripe), float(scale)))
+    return tuple(module.forward(q, k, v, _call_index(q, index, stripe, doc_start), float(scale)))
 
 
 def attention_backward(dout, q, k, v, out, lse, index: SparseIndex, scale: float,
-                       stripe: Stripe = Stripe()):
+                       stripe: Stripe = Stripe(), *, doc_start: torch.Tensor | None = None):
     """Gradients (dq, dk, dv) of one call given the final output ``out``, its ``lse`` and
-    ``dout``; on CPU they are float32."""
+    ``dout`` (``doc_start`` as in the forward); on CPU they are float32."""
     module = op_module(q.device.type)
-    return tuple(module.backward(dout, q, k, v, out, lse, _call_index(q, index, stripe),
+    return tuple(module.backward(dout, q, k, v, out, lse, _call_index(q, index, stripe, doc_start),
                                  float(scale)))

@@ -150,7 +150,8 @@ def raw_lists(slash, vertical, heads, device="cpu"):
     vertical = torch.tensor(vertical, dtype=torch.int32).expand(1, heads, -1).contiguous()
     counts = [torch.full((1, heads), t.shape[-1], dtype=torch.int32) for t in (slash, vertical)]
     return dict(slash=slash.to(device), slash_count=counts[0].to(device), vertical=vertical.to(device),
-                vertical_count=counts[1].to(device), block_size=64, world=1, q_rank=0, k_rank=0)
+                vertical_count=counts[1].to(device), block_size=64, world=1, q_rank=0, k_rank=0,
+                doc_start=torch.empty(0, dtype=torch.int32, device=device))
 
 
 @pytest.fixture

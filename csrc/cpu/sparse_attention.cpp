@@ -301,6 +301,7 @@ struct Inputs {
     const int32_t* slash_count;
     const int32_t* vertical;
     const int32_t* vertical_count;
+    const int32_t* doc_start;  // [batch][global positions] (document masking), or nullptr: none
     int64_t batch, heads, kv_heads, head_dim, slash_width, vertical_width;
     float scale;
     Geometry geo;
@@ -323,6 +324,10 @@ struct Inputs {
         return vertical + (b * heads + h) * vertical_width;
     }
     int64_t vertical_len(int64_t b, int64_t h) const { return vertical_count[b * heads + h]; }
+    // First local key that local query t of batch b may see under document masking.
+    int64_t key_limit(int64_t b, int64_t t) const {
+        return geo.first_key_at(doc_start[b * geo.q_len * geo.world + geo.query_global_token(t)]);
+    }
 };
 
 // Per-thread working memory, sized once for tiles of up to `block` keys and rows.
@@ -333,22 +338,38 @@ struct Scratch {
     std::vector<float> k_packed, v_packed;  // [head_dim][padded keys]: the tile transposed
     std::vector<float> scores, dscores;     // [query row][padded keys]: S or P, and dP or dS
     std::vector<float> running_max, running_sum;
+    std::vector<int64_t> key_limits;  // per row of a query block: its first visible key (load_key_limits)
 
     Scratch(int64_t block, int64_t dim)
         : k_rows(block), v_rows(block), q_rows(block), dout_rows(block), query_out_rows(block),
           dk_rows(block), dv_rows(block), k_packed(dim * padded_keys(block)),
           v_packed(dim * padded_keys(block)), scores(block * padded_keys(block)),
-          dscores(block * padded_keys(block)), running_max(block), running_sum(block) {
+          dscores(block * padded_keys(block)), running_max(block), running_sum(block), key_limits(block, 0) {
         keys.reserve(block);
         columns.reserve(block);
     }
 };
 
-// Keys of a tile that query row t may see: all of them, or for the token-causal diagonal tile
-// (ascending keys of the query's own block) those <= t.
-inline int64_t visible_keys(const int32_t* keys, int64_t n, bool causal, int64_t t) {
-    if (!causal) return n;
-    return std::max<int64_t>(0, std::min<int64_t>(n, t - keys[0] + 1));
+// Fills scratch.key_limits with the first local key each row of query block i may see under
+// document masking and returns the lowest; without masking they stay 0.
+inline int64_t load_key_limits(const Inputs& in, int64_t b, int64_t i, Scratch& scratch) {
+    if (in.doc_start == nullptr) return 0;
+    const int64_t first = i * in.geo.block, rows = in.geo.query_rows(i);
+    for (int64_t r = 0; r < rows; ++r) scratch.key_limits[r] = in.key_limit(b, first + r);
+    return *std::min_element(scratch.key_limits.begin(), scratch.key_limits.begin() + rows);
+}
+
+// Keys [begin, end) of a tile (ascending local keys) that query row t may see: those at or after
+// its document's first key `key_limit`, and on the token-causal diagonal tile (keys of the
+// query's own block) those <= t. The lower bound is searched only when it cuts into the tile.
+struct KeyRange {
+    int64_t begin, end;
+};
+
+inline KeyRange visible_keys(const int32_t* keys, int64_t n, bool causal, int64_t t, int64_t key_limit) {
+    const int64_t end = causal ? std::max<int64_t>(0, std::min<int64_t>(n, t - keys[0] + 1)) : n;
+    const int64_t begin = key_limit > keys[0] ? std::min(end, sorted_lower_bound(keys, n, key_limit)) : 0;
+    return {begin, end};
 }
 
 inline void fill_block(std::vector<int32_t>& keys, int64_t first, int64_t n) {
@@ -386,16 +407,17 @@ inline int64_t load_query_rows(const Inputs& in, const float* dout, float* query
 
 // Calls visit(keys, n, causal) for every key tile local query block i of head h reads: the key
 // block of each slash diagonal that connects this rank pair, then the vertical columns on the key
-// rank that lie in earlier blocks no slash diagonal covers, block_size keys per tile.
+// rank that lie in earlier blocks no slash diagonal covers, block_size keys per tile. Keys before
+// min_key (the block's lowest document limit) are seen by no row: skipped.
 template <class Visit>
-void for_each_key_tile(const Inputs& in, int64_t b, int64_t h, int64_t i,
+void for_each_key_tile(const Inputs& in, int64_t b, int64_t h, int64_t i, int64_t min_key,
                        std::vector<int32_t>& keys, Visit&& visit) {
     const Geometry& geo = in.geo;
     const int32_t* slash = in.slash_of(b, h);
     const int64_t slash_len = in.slash_len(b, h);
     for (int64_t e = 0; e < slash_len; ++e) {
         const int64_t j = geo.key_block_of(i, slash[e]);
-        if (j < 0) continue;
+        if (j < 0 || j * geo.block + geo.key_rows(j) <= min_key) continue;
         fill_block(keys, j * geo.block, geo.key_rows(j));
         visit(keys.data(), static_cast<int64_t>(keys.size()), slash[e] == 0);
     }
@@ -410,7 +432,9 @@ void for_each_key_tile(const Inputs& in, int64_t b, int64_t h, int64_t i,
         if (!geo.column_on_key_rank(column) ||
             !column_read_alone(slash, slash_len, column_block, g))
             continue;
-        keys.push_back(static_cast<int32_t>(geo.local_key_token(column)));
+        const int64_t key = geo.local_key_token(column);
+        if (key < min_key) continue;
+        keys.push_back(static_cast<int32_t>(key));
         if (static_cast<int64_t>(keys.size()) == geo.block) {
             visit(keys.data(), geo.block, false);
             keys.clear();
@@ -420,8 +444,9 @@ void for_each_key_tile(const Inputs& in, int64_t b, int64_t h, int64_t i,
 }
 
 // Online-softmax update of the rows of query block i (loaded by load_query_rows, outputs in
-// query_out_rows) with one key tile: S = Q.K^T for the whole tile, then per row the softmax
-// statistics, then out += P.V. Out rows accumulate the unnormalised output.
+// query_out_rows, document limits by load_key_limits) with one key tile: S = Q.K^T for the whole
+// tile, then per row the softmax statistics, then out += P.V. Out rows accumulate the
+// unnormalised output.
 void forward_tile(const Inputs& in, int64_t b, int64_t h, int64_t i, const int32_t* keys, int64_t n,
                   bool causal, Scratch& scratch) {
     const int64_t dim = in.head_dim, n_pad = padded_keys(n);
@@ -432,10 +457,11 @@ void forward_tile(const Inputs& in, int64_t b, int64_t h, int64_t i, const int32
                   scores);
     for (int64_t r = 0; r < rows; ++r) {
         float* row = scores + r * n_pad;
-        const int64_t visible = visible_keys(keys, n, causal, first + r);
-        std::fill(row + visible, row + n, 0.f);  // P of the keys this row may not see
-        if (visible == 0) continue;
-        const float tile_max = max_scaled(row, visible, in.scale);
+        const KeyRange seen = visible_keys(keys, n, causal, first + r, scratch.key_limits[r]);
+        std::fill(row, row + seen.begin, 0.f);  // P of the keys this row may not see
+        std::fill(row + seen.end, row + n, 0.f);
+        if (seen.begin == seen.end) continue;
+        const float tile_max = max_scaled(row + seen.begin, seen.end - seen.begin, in.scale);
         float& running_max = scratch.running_max[r];
         float& running_sum = scratch.running_sum[r];
         const float new_max = std::max(running_max, tile_max);
@@ -444,7 +470,7 @@ void forward_tile(const Inputs& in, int64_t b, int64_t h, int64_t i, const int32
             scale_in_place(scratch.query_out_rows[r], correction, dim);
             running_sum *= correction;
         }
-        running_sum += exp_shifted(row, visible, in.scale, new_max);
+        running_sum += exp_shifted(row + seen.begin, seen.end - seen.begin, in.scale, new_max);
         running_max = new_max;
     }
     tile_accumulate(scratch.query_out_rows.data(), rows, scores, n_pad, 1, scratch.v_rows.data(), n,
@@ -474,7 +500,8 @@ void forward_kernel(const Inputs& in, float* out, float* lse) {
         std::fill(scratch.running_max.begin(), scratch.running_max.end(), kNegInf);
         std::fill(scratch.running_sum.begin(), scratch.running_sum.end(), 0.f);
         load_query_rows(in, nullptr, out, b, h, i, scratch);
-        for_each_key_tile(in, b, h, i, scratch.keys, [&](const int32_t* tile, int64_t n, bool causal) {
+        const int64_t min_key = load_key_limits(in, b, i, scratch);
+        for_each_key_tile(in, b, h, i, min_key, scratch.keys, [&](const int32_t* tile, int64_t n, bool causal) {
             forward_tile(in, b, h, i, tile, n, causal, scratch);
         });
         const int64_t first = i * in.geo.block, rows = in.geo.query_rows(i);
@@ -498,7 +525,8 @@ struct GradInputs {
     const float* delta;  // rowsum(dout * out), layout of lse
 };
 
-// For the rows of query block i (loaded by load_query_rows with dout) and a key tile loaded by
+// For the rows of query block i (loaded by load_query_rows with dout, document limits by
+// load_key_limits) and a key tile loaded by
 // load_key_tile with values: scratch.scores = P = exp(scale q.k - lse) and scratch.dscores =
 // dS = scale * P * (dout.v - delta), [row][padded keys], zero where a row may not see a key and
 // on rows with lse = -inf (they saw no key in the forward and take no part in the backward).
@@ -519,14 +547,17 @@ void probabilities_and_dscores(const Inputs& in, const GradInputs& grad, int64_t
         float* __restrict ds_row = ds + r * n_pad;
         const int64_t t = first + r;
         const float lse = grad.lse[in.lse_offset(b, h, t)];
-        const int64_t visible = lse == kNegInf ? 0 : visible_keys(keys, n, causal, t);
-        std::fill(p_row + visible, p_row + n, 0.f);
-        std::fill(ds_row + visible, ds_row + n, 0.f);
-        if (visible == 0) continue;
-        exp_shifted(p_row, visible, scale, lse);
+        const KeyRange seen =
+            lse == kNegInf ? KeyRange{0, 0} : visible_keys(keys, n, causal, t, scratch.key_limits[r]);
+        for (float* row : {p_row, ds_row}) {
+            std::fill(row, row + seen.begin, 0.f);
+            std::fill(row + seen.end, row + n, 0.f);
+        }
+        if (seen.begin == seen.end) continue;
+        exp_shifted(p_row + seen.begin, seen.end - seen.begin, scale, lse);
         const float delta = grad.delta[in.lse_offset(b, h, t)];
 #pragma omp simd
-        for (int64_t e = 0; e < visible; ++e) ds_row[e] = scale * p_row[e] * (ds_row[e] - delta);
+        for (int64_t e = seen.begin; e < seen.end; ++e) ds_row[e] = scale * p_row[e] * (ds_row[e] - delta);
     }
 }
 
@@ -544,7 +575,8 @@ void delta_kernel(const Inputs& in, const float* dout, const float* out, float* 
 void dq_kernel(const Inputs& in, const GradInputs& grad, float* dq) {
     for_each_query_block(in, [&](int64_t b, int64_t h, int64_t i, Scratch& scratch) {
         const int64_t rows = load_query_rows(in, grad.dout, dq, b, h, i, scratch);
-        for_each_key_tile(in, b, h, i, scratch.keys, [&](const int32_t* tile, int64_t n, bool causal) {
+        const int64_t min_key = load_key_limits(in, b, i, scratch);
+        for_each_key_tile(in, b, h, i, min_key, scratch.keys, [&](const int32_t* tile, int64_t n, bool causal) {
             load_key_tile(in, b, h / in.group(), tile, n, true, scratch);
             probabilities_and_dscores(in, grad, b, h, i, tile, n, causal, scratch);
             tile_accumulate(scratch.query_out_rows.data(), rows, scratch.dscores.data(),
@@ -564,9 +596,11 @@ void load_dkdv_tile(const Inputs& in, float* dk, float* dv, int64_t b, int64_t k
     }
 }
 
-// dK += dS^T.Q and dV += P^T.dO of the loaded key tile from the rows of query block i of head h.
+// dK += dS^T.Q and dV += P^T.dO of the loaded key tile (ascending keys) from the rows of query
+// block i of head h; nothing when every key lies before the rows' documents.
 void dkdv_tile(const Inputs& in, const GradInputs& grad, int64_t b, int64_t h, int64_t i,
                const int32_t* keys, int64_t n, bool causal, Scratch& scratch) {
+    if (keys[n - 1] < load_key_limits(in, b, i, scratch)) return;
     const int64_t rows = load_query_rows(in, grad.dout, nullptr, b, h, i, scratch);
     probabilities_and_dscores(in, grad, b, h, i, keys, n, causal, scratch);
     const int64_t n_pad = padded_keys(n);
@@ -648,6 +682,7 @@ Prepared prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
     in.slash_count = p.index.slash_count.data_ptr<int32_t>();
     in.vertical = p.index.vertical.data_ptr<int32_t>();
     in.vertical_count = p.index.vertical_count.data_ptr<int32_t>();
+    in.doc_start = p.index.doc_start.numel() == 0 ? nullptr : p.index.doc_start.data_ptr<int32_t>();
     in.batch = q.size(0);
     in.heads = q.size(2);
     in.kv_heads = k.size(2);

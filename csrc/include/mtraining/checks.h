@@ -109,6 +109,24 @@ inline void check_index(const OpIndex& index, int64_t batch, int64_t heads, cons
     check_list(index.vertical, index.vertical_count, "vertical", batch, heads, device, op_name);
 }
 
+// Checks doc_start: empty (no document masking) or int32 [batch, global_len], contiguous, on q's
+// device. Its contents (a packing: ds_mtraining.documents.check_doc_start) are the caller's.
+inline void check_doc_start(const at::Tensor& doc_start, int64_t batch, int64_t global_len,
+                            const at::Device& device, const char* op_name) {
+    TORCH_CHECK_VALUE(doc_start.defined(), op_name,
+                      ": doc_start is undefined; pass an empty int32 tensor for no document masking");
+    if (doc_start.numel() == 0) return;
+    TORCH_CHECK_TYPE(doc_start.scalar_type() == at::kInt, op_name, ": doc_start must be int32, got ",
+                     text(doc_start.scalar_type()));
+    TORCH_CHECK_VALUE(doc_start.dim() == 2 && doc_start.size(0) == batch && doc_start.size(1) == global_len,
+                      op_name, ": doc_start must be [batch, global seq] = [", text(batch), ", ",
+                      text(global_len), "] (indexed by global position, the whole sequence on every rank), got ",
+                      text(doc_start.sizes()));
+    TORCH_CHECK_VALUE(doc_start.device() == device, op_name, ": doc_start is on ", text(doc_start.device()),
+                      " but q is on ", text(device));
+    TORCH_CHECK_VALUE(doc_start.is_contiguous(), op_name, ": doc_start must be contiguous");
+}
+
 // Validates a forward call and returns its geometry. Backward calls it too, then
 // check_backward_tensors for the extra tensors.
 inline Geometry check_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -142,6 +160,8 @@ inline Geometry check_call(const at::Tensor& q, const at::Tensor& k, const at::T
                       ": with striping (world=", text(world), ") the local length ",
                       text(q.size(1)), " must be a multiple of block_size=", text(block),
                       "; pad the sequence to world * block_size tokens");
+
+    check_doc_start(index.doc_start, q.size(0), q.size(1) * world, q.device(), op_name);
 
     Geometry geo;
     geo.block = block;

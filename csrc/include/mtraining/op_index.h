@@ -24,7 +24,8 @@
     FIELD(int64_t, block_size)        /* tokens per block, also the stripe width */                  \
     FIELD(int64_t, world)             /* ranks the sequence is striped over (1: one device) */        \
     FIELD(int64_t, q_rank)            /* rank whose queries q holds */                                \
-    FIELD(int64_t, k_rank)            /* rank whose keys k and v hold */
+    FIELD(int64_t, k_rank)            /* rank whose keys k and v hold */                              \
+    FIELD(at::Tensor, doc_start)      /* int32 [B, S_global]: first token of each token's document; empty: none */
 
 namespace mtraining {
 

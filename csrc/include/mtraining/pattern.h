@@ -48,6 +48,17 @@ MT_HOST_DEVICE inline Int stripe_global_token(Int local, Int block, Int world, I
     return (local / block * world + rank) * block + local % block;
 }
 
+// First local token of `rank` whose global position is >= `global` (past the rank's tokens when
+// none): local tokens ascend with their global positions, so the keys a document start allows
+// are a suffix of each rank's keys.
+template <typename Int>
+MT_HOST_DEVICE inline Int stripe_first_local_at(Int global, Int block, Int world, Int rank) {
+    const Int global_block = global / block;
+    if (global_block < rank) return 0;
+    const Int gap = global_block - rank;
+    return gap % world == 0 ? gap / world * block + global % block : (gap / world + 1) * block;
+}
+
 // Padding value of the slash and vertical lists (2^30), as in ds_mtraining/index.py.
 constexpr int32_t kListPad = 1 << 30;
 
@@ -95,6 +106,16 @@ struct Geometry {
     // Local token of a global key column that lives on k_rank.
     MT_HOST_DEVICE int64_t local_key_token(int64_t column) const {
         return stripe_local_token(column, block, world);
+    }
+
+    // Global position of local query token t.
+    MT_HOST_DEVICE int64_t query_global_token(int64_t t) const {
+        return stripe_global_token(t, block, world, q_rank);
+    }
+
+    // First local key token at or after global position `global` (k_len or more when none).
+    MT_HOST_DEVICE int64_t first_key_at(int64_t global) const {
+        return stripe_first_local_at(global, block, world, k_rank);
     }
 
     // Whether a global key column lives on k_rank.
