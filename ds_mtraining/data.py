@@ -299,17 +299,35 @@ class PackedSequences:
             doc += 1
         return np.concatenate(pieces)
 
+    def _passkey_rng(self, i: int) -> np.random.Generator | None:
+        """The generator of sample i's passkey task, None when sample i carries none."""
+        if not self.passkey_fraction:
+            return None
+        rng = np.random.default_rng([self.seed, i, 0x9A55])
+        return rng if rng.random() < self.passkey_fraction else None
+
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         if not 0 <= i < len(self):
             raise IndexError(f"sample {i} of {len(self)}")
         tokens = self.window(i * self.seq_len, self.seq_len + 1).astype(np.int64)
-        if self.passkey_fraction:
-            rng = np.random.default_rng([self.seed, i, 0x9A55])
-            if rng.random() < self.passkey_fraction:
-                from .eval.passkey import passkey_training_sample
-                tokens = passkey_training_sample(tokens, self.tokenizer, rng, questions=self.passkey_questions)
+        rng = self._passkey_rng(i)
+        if rng is not None:
+            from .eval.passkey import passkey_training_sample
+            tokens = passkey_training_sample(tokens, self.tokenizer, rng, questions=self.passkey_questions)
         tokens = torch.from_numpy(tokens)
         return tokens[:-1], tokens[1:]
+
+    def cu_seqlens(self, i: int) -> torch.Tensor:
+        """int64 [n + 1]: where the documents of sample i's input tokens begin, then L (a window
+        may start inside a document: its first piece is a document of its own). A passkey sample
+        is one document (its needle and question must see each other)."""
+        if not 0 <= i < len(self):
+            raise IndexError(f"sample {i} of {len(self)}")
+        start, end = i * self.seq_len, (i + 1) * self.seq_len
+        inside = self.starts[(self.starts > start) & (self.starts < end)] - start
+        if self._passkey_rng(i) is not None:
+            inside = inside[:0]
+        return torch.from_numpy(np.concatenate([[0], inside, [self.seq_len]]).astype(np.int64))
 
 
 # ----------------------------------------------------------------------------- per-rank batches
@@ -320,7 +338,10 @@ class RankBatches:
     and each keeps its stripe (blocks r, r + W, ... of ``block_size`` tokens).
 
     ``batch(position)`` gives micro-batch number ``position`` (counting from 0 over the whole
-    run, all epochs) as a dict of [B, S/W] int64 tensors: input_ids, labels, position_ids.
+    run, all epochs) as a dict of [B, S/W] int64 tensors: input_ids, labels, position_ids. With
+    ``document_masking`` it also holds ``doc_start``, int32 [B, S] for the *whole* sequence
+    (:mod:`ds_mtraining.documents`; every rank needs all of it), and the position ids restart at
+    0 in each document (RoPE of packed documents).
     """
 
     samples: PackedSequences
@@ -331,6 +352,7 @@ class RankBatches:
     sequence_world: int = 1
     block_size: int = 128
     seed: int = 0
+    document_masking: bool = False
 
     def __post_init__(self):
         self.layout = StripedLayout(self.sequence_world, self.block_size)
@@ -349,14 +371,22 @@ class RankBatches:
         return [int(i) for i in order[first:first + self.micro_batch_size]]
 
     def batch(self, position: int) -> dict:
-        pairs = [self.samples[i] for i in self.sample_ids(position)]
+        ids = self.sample_ids(position)
+        pairs = [self.samples[i] for i in ids]
         input_ids = torch.stack([p[0] for p in pairs])
         labels = torch.stack([p[1] for p in pairs])
         seq_len = input_ids.shape[1]
-        positions = self.layout.positions(seq_len, self.sequence_rank)
-        return {"input_ids": self.layout.shard(input_ids, self.sequence_rank),
-                "labels": self.layout.shard(labels, self.sequence_rank),
-                "position_ids": positions.expand(input_ids.shape[0], -1).contiguous()}
+        batch = {"input_ids": self.layout.shard(input_ids, self.sequence_rank),
+                 "labels": self.layout.shard(labels, self.sequence_rank)}
+        if self.document_masking:
+            from .documents import doc_start_from_cu_seqlens, document_positions
+            doc_start = doc_start_from_cu_seqlens([self.samples.cu_seqlens(i) for i in ids], seq_len, len(ids))
+            batch["position_ids"] = self.layout.shard(document_positions(doc_start), self.sequence_rank)
+            batch["doc_start"] = doc_start
+        else:
+            positions = self.layout.positions(seq_len, self.sequence_rank)
+            batch["position_ids"] = positions.expand(input_ids.shape[0], -1).contiguous()
+        return batch
 
 
 def datasets_offline():

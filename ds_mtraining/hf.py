@@ -28,15 +28,16 @@ INDEX_CACHE_ATTRIBUTE = "mtraining_index_cache"  # the module's IndexCache (one 
 def mtraining_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                                 value: torch.Tensor, attention_mask, scaling: float | None = None,
                                 dropout: float = 0.0, sliding_window=None, position_ids=None,
-                                **kwargs):
-    """transformers attention function: (out [B, S/W, H, D], None)."""
+                                doc_start=None, **kwargs):
+    """transformers attention function: (out [B, S/W, H, D], None). ``doc_start`` (document
+    masking, :mod:`ds_mtraining.documents`) arrives as a keyword of the model's forward."""
     settings = getattr(module, SETTINGS_ATTRIBUTE, None)
     if settings is None:
         raise RuntimeError(f"{type(module).__name__} runs attention '{ATTENTION_NAME}' but has no "
                            f"settings; enable it with ds_mtraining.hf.use_mtraining_attention(model, settings)")
     if attention_mask is not None:
-        raise ValueError("MTraining attention is causal over the whole (packed) sequence and takes no "
-                         "attention mask; pack documents instead of padding them")
+        raise ValueError("MTraining attention takes no attention mask: pack documents instead of padding "
+                         "them, and pass doc_start (ds_mtraining.documents) to mask across documents")
     if dropout:
         raise ValueError(f"attention dropout {dropout} is not supported; set the model config's "
                          f"attention_dropout to 0")
@@ -49,7 +50,8 @@ def mtraining_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
         cache = IndexCache()
         setattr(module, INDEX_CACHE_ATTRIBUTE, cache)
     out = striped_sparse_attention(q.contiguous(), k.contiguous(), v.contiguous(), settings,
-                                   softmax_scale=scaling, position_ids=position_ids, cache=cache)
+                                   softmax_scale=scaling, position_ids=position_ids, cache=cache,
+                                   doc_start=doc_start)
     return out, None
 
 

@@ -46,6 +46,7 @@ import torch.distributed as dist
 
 from .attention import resolve_softmax_scale
 from .config import SparseConfig
+from .documents import doc_start_from_cu_seqlens
 from .index import SparseIndex
 from .ring import ring_sparse_attention
 from .ring.agreement import (check_due, check_ranks_before_collectives, current_step, in_backward,
@@ -187,14 +188,25 @@ def _checked_seq_len(local: int, world: int, block: int) -> int:
     return local * world
 
 
-def check_striped(position_ids: torch.Tensor, settings: MTrainingAttentionSettings):
+def check_striped(position_ids: torch.Tensor, settings: MTrainingAttentionSettings, doc_start=None):
     """Raises :class:`LayoutError` unless ``position_ids`` ([S/W] or [B, S/W], the global
-    positions of this rank's tokens) are this rank's block-striped positions."""
+    positions of this rank's tokens) are this rank's block-striped positions. With document
+    masking (``doc_start`` [B, S]) RoPE positions restart per document: they must then be
+    ``t - doc_start[t]`` for this rank's striped places ``t`` in the sequence."""
     world, rank, block = settings.world, settings.rank, settings.sparse.block_size
     position_ids = position_ids.reshape(-1, position_ids.shape[-1])
     local = position_ids.shape[-1]
     seq_len = _checked_seq_len(local, world, block)
     expected = StripedLayout(world, block).positions(seq_len, rank, position_ids.device)
+    if doc_start is not None:
+        restarted = expected - doc_start.to(position_ids.device).long()[:, expected]
+        if bool((position_ids == restarted).all()):
+            return
+        raise LayoutError(
+            f"rank {rank} of {world}: with document masking the position ids must restart in each document "
+            f"at this rank's block-striped places (t - doc_start[t]: {restarted[0, :8].tolist()}...), got "
+            f"{position_ids[0, :8].tolist()}...; build them with ds_mtraining.documents.document_positions "
+            f"and stripe with ds_mtraining.ring.layout.StripedLayout({world}, {block})")
     if bool((position_ids == expected).all()):
         return
     contiguous = torch.arange(rank * local, (rank + 1) * local, device=position_ids.device)
@@ -215,7 +227,8 @@ def check_striped(position_ids: torch.Tensor, settings: MTrainingAttentionSettin
 def striped_sparse_attention(q, k, v, settings: MTrainingAttentionSettings,
                              softmax_scale: float | None = None,
                              position_ids: torch.Tensor | None = None,
-                             cache: IndexCache | None = None) -> torch.Tensor:
+                             cache: IndexCache | None = None,
+                             doc_start: torch.Tensor | None = None) -> torch.Tensor:
     """Causal dynamic sparse attention of this rank's striped shard over the whole sequence.
 
     Args:
@@ -228,6 +241,8 @@ def striped_sparse_attention(q, k, v, settings: MTrainingAttentionSettings,
         cache: the calling module's :class:`IndexCache`: the forward stores its index there and
             the forward recomputed under activation checkpointing reuses it (one estimation per
             layer and step).
+        doc_start: document masking: int32 [B, S] for the whole sequence
+            (:mod:`ds_mtraining.documents`); position ids then restart per document.
     Returns:
         [B, S/W, H, D], this rank's output, in q's dtype.
 
@@ -238,17 +253,17 @@ def striped_sparse_attention(q, k, v, settings: MTrainingAttentionSettings,
     check_ranks_before_collectives(ring_comm(settings.group), q, k, v, settings.sparse)
     if position_ids is not None:
         if not position_ids.is_cuda:
-            check_striped(position_ids, settings)
+            check_striped(position_ids, settings, doc_start)
         elif check_due("positions"):
-            check_striped(position_ids, settings)
+            check_striped(position_ids, settings, doc_start)
             mark_checked("positions")
     scale = resolve_softmax_scale(q.shape[-1], softmax_scale)
     if settings.pattern is None:
         key = (tuple(q.shape), tuple(k.shape), q.dtype, str(q.device), scale, settings.sparse,
-               id(settings.group))
+               id(settings.group), None if doc_start is None else doc_start.data_ptr())
         index = cache.take(key) if (cache is not None and recompute) else None
         if index is None:
-            index = estimate_index(q.detach(), k.detach(), settings.sparse, settings.group, scale)
+            index = estimate_index(q.detach(), k.detach(), settings.sparse, settings.group, scale, doc_start)
         if cache is not None and not recompute:
             cache.store(key, index)
     else:  # a fixed baseline pattern (ds_mtraining.static), global [B, S, H]
@@ -256,10 +271,10 @@ def striped_sparse_attention(q, k, v, settings: MTrainingAttentionSettings,
                                        settings.sparse.block_size, q.device)
     if settings.stats is not None and settings.stats.enabled and not recompute:
         settings.stats.record(index, settings.world)
-    if getattr(settings.pattern, "dense", False) and settings.world == 1 and q.is_cuda:
+    if getattr(settings.pattern, "dense", False) and settings.world == 1 and q.is_cuda and doc_start is None:
         return _dense_causal_sdpa(q, k, v, scale)  # dense baseline on one GPU: flash SDPA
     return ring_sparse_attention(q, k, v, settings.sparse, settings.group, softmax_scale=scale,
-                                 index=index, hierarchy=settings.hierarchy)
+                                 index=index, hierarchy=settings.hierarchy, doc_start=doc_start)
 
 
 def _dense_causal_sdpa(q, k, v, scale: float) -> torch.Tensor:
@@ -273,7 +288,8 @@ def _dense_causal_sdpa(q, k, v, scale: float) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- Ulysses drop-in
 INPUT_LAYOUTS = ("contiguous", "striped")
-CALL_KEYWORDS = ("position_ids", "scale", "softmax_scale", "causal", "is_causal", "dropout_p")
+CALL_KEYWORDS = ("position_ids", "scale", "softmax_scale", "causal", "is_causal", "dropout_p", "cu_seqlens",
+                 "doc_start")
 
 
 class RestripePlan:
@@ -361,7 +377,10 @@ class DistributedAttention(torch.nn.Module):
     (Ulysses' form; rows of this rank's tokens are taken) or this rank's S/W (rows already of the
     local tokens, in the input order). Keyword arguments: ``position_ids`` ([S/W] or [B, S/W],
     global positions, verified against ``input_layout``), ``scale``/``softmax_scale``,
-    ``causal``/``is_causal`` (must be true), ``dropout_p`` (must be 0 in training).
+    ``causal``/``is_causal`` (must be true), ``dropout_p`` (must be 0 in training); document
+    masking: ``cu_seqlens`` (the whole sequence's document boundaries, FlashAttention's form) or
+    ``doc_start`` ([B, S], :mod:`ds_mtraining.documents`), the same on every rank; q/k must then
+    carry RoPE of the positions within each document (``rotary_pos_emb`` is refused with it).
     """
 
     def __init__(self, local_attention, sequence_process_group, scatter_idx: int = 2,
@@ -411,6 +430,11 @@ class DistributedAttention(torch.nn.Module):
         q, k, v = (x.transpose(0, 1) if batch_dim_idx == 1 else x for x in (query, key, value))
         local = q.shape[1]
         world, rank = self.settings.world, self.settings.rank
+        doc_start = self._doc_start(kwargs, q.shape[0], local * world, q.device)
+        if doc_start is not None and rotary_pos_emb is not None:
+            raise ValueError("document masking with rotary_pos_emb: apply RoPE with the positions within each "
+                             "document (ds_mtraining.documents.document_positions) before calling, and pass no "
+                             "rotary_pos_emb")
         # position ids and mask are read on the host: on CUDA once per training step
         checking = check_due("positions") if q.is_cuda else True
         positions = self._input_positions(local, kwargs.get("position_ids") if checking else None, q.device)
@@ -430,7 +454,7 @@ class DistributedAttention(torch.nn.Module):
             plan = self._plan(world, rank, local, q.device)
             q, k, v = self._qkv_to_striped(plan, q, k, v)
         out = striped_sparse_attention(q.contiguous(), k.contiguous(), v.contiguous(), self.settings, scale,
-                                       cache=self._index_cache)
+                                       cache=self._index_cache, doc_start=doc_start)
         if restripe:
             rows = out.transpose(0, 1)
             out = _Restripe.apply(rows.reshape(local, rows.shape[1], -1), plan, False)
@@ -482,6 +506,15 @@ class DistributedAttention(torch.nn.Module):
             raise ValueError(f"query {tuple(query.shape)}, key {tuple(key.shape)}, value "
                              f"{tuple(value.shape)} do not match: q/k/v must be {form}, k and v alike, "
                              f"H a multiple of Hkv")
+
+    @staticmethod
+    def _doc_start(kwargs, batch: int, seq_len: int, device):
+        """The call's document masking as ``doc_start`` [B, S] (None without it)."""
+        if "cu_seqlens" in kwargs and "doc_start" in kwargs:
+            raise ValueError("pass cu_seqlens or doc_start, not both")
+        if kwargs.get("cu_seqlens") is not None:
+            return doc_start_from_cu_seqlens(kwargs["cu_seqlens"], seq_len, batch).to(device)
+        return kwargs.get("doc_start")
 
     def _input_positions(self, local: int, position_ids, device) -> torch.Tensor:
         """Global positions [S/W] of this rank's tokens in the declared layout; ``position_ids``,

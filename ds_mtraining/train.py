@@ -159,7 +159,7 @@ def train(args, watchdog: Watchdog | None = None) -> dict:
     accumulation = engine.gradient_accumulation_steps()
     batches = RankBatches(samples, micro_batch, groups.get_data_parallel_rank(),
                           groups.get_data_parallel_world_size(), groups.get_sequence_parallel_rank(),
-                          run.sequence_parallel_size, run.sparse.block_size, args.seed)
+                          run.sequence_parallel_size, run.sparse.block_size, args.seed, run.document_masking)
 
     step, position = 0, 0
     if args.resume:

@@ -136,3 +136,43 @@ def test_bad_data_specs_name_the_key_and_the_fix(tmp_path):
         packed(TEXTS[:1], 10_000)
     with pytest.raises(DataConfigError, match="fewer than one global micro-batch"):
         RankBatches(packed(TEXTS, 512), micro_batch_size=8, block_size=64)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_document_masking_batches_carry_each_documents_start(world):
+    # reference from the stream alone: a document starts at t == 0 or right after an EOS input
+    texts = ["a" * 90, "bb" * 20, "c" * 7, "d" * 300, "e" * 64, "f" * 130]
+    samples = packed(texts, 128)
+    layout = StripedLayout(world, 32)
+    for rank in range(world):
+        batches = RankBatches(samples, 2, sequence_rank=rank, sequence_world=world, block_size=32,
+                              document_masking=True)
+        for position in range(batches.per_epoch):
+            batch = batches.batch(position)
+            for row, i in enumerate(batches.sample_ids(position)):
+                inputs = samples[i][0]
+                starts = [t for t in range(128) if t == 0 or int(inputs[t - 1]) == EOS]
+                expected = torch.tensor([max(s for s in starts if s <= t) for t in range(128)], dtype=torch.int32)
+                assert torch.equal(batch["doc_start"][row], expected)
+                positions = torch.arange(128) - expected.long()
+                assert torch.equal(batch["position_ids"][row], layout.shard(positions[None], rank)[0])
+                assert torch.equal(batch["input_ids"][row], layout.shard(inputs[None], rank)[0])
+
+
+def test_a_passkey_sample_is_one_document():
+    from datasets import Dataset
+    texts = [("word " * 200)[:n] for n in (150, 90, 700, 40, 900, 300, 520, 61, 800)]
+    documents = Dataset.from_list([{"text": t} for t in texts])
+    samples = PackedSequences(tokenize_documents(documents, ByteTokenizer()), 512, passkey_fraction=0.5,
+                              tokenizer=ByteTokenizer(), seed=3)
+    kinds = set()
+    for i in range(len(samples)):
+        carries = b"pass key" in bytes(int(x) for x in samples[i][0] if int(x) < 256)
+        cu = samples.cu_seqlens(i).tolist()
+        kinds.add(carries)
+        if carries:
+            assert cu == [0, 512]
+        else:
+            inputs = samples[i][0]
+            assert cu == [t for t in range(512) if t == 0 or int(inputs[t - 1]) == EOS] + [512]
+    assert kinds == {True, False}

@@ -19,6 +19,10 @@ on the unstriped sequence, computed from the ranks' striped shards with small co
 
 Every rank ends with the same global :class:`~ds_mtraining.index.SparseIndex`.
 
+With document masking (``doc_start``), :func:`estimate_documents_gathered` all-gathers q and k
+and runs the document-aware rule on the whole sequence on every rank: correct and simple, but
+O(S) memory and work per rank (a sharded version is future work).
+
 On CUDA inputs the fused estimator takes (:func:`fused_estimator_takes`),
 :func:`estimate_vertical_slash_cuda_distributed` computes the same index from the fused passes
 with fixed-size collectives only, so that nothing waits for the GPU on the host (the candidate
@@ -316,11 +320,25 @@ def fused_estimator_takes(q: torch.Tensor, k: torch.Tensor, config: SparseConfig
     return estimate_cuda.supports(q, k, config, seq_len) is None
 
 
+def estimate_documents_gathered(q, k, config: SparseConfig, comm: RingComm, softmax_scale, doc_start
+                                ) -> SparseIndex:
+    """The document-aware index (:func:`~ds_mtraining.estimate.estimate_vertical_slash` with
+    ``doc_start``) of the whole sequence, from the ranks' striped shards gathered on every rank."""
+    layout = StripedLayout(comm.world, config.block_size)
+    q_all, k_all = (layout.unshard(list(_all_gather(t, comm).unbind(0))) for t in (q, k))
+    return estimate_vertical_slash(q_all, k_all, config, softmax_scale, doc_start=doc_start)
+
+
 def estimate_on_comm(q, k, config: SparseConfig, comm: RingComm | None,
-                     softmax_scale: float | None = None) -> SparseIndex:
+                     softmax_scale: float | None = None, doc_start=None) -> SparseIndex:
     """The global index of the shards ``q``/``k`` over ``comm``'s ring (None: one device): the
     fused CUDA estimator (no host synchronisation, its index built trusted) when it takes the
-    inputs, else the torch rule (CPU; on CUDA it synchronises)."""
+    inputs, else the torch rule (CPU; on CUDA it synchronises). With ``doc_start`` (document
+    masking) the torch rule's document-aware form."""
+    if doc_start is not None:
+        if comm is None:
+            return estimate_vertical_slash(q, k, config, softmax_scale, doc_start=doc_start)
+        return estimate_documents_gathered(q, k, config, comm, softmax_scale, doc_start)
     world = 1 if comm is None else comm.world
     if fused_estimator_takes(q, k, config, q.shape[1] * world):
         if comm is None:
@@ -332,9 +350,9 @@ def estimate_on_comm(q, k, config: SparseConfig, comm: RingComm | None,
     return estimate_vertical_slash_distributed(q, k, config, comm, softmax_scale)
 
 
-def estimate_index(q, k, config: SparseConfig, group=None, softmax_scale: float | None = None
-                   ) -> SparseIndex:
+def estimate_index(q, k, config: SparseConfig, group=None, softmax_scale: float | None = None,
+                   doc_start=None) -> SparseIndex:
     """This step's global vertical-slash index: from the striped shards of ``group`` with small
     collectives, or on one device when there is no group of several ranks
     (:func:`estimate_on_comm`)."""
-    return estimate_on_comm(q, k, config, ring_comm(group), softmax_scale)
+    return estimate_on_comm(q, k, config, ring_comm(group), softmax_scale, doc_start)

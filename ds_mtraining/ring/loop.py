@@ -36,13 +36,13 @@ GRAD_STREAM_ENV = "DS_MTRAINING_RING_GRAD_STREAM"
 _grad_streams: dict = {}
 
 
-def ring_forward(schedule: RingSchedule, q, k, v, index: SparseIndex, scale: float):
+def ring_forward(schedule: RingSchedule, q, k, v, index: SparseIndex, scale: float, doc_start=None):
     """(out float32 [B, S/W, H, D], lse float32 [B, H, S/W], (k, v) held at the last step) of
-    this rank's queries over all keys."""
+    this rank's queries over all keys (within their documents when ``doc_start`` [B, S] is given)."""
     out = lse = None
     held = (k, v)
     for _, _, stripe, step_k, step_v in schedule.kv_steps(k, v):
-        step_out, step_lse = ops.attention_forward(q, step_k, step_v, index, scale, stripe)
+        step_out, step_lse = ops.attention_forward(q, step_k, step_v, index, scale, stripe, doc_start=doc_start)
         if out is None:
             out, lse = step_out, step_lse
         else:
@@ -92,7 +92,7 @@ def _accumulate_and_pass(comm: RingComm | None, in_flight, dk, dv, stream) -> Pe
 
 
 def ring_backward(schedule: RingSchedule, dout, q, k, v, out, lse, index: SparseIndex, scale: float,
-                  held_k=None, held_v=None):
+                  held_k=None, held_v=None, doc_start=None):
     """(dq, dk, dv) float32 for this rank's shards; ``out``/``lse`` are the merged forward ones,
     ``held_k``/``held_v`` the K/V this rank held at the forward's last step (:func:`ring_forward`;
     None: fetched here, one exposed transfer)."""
@@ -105,7 +105,7 @@ def ring_backward(schedule: RingSchedule, dout, q, k, v, out, lse, index: Sparse
     for outer_step, inner_step, stripe, step_k, step_v in schedule.kv_steps(held_k, held_v,
                                                                              reverse=True):
         dq_step, dk_step, dv_step = ops.attention_backward(dout, q, step_k, step_v, out, lse, index,
-                                                           scale, stripe)
+                                                           scale, stripe, doc_start=doc_start)
         dq = _float(dq_step) if dq is None else dq.add_(dq_step)
         node_done = inner_step == 0  # the inner ring's local step: the node's share is complete
         inner_grads = _accumulate_and_pass(None if node_done else inner_comm, inner_grads,
@@ -138,10 +138,10 @@ class RingSparseAttentionFunction(torch.autograd.Function):
     """Ring sparse attention on striped shards; returns (out in q's dtype, lse fp32 [B, H, S/W])."""
 
     @staticmethod
-    def forward(ctx, q, k, v, index: SparseIndex, scale: float, schedule: RingSchedule):
-        out, lse, (held_k, held_v) = ring_forward(schedule, q, k, v, index, scale)
+    def forward(ctx, q, k, v, index: SparseIndex, scale: float, schedule: RingSchedule, doc_start=None):
+        out, lse, (held_k, held_v) = ring_forward(schedule, q, k, v, index, scale, doc_start)
         ctx.save_for_backward(q, k, v, out, lse, held_k, held_v)
-        ctx.index, ctx.scale, ctx.schedule = index, scale, schedule
+        ctx.index, ctx.scale, ctx.schedule, ctx.doc_start = index, scale, schedule, doc_start
         ctx.mark_non_differentiable(lse)
         return out.to(q.dtype), lse
 
@@ -149,5 +149,5 @@ class RingSparseAttentionFunction(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse, held_k, held_v = ctx.saved_tensors
         dq, dk, dv = ring_backward(ctx.schedule, dout.contiguous(), q, k, v, out, lse, ctx.index,
-                                   ctx.scale, held_k, held_v)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+                                   ctx.scale, held_k, held_v, ctx.doc_start)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None

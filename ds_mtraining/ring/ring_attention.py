@@ -6,8 +6,11 @@ partial outputs, :mod:`.loop` runs the steps of a :mod:`.schedule`, flat or hier
 """
 from __future__ import annotations
 
+import torch
+
 from ..attention import check_attention_inputs, resolve_softmax_scale, sparse_attention_with_lse
 from ..config import SparseConfig
+from ..documents import check_doc_start
 from ..index import SparseIndex
 from .agreement import check_due, check_ranks_agree, mark_checked, ranks_check_key
 from .comm import ring_comm
@@ -18,18 +21,21 @@ from .schedule import ring_schedule
 from .topology import HierarchicalGroups
 
 
-def _single_device(q, k, v, config: SparseConfig, softmax_scale, index: SparseIndex | None):
+def _single_device(q, k, v, config: SparseConfig, softmax_scale, index: SparseIndex | None, doc_start):
     check_attention_inputs(q, k, v, index)
     scale = resolve_softmax_scale(q.shape[-1], softmax_scale)
+    if doc_start is not None:
+        doc_start = check_doc_start(doc_start, q.shape[0], q.shape[1], q.device)
     if index is None:
-        index = estimate_on_comm(q, k, config, None, scale)
-    return sparse_attention_with_lse(q, k, v, index, scale)
+        index = estimate_on_comm(q, k, config, None, scale, doc_start)
+    return sparse_attention_with_lse(q, k, v, index, scale, doc_start=doc_start)
 
 
 def ring_sparse_attention_with_lse(q, k, v, config: SparseConfig, group=None,
                                    softmax_scale: float | None = None,
                                    index: SparseIndex | None = None,
-                                   hierarchy: HierarchicalGroups | None = None):
+                                   hierarchy: HierarchicalGroups | None = None,
+                                   doc_start=None):
     """Causal vertical-slash sparse attention over a sequence striped across ``group``.
 
     Args:
@@ -47,6 +53,8 @@ def ring_sparse_attention_with_lse(q, k, v, config: SparseConfig, group=None,
         hierarchy: this rank's inner/outer groups of ``group``
             (:func:`~ds_mtraining.ring.topology.create_hierarchical_groups`) to run the
             hierarchical ring; ``None`` runs the flat ring.
+        doc_start: int32 [B, S] for the *whole* sequence (every rank passes the same): document
+            masking, each query sees only its own document (:mod:`ds_mtraining.documents`).
     Returns:
         (out [B, S/W, H, D] in q's dtype, lse float32 [B, H, S/W]) for this rank's queries.
 
@@ -58,7 +66,7 @@ def ring_sparse_attention_with_lse(q, k, v, config: SparseConfig, group=None,
         raise TypeError(f"config must be a SparseConfig, got {type(config).__name__}")
     comm = ring_comm(group)
     if comm is None:
-        return _single_device(q, k, v, config, softmax_scale, index)
+        return _single_device(q, k, v, config, softmax_scale, index, doc_start)
     check_key = ranks_check_key(comm)
     checking = check_due(check_key)
     if checking:
@@ -74,15 +82,23 @@ def ring_sparse_attention_with_lse(q, k, v, config: SparseConfig, group=None,
             raise ValueError(f"index.block_size={index.block_size} differs from config.block_size="
                              f"{config.block_size}, the stripe width the data was sharded with")
         check_attention_inputs(q, k, v, index, local_index_len=seq_len)
+    if doc_start is not None:
+        if tuple(doc_start.shape) != (q.shape[0], seq_len):
+            raise ValueError(f"doc_start must be [B, S] = [{q.shape[0]}, {seq_len}] for the whole sequence "
+                             f"(every rank passes all of it), got {tuple(doc_start.shape)}")
+        if checking or not q.is_cuda:  # its values: read on the host, so once per step on CUDA
+            doc_start = check_doc_start(doc_start, q.shape[0], seq_len, q.device)
+        doc_start = doc_start.to(device=q.device, dtype=torch.int32).contiguous()
     if checking:
         mark_checked(check_key)
     if index is None:
-        index = estimate_on_comm(q, k, config, comm, scale)
-    return RingSparseAttentionFunction.apply(q, k, v, index, scale, ring_schedule(comm, hierarchy))
+        index = estimate_on_comm(q, k, config, comm, scale, doc_start)
+    return RingSparseAttentionFunction.apply(q, k, v, index, scale, ring_schedule(comm, hierarchy), doc_start)
 
 
 def ring_sparse_attention(q, k, v, config: SparseConfig, group=None,
                           softmax_scale: float | None = None, index: SparseIndex | None = None,
-                          hierarchy: HierarchicalGroups | None = None):
+                          hierarchy: HierarchicalGroups | None = None, doc_start=None):
     """Like :func:`ring_sparse_attention_with_lse`, returning only this rank's output."""
-    return ring_sparse_attention_with_lse(q, k, v, config, group, softmax_scale, index, hierarchy)[0]
+    return ring_sparse_attention_with_lse(q, k, v, config, group, softmax_scale, index, hierarchy,
+                                          doc_start)[0]

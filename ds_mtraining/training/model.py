@@ -83,7 +83,9 @@ def _with_overrides(config, overrides: dict, key: str):
 
 class MTrainingCausalLM(torch.nn.Module):
     """A transformers causal LM whose loss is the chunked sequence-parallel cross-entropy:
-    ``forward(input_ids, labels, position_ids)`` on this rank's striped shard returns the loss."""
+    ``forward(input_ids, labels, position_ids[, doc_start])`` on this rank's striped shard returns
+    the loss; ``doc_start`` (document masking, :mod:`ds_mtraining.documents`) reaches the attention
+    function through the model's keyword arguments."""
 
     def __init__(self, model, group, loss_chunk_tokens: int):
         super().__init__()
@@ -91,9 +93,10 @@ class MTrainingCausalLM(torch.nn.Module):
         self.group = group
         self.loss_chunk_tokens = loss_chunk_tokens
 
-    def forward(self, input_ids, labels, position_ids):
+    def forward(self, input_ids, labels, position_ids, doc_start=None):
         from ds_mtraining.loss import sequence_parallel_cross_entropy
-        hidden = self.model.base_model(input_ids=input_ids, position_ids=position_ids).last_hidden_state
+        documents = {} if doc_start is None else {"doc_start": doc_start}
+        hidden = self.model.base_model(input_ids=input_ids, position_ids=position_ids, **documents).last_hidden_state
         weight = self.model.get_output_embeddings().weight
         return sequence_parallel_cross_entropy(hidden, weight, labels, self.group, self.loss_chunk_tokens)
 

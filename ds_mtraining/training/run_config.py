@@ -29,6 +29,7 @@ class RunConfig:
     gradient_checkpointing: bool = False
     attention: str = "sparse"  # sparse (MTraining) | dense | static: ds_mtraining.static
     static: dict | None = None  # the static pattern's settings when attention is "static"
+    document_masking: bool = False  # packed documents attend only within themselves (ds_mtraining.documents)
 
     def to_dict(self) -> dict:
         values = asdict(self)
@@ -78,7 +79,7 @@ def parse_run_config(section: dict, world_size: int) -> RunConfig:
     if not isinstance(section, dict):
         raise ConfigError(f"the DeepSpeed JSON needs a \"{MTRAINING_KEY}\" object, got {section!r}")
     known = {"seq_len", "sequence_parallel_size", "ring", "stripe_block", "sparse", "model", "tokenizer",
-             "data", "loss_chunk_tokens", "gradient_checkpointing", "attention", "static"}
+             "data", "loss_chunk_tokens", "gradient_checkpointing", "attention", "static", "document_masking"}
     unknown = sorted(set(section) - known)
     if unknown:
         raise ConfigError(f"unknown key(s) {unknown} in '{MTRAINING_KEY}'; valid keys are {sorted(known)}")
@@ -112,8 +113,10 @@ def parse_run_config(section: dict, world_size: int) -> RunConfig:
     except ValueError as error:
         raise ConfigError(str(error)) from None
     checkpointing = section.get("gradient_checkpointing", False)
-    if not isinstance(checkpointing, bool):
-        raise ConfigError(f"{MTRAINING_KEY}.gradient_checkpointing={checkpointing!r} must be true or false")
+    documents = section.get("document_masking", False)
+    for name, value in (("gradient_checkpointing", checkpointing), ("document_masking", documents)):
+        if not isinstance(value, bool):
+            raise ConfigError(f"{MTRAINING_KEY}.{name}={value!r} must be true or false")
     attention, static = _attention_mode(section, seq_len, sparse.block_size)
     model = _model_spec(section.get("model", "tiny-qwen2"))
     tokenizer = section.get("tokenizer", "bytes")
@@ -125,7 +128,8 @@ def parse_run_config(section: dict, world_size: int) -> RunConfig:
     return RunConfig(seq_len=seq_len, sequence_parallel_size=sp, ring=ring, sparse=sparse, model=model,
                      tokenizer=tokenizer, data=dict(section.get("data", {"source": "stdlib"})),
                      loss_chunk_tokens=_positive_int(section, "loss_chunk_tokens", 1024),
-                     gradient_checkpointing=checkpointing, attention=attention, static=static)
+                     gradient_checkpointing=checkpointing, attention=attention, static=static,
+                     document_masking=documents)
 
 
 def _attention_mode(section: dict, seq_len: int, block: int) -> tuple[str, dict | None]:
