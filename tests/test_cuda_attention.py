@@ -2,7 +2,8 @@
 
 Every check compares with ``reference.dense_attention_with_lse`` in float64 on the mask
 ``reference.dense_mask(index)`` (or ``reference.mask_between`` rows, for the long shape), outputs and
-gradients, by relative Frobenius error. Skipped without a CUDA device.
+gradients, by relative Frobenius error; with document masking on that mask intersected with
+``documents.document_causal_mask(doc_start)``. Skipped without a CUDA device.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from ds_mtraining import ops
+from ds_mtraining.documents import doc_start_from_cu_seqlens, document_causal_mask
 from ds_mtraining.index import PAD, SparseIndex, Stripe
 from ds_mtraining.reference import dense_attention_with_lse, dense_mask, mask_between
 from ds_mtraining.ring.layout import StripedLayout
@@ -44,6 +46,25 @@ def random_qkv(batch, seq, heads, kv_heads, dim, dtype, generator):
     return make(heads), make(kv_heads), make(kv_heads)
 
 
+def random_doc_start(batch, seq, generator):
+    """CUDA doc_start of random packings: documents of 1-8 tokens (inside one key tile), 9-69 and
+    70-299 tokens (across tiles, blocks and stripes) until half the sequence, then a long one."""
+    rows = []
+    for _ in range(batch):
+        lengths = []
+        while sum(lengths) < seq // 2:
+            low, high = [(1, 9), (9, 70), (70, 300)][int(torch.randint(0, 3, (1,), generator=generator))]
+            lengths.append(int(torch.randint(low, high, (1,), generator=generator)))
+        cu = torch.tensor([0] + lengths).cumsum(0)
+        rows.append(torch.cat([cu[cu < seq], torch.tensor([seq])]))
+    return doc_start_from_cu_seqlens(rows, seq, batch).cuda()
+
+
+def with_documents(mask, doc_start):
+    """The index's dense mask [B, H, S, S] restricted to the documents (unchanged for None)."""
+    return mask if doc_start is None else mask & document_causal_mask(doc_start)[:, None]
+
+
 def reference_with_grads(q, k, v, mask, dout, scale):
     """Float64 dense masked attention and its autograd gradients."""
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
@@ -52,11 +73,11 @@ def reference_with_grads(q, k, v, mask, dout, scale):
     return out.detach(), lse.detach(), q64.grad, k64.grad, v64.grad
 
 
-def kernel_with_grads(q, k, v, index, dout, scale, stripe=Stripe()):
+def kernel_with_grads(q, k, v, index, dout, scale, stripe=Stripe(), doc_start=None):
     poison_allocator()
-    out, lse = ops.attention_forward(q, k, v, index, scale, stripe)
+    out, lse = ops.attention_forward(q, k, v, index, scale, stripe, doc_start=doc_start)
     poison_allocator()
-    dq, dk, dv = ops.attention_backward(dout, q, k, v, out, lse, index, scale, stripe)
+    dq, dk, dv = ops.attention_backward(dout, q, k, v, out, lse, index, scale, stripe, doc_start=doc_start)
     return out, lse, dq, dk, dv
 
 
@@ -83,16 +104,18 @@ SHAPES = [
 ]
 
 
+@pytest.mark.parametrize("documents", [False, True], ids=["plain", "documents"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"B{s[0]}S{s[1]}H{s[2]}KV{s[3]}D{s[4]}bs{s[5]}")
-def test_matches_dense_reference(shape):
+def test_matches_dense_reference(shape, documents):
     batch, seq, heads, kv_heads, dim, block, n_slash, n_vertical, dtype = shape
     generator = torch.Generator().manual_seed(seq + heads)
     q, k, v = random_qkv(batch, seq, heads, kv_heads, dim, dtype, generator)
     index = random_index(batch, heads, seq, block, n_slash, n_vertical, generator)
     dout = torch.randn(batch, seq, heads, dim, generator=generator).to("cuda", dtype)
+    doc_start = random_doc_start(batch, seq, generator) if documents else None
     scale = 1.0 / math.sqrt(dim)
-    reference = reference_with_grads(q, k, v, dense_mask(index).cuda(), dout, scale)
-    assert_matches(kernel_with_grads(q, k, v, index, dout, scale), reference, str(shape))
+    reference = reference_with_grads(q, k, v, with_documents(dense_mask(index).cuda(), doc_start), dout, scale)
+    assert_matches(kernel_with_grads(q, k, v, index, dout, scale, doc_start=doc_start), reference, str(shape))
 
 
 @pytest.fixture
@@ -125,11 +148,12 @@ def test_forward_row_tilings_agree(rows_per_warp, kernel_env):
     assert float((lse.double() - ref_lse).abs().max()) < 5e-2
 
 
+@pytest.mark.parametrize("documents", [False, True], ids=["plain", "documents"])
 @pytest.mark.parametrize("mma, tma", [("warp", "1"), ("auto", "1"), ("auto", "0")])
-def test_tensor_core_paths_agree(mma, tma, kernel_env):
+def test_tensor_core_paths_agree(mma, tma, documents, kernel_env):
     """Every kernel path (mma.sync; wgmma on Hopper, else mma.sync again; with TMA copies of the
     contiguous tiles or cp.async only) matches the reference, forward and gradients, at both head
-    dims and block sizes."""
+    dims and block sizes, with and without document masking."""
     kernel_env(MMA=mma, TMA=tma)
     paths = ops.op_module("cuda").kernel_paths(torch.cuda.current_device())
     assert paths["tma"] == (paths["tensor_cores"] == "wgmma" and tma == "1")
@@ -138,8 +162,10 @@ def test_tensor_core_paths_agree(mma, tma, kernel_env):
         q, k, v = random_qkv(1, 1500, 4, 2, dim, dtype, generator)
         index = random_index(1, 4, 1500, block, 4, 120, generator)
         dout = torch.randn(1, 1500, 4, dim, generator=generator).to("cuda", dtype)
-        reference = reference_with_grads(q, k, v, dense_mask(index).cuda(), dout, 0.1)
-        assert_matches(kernel_with_grads(q, k, v, index, dout, 0.1), reference, f"{paths} D{dim} bs{block}")
+        doc_start = random_doc_start(1, 1500, generator) if documents else None
+        reference = reference_with_grads(q, k, v, with_documents(dense_mask(index).cuda(), doc_start), dout, 0.1)
+        assert_matches(kernel_with_grads(q, k, v, index, dout, 0.1, doc_start=doc_start), reference,
+                       f"{paths} D{dim} bs{block}")
 
 
 def merge(outs, lses):
@@ -150,17 +176,21 @@ def merge(outs, lses):
     return out, lse
 
 
+@pytest.mark.parametrize("documents", [False, True], ids=["plain", "documents"])
 @pytest.mark.parametrize("world", [2, 3])
-def test_striped_ring_calls_match_dense(world):
-    """Every (q_rank, k_rank) call of a striped ring, merged, equals global dense attention."""
+def test_striped_ring_calls_match_dense(world, documents):
+    """Every (q_rank, k_rank) call of a striped ring, merged, equals global dense attention (with
+    document masking: documents crossing stripes and ranks, the global doc_start on every call)."""
     block, local_blocks, heads, kv_heads, dim = 64, 5, 4, 2, 64
     seq = world * local_blocks * block
     generator = torch.Generator().manual_seed(world)
     q, k, v = random_qkv(1, seq, heads, kv_heads, dim, torch.bfloat16, generator)
     index = random_index(1, heads, seq, block, 5, 30, generator)
     dout = torch.randn(1, seq, heads, dim, generator=generator).to("cuda", torch.bfloat16)
+    doc_start = random_doc_start(1, seq, generator) if documents else None
     scale = 1.0 / math.sqrt(dim)
-    ref_out, ref_lse, ref_dq, ref_dk, ref_dv = reference_with_grads(q, k, v, dense_mask(index).cuda(), dout, scale)
+    mask = with_documents(dense_mask(index).cuda(), doc_start)
+    ref_out, ref_lse, ref_dq, ref_dk, ref_dv = reference_with_grads(q, k, v, mask, dout, scale)
 
     local = seq // world
     positions = [StripedLayout(world, block).positions(seq, rank).cuda() for rank in range(world)]
@@ -169,7 +199,7 @@ def test_striped_ring_calls_match_dense(world):
         for s in range(world):
             stripe = Stripe(world, r, s)
             out, lse = ops.attention_forward(q[:, positions[r]], k[:, positions[s]], v[:, positions[s]],
-                                             index, scale, stripe)
+                                             index, scale, stripe, doc_start=doc_start)
             empty = torch.isinf(lse)
             assert not torch.isnan(out).any() and not torch.isnan(lse).any()
             assert (out.transpose(1, 2)[empty] == 0).all(), "rows without keys must give out 0"
@@ -184,7 +214,7 @@ def test_striped_ring_calls_match_dense(world):
         for s in range(world):
             grads = ops.attention_backward(dout[:, positions[r]], q[:, positions[r]], k[:, positions[s]],
                                            v[:, positions[s]], out.float(), lse.float(), index, scale,
-                                           Stripe(world, r, s))
+                                           Stripe(world, r, s), doc_start=doc_start)
             dq[r] += grads[0].double()
             dk[s] += grads[1].double()
             dv[s] += grads[2].double()
@@ -333,6 +363,9 @@ BAD_CALLS = {
                 r"slash is on cpu but q is on cuda:0"),
     "cuda_limit": (lambda call: with_index_entries(call, block_size=32), r"block_size must be 64 or 128, got 32"),
     "unknown_entry": (lambda call: with_index_entries(call, cu_seqlens=None), r"unknown index entry 'cu_seqlens'"),
+    "doc_start_shape": (lambda call: with_index_entries(call, doc_start=torch.zeros(1, 64, dtype=torch.int32,
+                                                                                    device="cuda")),
+                        r"doc_start must be \[batch, global seq\] = \[1, 128\] .* got \[1, 64\]"),
 }
 
 

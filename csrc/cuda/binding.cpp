@@ -49,6 +49,7 @@ StepLists set_index_params(mtr::AttentionParams& p, const OpIndex& index) {
     p.slash_count = index.slash_count.data_ptr<int32_t>();
     p.vertical = index.vertical.data_ptr<int32_t>();
     p.vertical_count = index.vertical_count.data_ptr<int32_t>();
+    p.doc_start = index.doc_start.numel() == 0 ? nullptr : index.doc_start.data_ptr<int32_t>();
     p.local_offsets = lists.local_offsets.data_ptr<int32_t>();
     p.num_offsets = lists.num_offsets.data_ptr<int32_t>();
     p.local_keys = lists.local_keys.data_ptr<int32_t>();
@@ -141,7 +142,7 @@ Call prepare_call(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tens
                       text(mtr::kMaxLocalBlocks), "; use a larger block_size or more ranks");
     TORCH_CHECK_VALUE(q.numel() < (int64_t{1} << 31) * 64, kOpName, ": q is too large");
     for (const at::Tensor* t : {&call.q, &call.k, &call.v, &call.index.slash, &call.index.slash_count,
-                                &call.index.vertical, &call.index.vertical_count})
+                                &call.index.vertical, &call.index.vertical_count, &call.index.doc_start})
         TORCH_CHECK_VALUE(t->is_contiguous(), kOpName, ": inputs must be contiguous (the caller makes them so)");
 
     mtr::AttentionParams& p = call.p;

@@ -32,7 +32,8 @@ struct KeyKernelConfig {
 
     static size_t smem_bytes(int bit_words) {
         return Arch::kTileAlignment + sizeof(T) * (2 * static_cast<size_t>(kKeyRows) * D + 4 * kStepElements) +
-               sizeof(float) * 4 * kQueryStep + sizeof(uint64_t) * 2 + sizeof(int) * kKeyTile + sizeof(uint32_t) * bit_words;
+               sizeof(float) * 4 * kQueryStep + sizeof(uint64_t) * 2 + sizeof(int) * (kKeyTile + 2 * kQueryStep) +
+               sizeof(uint32_t) * bit_words;
     }
 };
 
@@ -46,9 +47,11 @@ struct SlashStepSource {
     int group;
     int key_block;
     int key_first;  // the CTA's first key row (local): earlier diagonal queries are all masked
+    int key_last;   // the CTA's last key row (local)
     int query_blocks;
     int seq_q;
     bool same_rank;
+    DocumentLimits<BS> limits;
 
     int head_index = 0;
     int offset_index = 0;
@@ -76,6 +79,12 @@ struct SlashStepSource {
                 ++offset_index;
             }
             if (first >= seq_q || (causal && first + kQueryStep <= key_first)) continue;  // nothing visible
+            if (limits.key_limit(first) > key_last) {  // so are the later queries' documents: this head is done
+                ++head_index;
+                offset_index = 0;
+                sub_step = 0;
+                continue;
+            }
             step = QueryStep{head, first, query_block, causal};
             return true;
         }
@@ -95,13 +104,16 @@ struct VerticalStepSource {
     int seq_q;
     bool query_rank_after;
     int query_block;
+    DocumentLimits<BS> limits;
 
     int sub_step = 0;
 
     __device__ __forceinline__ bool next(QueryStep& step) {
         while (true) {
             if (sub_step == 0) {
-                if (query_block >= end_block) return false;
+                // the block's documents, and all later ones, start after the tile's last key: done
+                if (query_block >= end_block || limits.key_limit(query_block * BS) > tile_keys[key_count - 1])
+                    return false;
                 const bool reads = threadIdx.x < key_count &&
                                    reads_as_column(query_block, tile_keys[threadIdx.x] / BS, query_rank_after, bits);
                 if (!__syncthreads_or(reads)) {
@@ -137,7 +149,8 @@ __global__ void __launch_bounds__(KeyKernelConfig<Arch, T, D, BS, kVertical>::kT
     float* delta_tiles = lse_tiles + 2 * kQueryStep;
     uint64_t* step_barriers = reinterpret_cast<uint64_t*>(delta_tiles + 2 * kQueryStep);
     int* tile_keys = reinterpret_cast<int*>(step_barriers + 2);
-    uint32_t* bits = reinterpret_cast<uint32_t*>(tile_keys + kKeyTile);
+    int* step_limit_tiles = tile_keys + kKeyTile;  // document masking: the first key each step query sees
+    uint32_t* bits = reinterpret_cast<uint32_t*>(step_limit_tiles + 2 * kQueryStep);
 
     const int group = p.heads / p.kv_heads;
     const int query_blocks = (p.seq_q + BS - 1) / BS;
@@ -175,6 +188,7 @@ __global__ void __launch_bounds__(KeyKernelConfig<Arch, T, D, BS, kVertical>::kT
         key_count = min(kKeyRows, p.seq_k - key_first);
         if (key_count <= 0) return;  // the empty part of a partial last block (uniform)
     }
+    const DocumentLimits<BS> limits(p, batch);
     // K/V rows of this CTA's kv head, and the query rows of the batch (heads vary per step).
     const size_t kv_head_start = static_cast<size_t>(batch) * p.seq_k * kv_stride + kv_head * D;
     const size_t batch_start = static_cast<size_t>(batch) * p.seq_q * q_stride;
@@ -205,6 +219,8 @@ __global__ void __launch_bounds__(KeyKernelConfig<Arch, T, D, BS, kVertical>::kT
             const size_t at = bh * p.seq_q + (valid ? step.first + threadIdx.x : 0);
             cp_async_4(lse_tiles + buffer * kQueryStep + threadIdx.x, p.lse_in + at, valid);
             cp_async_4(delta_tiles + buffer * kQueryStep + threadIdx.x, p.delta + at, valid);
+            if (limits.doc_start != nullptr)
+                step_limit_tiles[buffer * kQueryStep + threadIdx.x] = valid ? limits.key_limit(step.first + threadIdx.x) : INT_MAX;
         }
     };
 
@@ -221,13 +237,14 @@ __global__ void __launch_bounds__(KeyKernelConfig<Arch, T, D, BS, kVertical>::kT
         const float* lse = lse_tiles + buffer * kQueryStep;
         const float* delta = delta_tiles + buffer * kQueryStep;
         if (by_tma(step)) tma.wait(buffer);
-        const QueryStepMask<BS, kVertical> mask(step, row0, key_count, tile_keys, query_rank_after, bits);
+        const QueryStepMask<BS, kVertical> mask(step, row0, key_first, key_count, tile_keys, query_rank_after, bits);
         float s[1][8][4];
         float dp[1][8][4];
         // S^T = K Q^T and dP^T = V dO^T
         Arch::template scores_pair<1, D>(s, key_tile, query_tile, dp, value_tile, dout_tile, row0);
         orient_scores(s, p.scale < 0.f);
-        mask.apply(s, step, key_first, row0, p.seq_q);
+        mask.apply(s, step, key_first, row0, p.seq_q,
+                   limits.doc_start != nullptr ? step_limit_tiles + buffer * kQueryStep : nullptr);
         softmax.dscores(s, dp, lse, delta);
         Arch::template accumulate_pair<1, D>(dv, s, dout_tile, dk, dp, query_tile);  // dV += P^T dO, dK += dS^T Q
     };
@@ -240,7 +257,7 @@ __global__ void __launch_bounds__(KeyKernelConfig<Arch, T, D, BS, kVertical>::kT
         const int chunk_first = chunk * kVerticalChunkBlocks;
         VerticalStepSource<BS> source{tile_keys, key_count, bits, head,
                                       min(query_blocks, chunk_first + kVerticalChunkBlocks), p.seq_q,
-                                      query_rank_after, max(chunk_first, tile_keys[0] / BS)};
+                                      query_rank_after, max(chunk_first, tile_keys[0] / BS), limits};
         run_two_stage_pipeline<QueryStep, Arch::kAsyncProxy>([&](QueryStep& step) { return source.next(step); }, issue, compute);  // no step: the partials are 0
         const size_t entry0 =
             (static_cast<size_t>(chunk) * p.batch * p.heads + bh_vertical) * p.vertical_len + first_entry;
@@ -253,7 +270,7 @@ __global__ void __launch_bounds__(KeyKernelConfig<Arch, T, D, BS, kVertical>::kT
         const size_t batch_heads = static_cast<size_t>(batch) * p.heads;
         SlashStepSource<BS> source{p.local_offsets + batch_heads * p.slash_len, p.num_offsets + batch_heads,
                                    p.slash_len, kv_head * group, group, key_first / BS, key_first,
-                                   query_blocks, p.seq_q, p.q_rank == p.k_rank};
+                                   key_first + key_count - 1, query_blocks, p.seq_q, p.q_rank == p.k_rank, limits};
         run_two_stage_pipeline<QueryStep, Arch::kAsyncProxy>([&](QueryStep& step) { return source.next(step); }, issue, compute);
         auto key_out_row = [&](float* base, int row) -> float* {
             return row < key_count ? base + ((static_cast<size_t>(batch) * p.seq_k + key_first + row) * p.kv_heads + kv_head) * D

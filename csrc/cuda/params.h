@@ -40,6 +40,9 @@ struct AttentionParams {
     const int* slash_count = nullptr;
     const int* vertical = nullptr;
     const int* vertical_count = nullptr;
+    // Document masking: int32 [B, Sq * world], the global position of the first token of each
+    // global token's document (docs/KERNEL_CONTRACT.md); nullptr: none.
+    const int* doc_start = nullptr;
 
     // Per-call lists derived on the GPU by build_step_index (scratch, [B, H, Ls] / [B, H, Lv]):
     // local_offsets: sorted local block offsets o (query block i reads key block i - o);

@@ -28,10 +28,11 @@ struct QueryKernelConfig {
     static constexpr int kQueryTiles = kBackward ? 2 : 1;  // Q (and dO)
     static_assert(BS % kRows == 0 && kRows % (16 * MA) == 0 && BS % kKeyTile == 0,
                   "block size must split into CTAs, warps and key tiles");
+    static_assert(kThreads >= kKeyTile, "too few threads to copy a gathered tile's keys");
 
     static size_t smem_bytes(int bit_words) {
         return Arch::kTileAlignment + sizeof(T) * (static_cast<size_t>(kQueryTiles) * kRows * D + 4 * kKeyTileElements) +
-               sizeof(uint64_t) * 2 + sizeof(int) * (kListCapacity + 32) + sizeof(uint32_t) * bit_words;
+               sizeof(uint64_t) * 2 + sizeof(int) * (kListCapacity + 32 + 2 * kKeyTile) + sizeof(uint32_t) * bit_words;
     }
 };
 
@@ -49,7 +50,10 @@ __global__ void __launch_bounds__(QueryKernelConfig<Arch, T, D, BS, MA, kBackwar
     uint64_t* tile_barriers = reinterpret_cast<uint64_t*>(value_tiles + 2 * Config::kKeyTileElements);
     int* key_list = reinterpret_cast<int*>(tile_barriers + 2);
     int* warp_counts = key_list + Config::kListCapacity;
-    uint32_t* bits = reinterpret_cast<uint32_t*>(warp_counts + 32);
+    // document masking: each buffer's gathered keys, copied at issue (key_list may be refilled
+    // for the next tile before this one is computed)
+    int* gathered_keys = warp_counts + 32;
+    uint32_t* bits = reinterpret_cast<uint32_t*>(gathered_keys + 2 * kKeyTile);
 
     const int cta = static_cast<int>(gridDim.x - 1 - blockIdx.x);  // late blocks read the most: start them first
     const int query_block = cta / Config::kSplits;
@@ -87,7 +91,9 @@ __global__ void __launch_bounds__(QueryKernelConfig<Arch, T, D, BS, MA, kBackwar
         return Arch::kTma && p.tma && !tile.gathered && tile.first + kKeyTile <= p.seq_k;
     };
 
-    KeyTileSource<BS, kThreads, Config::kListCapacity> source{query_block, query_first + Config::kRows - 1, bh};
+    const DocumentLimits<BS> limits(p, batch);
+    KeyTileSource<BS, kThreads, Config::kListCapacity> source{query_block, query_first + Config::kRows - 1, bh,
+                                                               limits.key_limit(query_first)};
 
     auto issue = [&](const KeyTile& tile, int buffer) {
         T* key_tile = key_tiles + buffer * Config::kKeyTileElements;
@@ -95,6 +101,9 @@ __global__ void __launch_bounds__(QueryKernelConfig<Arch, T, D, BS, MA, kBackwar
         if (by_tma(tile)) {
             tma.template copy_pair<D>(buffer, p.k_map, key_tile, p.v_map, value_tile, kv_head, batch * p.seq_k + tile.first);
         } else if (tile.gathered) {
+            if (limits.doc_start != nullptr && threadIdx.x < kKeyTile)
+                gathered_keys[buffer * kKeyTile + threadIdx.x] =
+                    threadIdx.x < tile.count ? key_list[tile.first + threadIdx.x] : INT_MAX;
             load_rows_async<Arch, kKeyTile, D, kThreads, true>(key_tile, value_tile, k, v, [&](int row) -> long long {
                 return row < tile.count ? static_cast<long long>(key_list[tile.first + row]) * static_cast<long long>(kv_stride) : -1;
             });
@@ -118,7 +127,8 @@ __global__ void __launch_bounds__(QueryKernelConfig<Arch, T, D, BS, MA, kBackwar
             return Softmax(scale_log2);
         }
     }();
-    const KeyTileMask<Arch, MA> mask{query_first, row0, p.seq_k};
+    const KeyTileMask<Arch, MA> mask(query_first, row0, p.seq_q, p.seq_k,
+                                     min(query_first + Config::kRows, p.seq_q) - 1, limits);
 
     auto compute = [&](const KeyTile& tile, int buffer) {
         const T* key_tile = key_tiles + buffer * Config::kKeyTileElements;
@@ -132,7 +142,7 @@ __global__ void __launch_bounds__(QueryKernelConfig<Arch, T, D, BS, MA, kBackwar
             Arch::template scores<MA, D>(s, q_tile, row0, key_tile);
         }
         orient_scores(s, p.scale < 0.f);
-        mask.apply(s, tile);
+        mask.apply(s, tile, gathered_keys + buffer * kKeyTile);
         if constexpr (!kBackward) {
             softmax.template update<D>(s, acc);
             Arch::template accumulate<MA, D>(acc, s, value_tile);

@@ -99,6 +99,7 @@ struct KeyTileSource {
     int query_block;
     int last_query;  // the CTA's last query row (local): later diagonal keys are all masked
     int bh;
+    int min_key;     // document masking: the CTA's lowest first visible key (0: none); earlier keys are skipped
 
     int offset_index = 0;
     int sub_tile = 0;
@@ -120,7 +121,8 @@ struct KeyTileSource {
                 }
                 const int o = p.local_offsets[static_cast<size_t>(bh) * p.slash_len + offset_index];
                 key_block = query_block - o;
-                if (key_block < 0) {  // offsets ascend, so every later one is negative too
+                // offsets ascend, so every later block is negative too, or before min_key too
+                if (key_block < 0 || (key_block + 1) * BS <= min_key) {
                     in_slash = false;
                     break;
                 }
@@ -131,7 +133,8 @@ struct KeyTileSource {
                 sub_tile = 0;
                 ++offset_index;
             }
-            if (first >= p.seq_k || (causal && first > last_query)) continue;  // nothing visible in the tile
+            if (first >= p.seq_k || (causal && first > last_query) || min(first + kKeyTile, p.seq_k) <= min_key)
+                continue;  // nothing visible in the tile
             tile = KeyTile{first, kKeyTile, false, causal};
             return true;
         }
@@ -139,12 +142,13 @@ struct KeyTileSource {
             if (keys_done) return false;
             const int block = query_block;
             const bool after = p.q_rank > p.k_rank;
+            const int lowest = min_key;
             list_count = compact_in_order<kThreads>(
                 p.local_keys + static_cast<size_t>(bh) * p.vertical_len, p.num_keys[bh], key_cursor, key_list,
                 kListCapacity, warp_counts, keys_done, [=](int key) {
                     const int kb = key / BS;
                     if (kb > block) return kStop;  // keys ascend
-                    return reads_as_column(block, kb, after, bits) ? key : kSkip;
+                    return key >= lowest && reads_as_column(block, kb, after, bits) ? key : kSkip;
                 });
             list_position = 0;
             if (list_count == 0) return false;  // empty windows only end with keys_done
