@@ -207,7 +207,13 @@ def estimate_vertical_slash(q: torch.Tensor, k: torch.Tensor, config: SparseConf
     else:
         doc_start = check_doc_start(doc_start, b, s, q.device)
         columns, diagonals = document_column_and_diagonal_mass(q, k, doc_start, config.last_q, scale)
+    return index_from_masses(columns, diagonals, config)
+
+
+def index_from_masses(columns: torch.Tensor, diagonals: torch.Tensor, config: SparseConfig) -> SparseIndex:
+    """Steps 3-4: the index of the top-p columns and token diagonals of masses [B, H, S] each."""
+    b, h, s = columns.shape
     vertical = select_top_p(columns, config.p_vertical, config.max_vertical)
-    vertical = torch.cat([vertical, sink_columns(b, h, config, s, q.device)], -1)
+    vertical = torch.cat([vertical, sink_columns(b, h, config, s, columns.device)], -1)
     slash = select_top_p(diagonals, config.p_slash, config.max_slash_diagonals)
     return SparseIndex.from_vertical_slash(vertical, slash, s, config.block_size, config.local_blocks)

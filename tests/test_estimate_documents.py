@@ -44,7 +44,8 @@ def loop_masses(q, k, doc_start, last_q, scale, weight):
         for (begin, end), n_scored in zip(documents, scored):
             n = end - begin
             w = {"tokens": n / s, "queries": n_scored / sum(scored),
-                 "entries": n * (n + 1) / sum((e - b_) * (e - b_ + 1) for b_, e in documents)}[weight]
+                 "entries": n * (n + 1) / sum((e - b_) * (e - b_ + 1) for b_, e in documents),
+                 "documents": 1 / len(documents)}[weight]
             for head in range(h):
                 for i in range(end - n_scored, end):
                     keys = k[row, begin:i + 1, head // group].double()
@@ -54,7 +55,7 @@ def loop_masses(q, k, doc_start, last_q, scale, weight):
     return columns, diagonals
 
 
-@pytest.mark.parametrize("weight", ["tokens", "queries", "entries"])
+@pytest.mark.parametrize("weight", ["tokens", "queries", "entries", "documents"])
 @pytest.mark.parametrize("packing", list(PACKINGS))
 def test_document_masses_equal_a_loop_over_rows(packing, weight):
     q, k, doc_start = packed_qk(PACKINGS[packing])
