@@ -1,11 +1,15 @@
-"""Shared fixtures: the CPU op (compiled or loaded once per session, only for the tests that ask
-for it) and random sparse indices. Shared helper functions live in helpers.py.
+"""Shared fixtures: the compiled ops (built or loaded once per session, only for the tests that ask
+for ``cpu_op``) and random sparse indices. Shared helper functions live in helpers.py.
 
-Run order: the op-builder tests (which compile the op in subprocesses, ~45 s of CPU each on a
-fresh machine) run first, while the session's own op build runs beside them in a thread, so that
-the compiles share the cores instead of running one after another."""
+Run order: the op-builder tests run first. With an empty extension cache the JIT test's build (into
+the session's cache) is the session's build of the CPU op: one compile, not two. Beside it a thread
+builds DeepSpeed's shm comm op (which every ``deepspeed.init_distributed`` loads, ~50 s of CPU to
+compile), so that no launched rank compiles it: a launch killed or timed out mid-build leaves the
+cache's lock file behind, and every later launch waits on it forever."""
 import multiprocessing
+import os
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,12 +20,18 @@ from ds_mtraining.index import SparseIndex
 # Modules the spawned ranks need, imported once by the forkserver that forks every rank (a fresh
 # interpreter per rank spends seconds of CPU on these imports, and a run starts ~40 ranks).
 FORKSERVER_PRELOAD = ["torch", "torch.distributed", "ds_mtraining", "deepspeed", "transformers", "helpers"]
+JIT_TEST = "test_jit_build_in_fresh_extension_dir"
+BUILD_TIMEOUT_S = 900
 
 
 def pytest_configure(config):
     config.addinivalue_line(
         "markers", "slow: builds or installs the package (minutes); CI runs it, "
                    "deselect locally with -m 'not slow'")
+    # the forkserver (Python 3.11) imports its preload before it takes this process's sys.path:
+    # without tests/ on PYTHONPATH it would skip helpers and forkserver_ops (ImportError is ignored)
+    tests = str(Path(__file__).parent)
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")]))
     multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)
     spawn.START_METHOD = "forkserver"
 
@@ -33,36 +43,69 @@ def pytest_collection_modifyitems(session, config, items):
 _op_build: dict = {}
 
 
-def _build_op():
+def _build_ops(with_cpu_op: bool):
+    from deepspeed.comm.torch import build_shm_op
     from ds_mtraining import ops
     try:
-        _op_build["module"] = ops.op_module("cpu")
+        build_shm_op()
+        if with_cpu_op:
+            ops.op_module("cpu")
     except BaseException as error:  # re-raised by the fixture
         _op_build["error"] = error
 
 
 def pytest_collection_finish(session):
-    """Starts the op build (or cache load) in a thread when a selected test asks for ``cpu_op``."""
+    """When a selected test asks for ``cpu_op``: starts the ops' build (or cache load) in a thread,
+    the CPU op's only when the JIT test (which may build it) is not selected, and lets the
+    forkserver preload both for the ranks it forks."""
     if any("cpu_op" in getattr(item, "fixturenames", ()) for item in session.items):
-        _op_build["thread"] = threading.Thread(target=_build_op, name="cpu-op-build", daemon=True)
+        jit_test = any(item.name == JIT_TEST for item in session.items)
+        _op_build["thread"] = threading.Thread(target=_build_ops, args=(not jit_test,), name="ops-build", daemon=True)
         _op_build["thread"].start()
+        multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD + ["forkserver_ops"])
 
 
 @pytest.fixture(scope="session")
 def cpu_op():
     """The compiled CPU module (prebuilt, or JIT-compiled once into the extension cache). Tests
-    that call the op in this process ask for it; multi-process tests that call it ask for it too
-    (``usefixtures``), so that it is built before their spawned ranks or launched processes start
-    and they all load it from the cache instead of compiling at once. (Tests that call the op
-    without asking wait for the same build: ``ops.op_module`` holds a lock while it builds.)"""
+    that call the op in this process ask for it; multi-process tests ask for it too
+    (``usefixtures``), so that it and DeepSpeed's shm comm op are built before their spawned
+    ranks or launched processes start and they all load them from the cache instead of compiling
+    at once. (Tests that call the op without asking wait for the same build: ``ops.op_module``
+    holds a lock while it builds.)"""
+    from ds_mtraining import ops
     thread = _op_build.get("thread")
     if thread is None:
-        _build_op()
+        _build_ops(with_cpu_op=True)
     else:
-        thread.join()
+        thread.join(BUILD_TIMEOUT_S)
+        if thread.is_alive():
+            from ds_mtraining_op_builder import extension_root
+            pytest.fail(f"the ops' build still runs after {BUILD_TIMEOUT_S} s (a killed build's lock file "
+                        f"left in {extension_root()}?)")
     if "error" in _op_build:
         raise _op_build["error"]
-    return _op_build["module"]
+    return ops.op_module("cpu")  # loaded by the thread, or from what the JIT test built
+
+
+@pytest.fixture(scope="session", autouse=True)
+def deepspeed_shm_buffers():
+    """Removes the /dev/shm buffers that this session's launches left: DeepSpeed's shm allreduce
+    never unlinks its 66 MiB per rank, so every run of the suite left a few hundred MB of memory
+    behind, until the machine ran out. Buffers that a live process still maps (another run's)
+    are kept."""
+    shm = Path("/dev/shm")
+    before = set(shm.glob("deepspeed_allreduce_buffer_*"))
+    yield
+    mapped = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            mapped.update(line.split()[-1] for line in maps.read_text().splitlines() if "/dev/shm/" in line)
+        except OSError:  # the process ended meanwhile
+            continue
+    for buffer in set(shm.glob("deepspeed_allreduce_buffer_*")) - before:
+        if str(buffer) not in mapped:
+            buffer.unlink(missing_ok=True)
 
 
 @pytest.fixture

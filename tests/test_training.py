@@ -82,15 +82,16 @@ def test_shipped_configs_are_valid(name, tmp_path):
 
 
 def test_cli_reports_config_errors_before_any_process_group(tmp_path):
-    """The entry point exits with the message at once: no init_distributed (which would wait for
-    a second rank that never comes), no model, no data."""
+    """The entry point exits with one line at once: no init_distributed (which would wait for a
+    second rank that never comes), no model, no data, no traceback."""
     path = tmp_path / "bad.json"
     path.write_text(json.dumps(demo_config(seq_len=1000)))
     env = dict(os.environ, WORLD_SIZE="2", RANK="0", PYTHONPATH=str(REPO))
     result = subprocess.run([sys.executable, "-m", "ds_mtraining.train", "--deepspeed_config", str(path)],
                             cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2
-    assert "configuration error: mtraining.seq_len=1000 is not divisible" in result.stderr
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith(
+        "ds_mtraining.train: configuration error: mtraining.seq_len=1000 is not divisible"), result.stderr
 
 
 # ----------------------------------------------------------------------------- groups + DeepSpeed
