@@ -1,6 +1,6 @@
 """Helpers shared by several test modules (imported as ``helpers``: pytest puts tests/ on sys.path,
 and spawned ranks inherit it): tiny transformers models, a real-text token sequence, the dense
-reference loss, and the launcher/subprocess plumbing with deadlines."""
+reference loss, random ring problems, and the launcher/subprocess plumbing with deadlines."""
 from __future__ import annotations
 
 import os
@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+from ds_mtraining import SparseIndex
 from ds_mtraining.data import ByteTokenizer, stdlib_documents
 
 REPO = Path(__file__).resolve().parents[1]
@@ -49,6 +50,31 @@ def dense_loss(model, input_ids, labels):
     """The reference: HF's own forward over the whole sequence, cross-entropy over full logits."""
     logits = model(input_ids=input_ids).logits
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
+
+
+def summed_grads(model, group) -> dict:
+    """Every parameter's gradient summed over ``group`` (as DeepSpeed sums sequence-parallel ranks')."""
+    import torch.distributed as dist
+    grads = {}
+    for name, param in model.named_parameters():
+        grad = param.grad.clone()
+        dist.all_reduce(grad, group=group)
+        grads[name] = grad
+    return grads
+
+
+# ----------------------------------------------------------------------------- ring problems
+def ring_inputs(seq_len: int, block: int, seed: int = 0):
+    """(q [1, S, 4, 32], k, v [1, S, 2, 32], dout, a random index of 5 block diagonals and 6
+    columns per head), seeded."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, seq_len, 4, 32, generator=g)
+    k, v = torch.randn(2, 1, seq_len, 2, 32, generator=g)
+    dout = torch.randn(1, seq_len, 4, 32, generator=g)
+    nb = seq_len // block
+    index = SparseIndex.from_blocks(torch.randint(-1, nb, (1, 4, 5), generator=g),
+                                    torch.randint(-1, seq_len, (1, 4, 6), generator=g), seq_len, block)
+    return q, k, v, dout, index
 
 
 # ----------------------------------------------------------------------------- processes

@@ -8,7 +8,7 @@ sequence-parallel group, as DeepSpeed does.
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import MODELS, SMALL, dense_loss, sequence, tiny_model
+from helpers import MODELS, SMALL, dense_loss, sequence, summed_grads, tiny_model
 from transformers import Qwen2Config
 
 from ds_mtraining import SparseConfig
@@ -40,15 +40,6 @@ def _mtraining_loss(model, settings, group, rank, input_ids, labels):
     return wrapper(layout.shard(input_ids, rank), layout.shard(labels, rank), positions)
 
 
-def _summed_grads(model, group) -> dict:
-    grads = {}
-    for name, param in model.named_parameters():
-        grad = param.grad.clone()
-        dist.all_reduce(grad, group=group)
-        grads[name] = grad
-    return grads
-
-
 def _full_index_worker(rank, world):
     groups = initialize_groups(world, "flat")
     input_ids, labels = sequence(batch=2)
@@ -58,7 +49,7 @@ def _full_index_worker(rank, world):
         settings = MTrainingAttentionSettings.from_groups(FULL, groups, AttentionStats())
         loss = _mtraining_loss(model, settings, groups.sequence_group, rank, input_ids, labels)
         loss.backward()
-        results[kind] = {"loss": loss.item(), "grads": _summed_grads(model, groups.sequence_group),
+        results[kind] = {"loss": loss.item(), "grads": summed_grads(model, groups.sequence_group),
                          "density": settings.stats.summary()["density"]}
     # a contiguous shard (what Ulysses / a plain split hands out) is refused with the fix
     model = use_mtraining_attention(tiny_model("qwen2"), MTrainingAttentionSettings.from_groups(FULL, groups))

@@ -9,7 +9,7 @@ gradients (summed over the ranks, as DeepSpeed does).
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import MODELS, sequence, tiny_model
+from helpers import MODELS, sequence, summed_grads, tiny_model
 
 from ds_mtraining import SparseConfig
 from ds_mtraining.distributed import initialize_groups, run_on_ranks
@@ -42,12 +42,7 @@ def _packed_worker(rank, world):
         wrapper = MTrainingCausalLM(model, groups.sequence_group, loss_chunk_tokens=100)
         loss = wrapper(layout.shard(input_ids, rank), layout.shard(labels, rank), positions, doc_start)
         loss.backward()
-        grads = {}
-        for name, param in model.named_parameters():
-            grad = param.grad.clone()
-            torch.distributed.all_reduce(grad, group=groups.sequence_group)
-            grads[name] = grad
-        results[kind] = {"loss": loss.item(), "grads": grads}
+        results[kind] = {"loss": loss.item(), "grads": summed_grads(model, groups.sequence_group)}
     try:  # global positions where restarted ones are due: refused, naming the fix
         wrapper(layout.shard(input_ids, rank), layout.shard(labels, rank), layout.positions(SEQ, rank)[None],
                 doc_start)

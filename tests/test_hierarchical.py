@@ -3,8 +3,9 @@ and the single-process kernel, group membership, and topology errors."""
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import ring_inputs
 
-from ds_mtraining import SparseConfig, SparseIndex, sparse_attention
+from ds_mtraining import SparseConfig, sparse_attention
 from ds_mtraining.distributed.spawn import run_on_ranks
 from ds_mtraining.reference import outputs_and_grads
 from ds_mtraining.ring import StripedLayout, ring_sparse_attention
@@ -13,17 +14,6 @@ from ds_mtraining.ring.topology import Topology, create_hierarchical_groups, rea
 BLOCK = 64
 TOL = dict(atol=2e-5, rtol=1e-4)  # fp32 kernels, different merge/accumulation order
 GRAD_TOL = dict(atol=1e-4, rtol=1e-3)
-
-
-def inputs(seq_len, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(1, seq_len, 4, 32, generator=g)
-    k, v = torch.randn(2, 1, seq_len, 2, 32, generator=g)
-    dout = torch.randn(1, seq_len, 4, 32, generator=g)
-    nb = seq_len // BLOCK
-    index = SparseIndex.from_blocks(torch.randint(-1, nb, (1, 4, 5), generator=g),
-                                    torch.randint(-1, seq_len, (1, 4, 6), generator=g), seq_len, BLOCK)
-    return q, k, v, dout, index
 
 
 def ring_grads(q, k, v, dout, index, layout, rank, **ring_kwargs):
@@ -36,7 +26,7 @@ def ring_grads(q, k, v, dout, index, layout, rank, **ring_kwargs):
 def compare_topologies(rank, world, topologies):
     """On every rank: hierarchical ring for each (nodes, per_node) vs flat ring vs one process."""
     seq_len = world * BLOCK * 2
-    q, k, v, dout, index = inputs(seq_len)
+    q, k, v, dout, index = ring_inputs(seq_len, BLOCK)
     layout = StripedLayout(world, BLOCK)
     reference = outputs_and_grads(lambda a, b, c: sparse_attention(a, b, c, index), q, k, v, dout)
     expected = [layout.shard(t, rank) for t in reference]

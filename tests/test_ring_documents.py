@@ -6,8 +6,9 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import ring_inputs
 
-from ds_mtraining import SparseConfig, SparseIndex, sparse_attention
+from ds_mtraining import SparseConfig, sparse_attention
 from ds_mtraining.distributed.spawn import run_on_ranks
 from ds_mtraining.documents import doc_start_from_cu_seqlens, document_causal_mask
 from ds_mtraining.layer import DistributedAttention
@@ -26,15 +27,8 @@ CU_SEQLENS = torch.tensor([0, 5, 64, 128, 140, 300, 301, 450, SEQ])
 FULL = SparseConfig(block_size=BLOCK, p_vertical=1.0, p_slash=1.0, max_vertical=SEQ, max_slash_diagonals=SEQ)
 
 
-def inputs(seed=0):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(1, SEQ, 4, 16, generator=g)
-    k, v = torch.randn(2, 1, SEQ, 2, 16, generator=g)
-    dout = torch.randn(1, SEQ, 4, 16, generator=g)
-    nb = SEQ // BLOCK
-    index = SparseIndex.from_blocks(torch.randint(-1, nb, (1, 4, 5), generator=g),
-                                    torch.randint(-1, SEQ, (1, 4, 9), generator=g), SEQ, BLOCK)
-    return q, k, v, dout, index, doc_start_from_cu_seqlens(CU_SEQLENS, SEQ)
+def inputs():
+    return (*ring_inputs(SEQ, BLOCK), doc_start_from_cu_seqlens(CU_SEQLENS, SEQ))
 
 
 def ring_worker(rank, world):

@@ -147,6 +147,14 @@ class Study:
         with self.lock:
             print(f"[{time.time() - self.start:7.1f} s] {message}", flush=True)
 
+    @staticmethod
+    def _device_env(device: str) -> dict:
+        """The environment of a one-process command (evaluation, budget) on ``device``."""
+        env = dict(os.environ)
+        if device.startswith("cuda:"):
+            env["CUDA_VISIBLE_DEVICES"] = device.split(":")[1]
+        return env
+
     def _run(self, command: list[str], log: Path, env: dict):
         with open(log, "w") as handle:
             done = subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT, env=env)
@@ -180,23 +188,18 @@ class Study:
     def calibrate(self, lanes) -> int:
         """Trains dense and sparse briefly (concurrently when there are two lanes) and returns the
         largest step count that fits the time budget."""
-        args, measured, errors = self.args, {}, []
+        args, measured = self.args, {}
 
         def measure(mode, device, port):
-            try:
-                folder = self.out / "calibration" / mode
-                wall = self.train(mode, folder, args.calibration_steps, device, port, export=False)
-                seq_len = self.base["mtraining"]["seq_len"]
-                per_step = float(np.median(seq_len / read_metric(folder / "run", "tokens_per_s")[1]))
-                measured[mode] = {"step_s": per_step, "launch_s": max(0.0, wall - args.calibration_steps * per_step)}
-            except Exception as error:  # noqa: BLE001 - reported after the other lane ends
-                errors.append(error)
+            folder = self.out / "calibration" / mode
+            wall = self.train(mode, folder, args.calibration_steps, device, port, export=False)
+            seq_len = self.base["mtraining"]["seq_len"]
+            per_step = float(np.median(seq_len / read_metric(folder / "run", "tokens_per_s")[1]))
+            measured[mode] = {"step_s": per_step, "launch_s": max(0.0, wall - args.calibration_steps * per_step)}
 
         self.say(f"calibrating: {args.calibration_steps} steps of dense and sparse")
         self._in_lanes([(["dense"], lanes[0][1]), (["sparse"], lanes[-1][1])] if len(lanes) > 1 else
                        [(["dense", "sparse"], lanes[0][1])], measure)
-        if errors:
-            raise errors[0]
         left = args.time_budget - (time.time() - self.start) - 30  # the comparison and plots
         static = measured["sparse"]  # same kernels and shapes as sparse, no estimation: at most as slow
         costs = {"dense": measured["dense"], "sparse": measured["sparse"], "static": static}
@@ -233,10 +236,7 @@ class Study:
         command = [sys.executable, "-m", "ds_mtraining.bench.quality", "budget", model, "--config", args.config,
                    "--data", str(self.data / "train.parquet"), "--target", str(args.density_target),
                    "--device", "cuda" if device.startswith("cuda") else "cpu", "--out", str(out)]
-        env = dict(os.environ)
-        if device.startswith("cuda:"):
-            env["CUDA_VISIBLE_DEVICES"] = device.split(":")[1]
-        self._run(command, self.out / "budget.log", env)
+        self._run(command, self.out / "budget.log", self._device_env(device))
         choice = json.loads(out.read_text())
         self.base["mtraining"]["sparse"] = {k: v for k, v in choice["chosen"].items() if k != "block_size"}
         self.static_density = choice["density"]
@@ -244,13 +244,26 @@ class Study:
                  f"(density {choice['density']:.4f} on the starting model)")
 
     def _in_lanes(self, lanes, work):
-        threads = [threading.Thread(target=lambda ms, d, p: [work(m, d, p) for m in ms],
-                                    args=(modes, device, self.args.port + 10 * i))
+        """Runs ``work(mode, device, port)`` for the modes of each lane in order, the lanes at
+        once; a lane stops at its first error (static needs sparse), and the first error is
+        raised once every lane has ended."""
+        errors = []
+
+        def lane(modes, device, port):
+            try:
+                for mode in modes:
+                    work(mode, device, port)
+            except Exception as error:  # noqa: BLE001 - reported after the other lanes end
+                errors.append(error)
+
+        threads = [threading.Thread(target=lane, args=(modes, device, self.args.port + 10 * i))
                    for i, (modes, device) in enumerate(lanes)]
         for thread in threads:
             thread.start()
         for thread in threads:
             thread.join()
+        if errors:
+            raise errors[0]
 
     def run_mode(self, mode: str, device: str, port: int):
         args, folder = self.args, self.out / mode
@@ -261,9 +274,6 @@ class Study:
                  (f" (static density {density:.4f})" if density is not None else ""))
         trained = self.train(mode, folder, args.steps, device, port, export=True, static_density=density)
         config = json.loads((folder / "config.json").read_text())
-        env = dict(os.environ)
-        if device.startswith("cuda:"):
-            env["CUDA_VISIBLE_DEVICES"] = device.split(":")[1]
         began = time.time()
         self.say(f"{mode}: trained in {trained:.0f} s; evaluating")
         evaluate = [sys.executable, "-m", "ds_mtraining.eval", str(folder / "hf"), "--out", str(folder / "eval"),
@@ -273,7 +283,7 @@ class Study:
                     "--recall_length", str(args.recall_length), "--sparse_config",
                     json.dumps(config["mtraining"]["sparse"]), "--device", "cuda" if device != "cpu" else "cpu",
                     "--seed", str(args.seed), "--no_progress"]
-        self._run(evaluate, folder / "eval.log", env)
+        self._run(evaluate, folder / "eval.log", self._device_env(device))
         (folder / "timing.json").write_text(json.dumps({"train_s": trained, "eval_s": time.time() - began,
                                                         "device": device}))
         self.say(f"{mode}: done")
@@ -292,20 +302,7 @@ class Study:
                 lanes = [(["dense"], devices[0]), (["sparse"], devices[1]), (["static"], devices[1])]
         if self.args.steps is None:
             self.args.steps = self.calibrate(lanes)
-        errors, failed = [], set()
-
-        def run(mode, device, port):
-            if failed & {device}:  # a lane stops at its first failure (static needs sparse)
-                return
-            try:
-                self.run_mode(mode, device, port)
-            except Exception as error:  # noqa: BLE001 - reported after the other lane ends
-                errors.append(error)
-                failed.add(device)
-
-        self._in_lanes(lanes, run)
-        if errors:
-            raise errors[0]
+        self._in_lanes(lanes, self.run_mode)
 
 
 # ----------------------------------------------------------------------------- comparison

@@ -24,9 +24,7 @@ from .topology import HierarchicalGroups
 def _single_device(q, k, v, config: SparseConfig, softmax_scale, index: SparseIndex | None, doc_start):
     check_attention_inputs(q, k, v, index)
     scale = resolve_softmax_scale(q.shape[-1], softmax_scale)
-    if doc_start is not None:
-        doc_start = check_doc_start(doc_start, q.shape[0], q.shape[1], q.device)
-    if index is None:
+    if index is None:  # the estimator and the attention each check doc_start
         index = estimate_on_comm(q, k, config, None, scale, doc_start)
     return sparse_attention_with_lse(q, k, v, index, scale, doc_start=doc_start)
 
