@@ -323,3 +323,30 @@ def test_attention_modes_through_the_training_path(tmp_path):
     assert losses["sparse"][0] == pytest.approx(single, rel=1e-5)
     assert max(_metric(tmp_path, "sparse", "density")) < 0.9
     assert all(np.isfinite(v) for mode in losses.values() for v in mode)
+
+
+def test_corpus_splits_whole_documents_and_reads_gzipped_docs(tmp_path):
+    # the reference: every file's text, read independently, lands in exactly one split, whole
+    import gzip
+
+    import datasets
+    from ds_mtraining.eval.corpus import build_corpus
+    docs = tmp_path / "docs"
+    texts = {}  # written file (relative) -> its text
+    for i in range(12):
+        path = docs / f"area{i % 3}" / (f"page{i}.rst.gz" if i % 2 else f"page{i}.rst")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        text = f"Page {i}\n" + "word " * (50 + 10 * i)
+        path.write_bytes(gzip.compress(text.encode()) if i % 2 else text.encode())
+        texts[path.relative_to(docs)] = text
+    (docs / "translations").mkdir()
+    (docs / "translations" / "skip.rst").write_text("not this")
+    summary = build_corpus(tmp_path / "out", stdlib=False, docs=[docs], exclude=["translations"],
+                           document_chars=400, heldout=0.3, seed=1)
+    splits = {name: datasets.Dataset.from_parquet(str(tmp_path / "out" / f"{name}.parquet"))["text"]
+              for name in ("train", "heldout")}
+    assert summary["train"]["documents"] == len(splits["train"]) >= 1 and len(splits["heldout"]) >= 1
+    for relative, text in texts.items():
+        where = [name for name, documents in splits.items() for d in documents if f"# {relative}\n{text}" in d]
+        assert len(where) == 1, (relative, where)
+    assert not any("not this" in d for documents in splits.values() for d in documents)
