@@ -150,7 +150,10 @@ def rank_pids(launcher: subprocess.Popen) -> dict[int, int]:
     import psutil
     pids = {}
     for child in psutil.Process(launcher.pid).children(recursive=True):
-        found = re.search(r"--local_rank=(\d+)", " ".join(child.cmdline()))
+        try:
+            found = re.search(r"--local_rank=(\d+)", " ".join(child.cmdline()))
+        except psutil.Error:  # a short-lived child (a rank's own subprocess) gone meanwhile
+            continue
         if found:
             pids[int(found.group(1))] = child.pid
     return pids
