@@ -154,3 +154,31 @@ def test_rejects_malformed_doc_start(cpu_op, random_index):
     with pytest.raises(ValueError, match="doc_start is not a packing"):
         full = torch.randn(1, seq, 4, 32)
         sparse_attention_with_lse(full, full, full, index, doc_start=torch.ones(1, seq, dtype=torch.int32))
+
+
+def test_benchmark_flex_mask_with_documents_is_the_oracle_mask():
+    """bench.kernel's FlexAttention anchor computes exactly the documents-and-index entries: its
+    mask_mod equals the oracle mask, its block lists hold every block the mask touches and no
+    other, and its full (unmasked) blocks lie wholly inside the mask."""
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    from ds_mtraining.bench.kernel import FlexMask, build_index, random_doc_start
+    seq, block, heads = 2048, 64, 2
+    generator = torch.Generator().manual_seed(0)
+    index = build_index(1, heads, seq, block, 6, generator)
+    doc_start = random_doc_start(seq, 100, 500, generator)
+    flex = FlexMask(1, heads, seq, block, "cpu", doc_start)
+    block_mask, _ = flex.for_index(index)
+    want = dense_mask(index) & document_causal_mask(doc_start)[:, None]
+    rows, cols = torch.arange(seq)[:, None], torch.arange(seq)[None, :]
+    got = torch.stack([flex.mask_mod(torch.tensor(0), torch.tensor(h), rows, cols) for h in range(heads)])[None]
+    assert torch.equal(got, want)
+    nb = seq // block
+    touched = want.view(1, heads, nb, block, nb, block).any(-1).any(-2)
+    assert torch.equal(block_mask.to_dense().bool(), touched)
+    inside = want.view(1, heads, nb, block, nb, block).all(-1).all(-2)
+    full = torch.zeros_like(touched)
+    for h in range(heads):
+        counts, indices = block_mask.full_kv_num_blocks[0, h], block_mask.full_kv_indices[0, h]
+        for q_block in range(nb):
+            full[0, h, q_block, indices[q_block, :counts[q_block]].long()] = True
+    assert full.any() and bool((inside | ~full).all())

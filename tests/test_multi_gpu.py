@@ -80,16 +80,23 @@ ESTIMATION_CASE = dict(seq=8192, heads=4, kv_heads=2, dim=64)
 DROP_IN_CASE = dict(seq=4096, heads=8, kv_heads=2, dim=64, block=64)
 
 
-def _ring_vs_one_gpu(rank, world, seq, block, heads, kv_heads, dim):
-    from ds_mtraining import SparseConfig, SparseIndex, sparse_attention
-    from ds_mtraining.reference import outputs_and_grads
-    from ds_mtraining.ring import StripedLayout, ring_sparse_attention
-
-    g = torch.Generator().manual_seed(0)
+def _ring_case(seed, seq, block, heads, kv_heads, dim):
+    """bf16 CUDA (q, k, v, dout) of the whole sequence and a random index (12 slash, 64 vertical)."""
+    from ds_mtraining import SparseIndex
+    g = torch.Generator().manual_seed(seed)
     tensors = [torch.randn(1, seq, h, dim, generator=g).cuda().bfloat16() for h in (heads, kv_heads, kv_heads, heads)]
     nb = seq // block
     index = SparseIndex.from_blocks(torch.randint(1, nb, (1, heads, 12), generator=g),
                                     torch.randint(0, seq, (1, heads, 64), generator=g), seq, block).to("cuda")
+    return tensors, index
+
+
+def _ring_vs_one_gpu(rank, world, seq, block, heads, kv_heads, dim):
+    from ds_mtraining import SparseConfig, sparse_attention
+    from ds_mtraining.reference import outputs_and_grads
+    from ds_mtraining.ring import StripedLayout, ring_sparse_attention
+
+    tensors, index = _ring_case(0, seq, block, heads, kv_heads, dim)
     layout = StripedLayout(world, block)
     single = [layout.shard(t, rank) for t in outputs_and_grads(lambda q, k, v: sparse_attention(q, k, v, index),
                                                                 *tensors)]
@@ -105,6 +112,49 @@ def test_striped_ring_matches_one_gpu():
     for rank, result in enumerate(results):
         print(f"rank {rank}: {result}")
         assert max(result["errors"].values()) <= BF16_TOL, (rank, result)
+
+
+# documents of 1 token to 8K (a boundary inside a stripe, one on a stripe edge, one on the
+# ranks' seam), then one long document to the end
+DOCUMENT_BOUNDS = [0, 1, 300, 4096, 4100, 4224, 12000, 16384, 16385, 20000]
+DOCUMENTS_TOL = 6e-3
+
+
+def _documents_vs_one_gpu(rank, world, seq, block, heads, kv_heads, dim):
+    from ds_mtraining import SparseConfig, sparse_attention
+    from ds_mtraining.documents import doc_start_from_cu_seqlens
+    from ds_mtraining.reference import outputs_and_grads
+    from ds_mtraining.ring import StripedLayout, ring_sparse_attention
+    from ds_mtraining.ring.topology import Topology, create_hierarchical_groups
+
+    tensors, index = _ring_case(1, seq, block, heads, kv_heads, dim)
+    doc_start = doc_start_from_cu_seqlens(torch.tensor(DOCUMENT_BOUNDS + [seq]), seq).cuda()
+    layout = StripedLayout(world, block)
+    config = SparseConfig(block_size=block)
+    single = [layout.shard(t, rank) for t in outputs_and_grads(
+        lambda q, k, v: sparse_attention(q, k, v, index, doc_start=doc_start), *tensors)]
+    unmasked = layout.shard(sparse_attention(*tensors[:3], index), rank)
+    shards = [layout.shard(t, rank) for t in tensors]
+    flat = outputs_and_grads(lambda q, k, v: ring_sparse_attention(q, k, v, config, index=index, doc_start=doc_start),
+                             *shards)
+    hierarchy = create_hierarchical_groups(Topology(world, 1), [list(range(world))])  # 2 nodes x 1 GPU
+    hier = outputs_and_grads(lambda q, k, v: ring_sparse_attention(q, k, v, config, index=index, hierarchy=hierarchy,
+                                                                   doc_start=doc_start), *shards)
+    names = ("out", "dq", "dk", "dv")
+    return dict(masking_changes_output=rel_error(unmasked, single[0]),
+                flat={n: rel_error(a, b) for n, a, b in zip(names, flat, single)},
+                hierarchical_vs_flat={n: rel_error(a, b) for n, a, b in zip(names, hier, flat)})
+
+
+def test_ring_and_hierarchical_ring_with_documents_match_one_gpu():
+    """Document masking on two GPUs: the flat ring and the hierarchical ring (2 nodes x 1 GPU)
+    against one GPU, bf16 relative error <= 6e-3, documents crossing stripes and ranks."""
+    results = run_nccl(_documents_vs_one_gpu, *RING_CASE.values())
+    for rank, result in enumerate(results):
+        print(f"rank {rank}: {result}")
+        assert result["masking_changes_output"] > 0.05, result  # the documents matter: the test can fail
+        assert max(result["flat"].values()) <= DOCUMENTS_TOL, (rank, result)
+        assert max(result["hierarchical_vs_flat"].values()) <= DOCUMENTS_TOL, (rank, result)
 
 
 # ---------------------------------------------------------------------- the cluster check

@@ -14,7 +14,15 @@ plus ``index``: the per-call list derivation on the GPU (``step_index``). Effect
 computed entries x 4 x D per forward (x 3.5 for forward+backward). Prints a table and writes JSON
 (date, device, command) that ``ds_mtraining.bench.comm --kernel-json`` reads.
 
+With ``--documents MIN MAX`` the sequence is also packed with documents of MIN..MAX tokens
+(random lengths, the last one cut at S) and each density adds ``mtraining_documents`` (the same
+index with document masking, ``doc_start``) and ``flex_documents`` (FlexAttention with the
+combined mask: its block lists drop the key blocks before a query block's first document and its
+mask_mod adds ``kv >= doc_start[q]``). The FLOP counts stay those of the index without documents,
+so the TFLOP/s columns compare times, not work done.
+
     python -m ds_mtraining.bench.kernel [--seq-lens 32768 65536 131072] [--densities 0.03 0.05 0.1]
+    python -m ds_mtraining.bench.kernel --seq-lens 131072 --documents 4096 32768
 """
 from __future__ import annotations
 
@@ -52,16 +60,30 @@ def build_index(batch, heads, seq, block, n_slash, generator):
     return SparseIndex.from_blocks(slash, vertical, seq, block, local_blocks=2)
 
 
+def random_doc_start(seq, shortest, longest, generator):
+    """int32 [1, S] doc_start of documents with lengths uniform in [shortest, longest] (the last
+    one cut at S)."""
+    from ds_mtraining.documents import doc_start_from_cu_seqlens
+    bounds = [0]
+    while bounds[-1] < seq:
+        length = int(torch.randint(shortest, longest + 1, (1,), generator=generator))
+        bounds.append(min(seq, bounds[-1] + length))
+    return doc_start_from_cu_seqlens(torch.tensor(bounds), seq)
+
+
 class FlexMask:
     """BlockMasks with exactly an index's entries: full slash blocks, partial diagonal and
-    vertical-column blocks, mask_mod = causal & (slash diagonal | vertical column).
+    vertical-column blocks, mask_mod = causal & (slash diagonal | vertical column); with
+    ``doc_start`` ([B, S]) also ``& kv >= doc_start[q]``: key blocks wholly before a query block's
+    first document are dropped and blocks that a document boundary cuts become partial.
 
     The mask_mod reads membership buffers that belong to this object and are refilled per index,
     so the compiled flex_attention is not recompiled for each mask of one shape."""
 
-    def __init__(self, batch, heads, seq, block, device):
+    def __init__(self, batch, heads, seq, block, device, doc_start=None):
         self.block, self.blocks = block, seq // block
         self.seq_len = seq
+        self.doc_start = doc_start
         self.in_slash = torch.zeros(batch, heads, self.blocks, dtype=torch.bool, device=device)
         self.in_vertical = torch.zeros(batch, heads, seq, dtype=torch.bool, device=device)
         in_slash, in_vertical = self.in_slash, self.in_vertical
@@ -70,7 +92,10 @@ class FlexMask:
             diagonal = q_idx // block - kv_idx // block
             return (q_idx >= kv_idx) & (in_slash[b, h, diagonal.clamp(min=0)] | in_vertical[b, h, kv_idx])
 
-        self.mask_mod = mask_mod
+        def document_mask_mod(b, h, q_idx, kv_idx):
+            return mask_mod(b, h, q_idx, kv_idx) & (kv_idx >= doc_start[b, q_idx])
+
+        self.mask_mod = mask_mod if doc_start is None else document_mask_mod
 
     def for_index(self, index):
         """(BlockMask, fraction of the causal blocks that flex computes)."""
@@ -85,6 +110,16 @@ class FlexMask:
         slash_blocks = self.in_slash[..., (q_block - k_block).clamp(min=0)] & below
         column_blocks = self.in_vertical.view(*self.in_vertical.shape[:2], nb, self.block).any(-1)[..., None, :] & below
         partial = (column_blocks & ~slash_blocks) | (q_block == k_block)
+        if self.doc_start is not None:
+            # doc_start is non-decreasing: a query block's first row has the earliest start, its
+            # last row the latest; key blocks ending before the earliest are empty, key blocks
+            # starting at or after the latest are untouched by the document mask.
+            starts = self.doc_start.view(-1, nb, self.block)[:, None, :, :]
+            k_first = torch.arange(nb, device=device) * self.block
+            reached = (k_first + self.block)[None, None, None, :] > starts[..., :1]
+            whole = k_first[None, None, None, :] >= starts[..., -1:]
+            partial = (partial | (slash_blocks & ~whole)) & reached
+            slash_blocks = slash_blocks & whole & reached
 
         def to_lists(blocks):
             order = torch.argsort((~blocks).to(torch.int8), dim=-1, stable=True).to(torch.int32)
@@ -134,9 +169,36 @@ def run(args):
                          for h in (heads, kv_heads, kv_heads, heads))
         q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
 
-        def fwd_bwd(forward):
-            out = forward()
-            torch.autograd.grad(out, (q, k, v), dout)
+        def time_both(forward, inputs=(q, k, v), grad_out=dout):
+            """(forward ms, forward+backward ms) of ``forward``."""
+            fwd = time_ms(forward, repeats=args.repeats)
+            return fwd, time_ms(lambda: torch.autograd.grad(forward(), inputs, grad_out), repeats=args.repeats)
+
+        def documents_rows(plain, index, doc_start, flex_masks):
+            """Rows of the same index with document masking: ours (vs the plain row and vs flex
+            with the combined mask) and flex's."""
+            ours = time_both(lambda: sparse_attention(q, k, v, index, scale, doc_start=doc_start))
+            row = dict(plain, impl="mtraining_documents", fwd_ms=ours[0], fwd_bwd_ms=ours[1],
+                       fwd_tflops=plain["fwd_tflops"] * plain["fwd_ms"] / ours[0],
+                       fwd_bwd_tflops=plain["fwd_bwd_tflops"] * plain["fwd_bwd_ms"] / ours[1],
+                       speedup_vs_no_documents_fwd_bwd=plain["fwd_bwd_ms"] / ours[1])
+            for key in ("speedup_vs_flex_fwd", "speedup_vs_flex_fwd_bwd", "speedup_vs_dense_fwd_bwd"):
+                row.pop(key, None)
+            out = [row]
+            if flex_masks is not None:
+                block_mask, block_density = flex_masks.for_index(index)
+                qf, kf, vf, df = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v, dout))
+                flex_ms = time_both(lambda: flex(qf, kf, vf, block_mask=block_mask, scale=scale, enable_gqa=True),
+                                    (qf, kf, vf), df)
+                out.append(dict(impl="flex_documents", seq_len=plain["seq_len"], density=plain["density"],
+                                target_density=plain["target_density"], block_density=block_density,
+                                fwd_ms=flex_ms[0], fwd_bwd_ms=flex_ms[1],
+                                fwd_tflops=row["fwd_tflops"] * ours[0] / flex_ms[0],
+                                fwd_bwd_tflops=row["fwd_bwd_tflops"] * ours[1] / flex_ms[1]))
+                row["speedup_vs_flex_fwd"] = flex_ms[0] / ours[0]
+                row["speedup_vs_flex_fwd_bwd"] = flex_ms[1] / ours[1]
+            print(json.dumps(row), flush=True)
+            return out
 
         if not args.skip_dense:
             from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -157,6 +219,12 @@ def run(args):
             save()
             del qt, kt, vt, dt
         flex_masks = FlexMask(batch, heads, seq, block, device) if flex is not None else None
+        doc_start = None
+        if args.documents:
+            doc_start = random_doc_start(seq, *args.documents, torch.Generator().manual_seed(seq)).to(device)
+            result.setdefault("documents", {})[seq] = dict(
+                lengths=args.documents, count=int(torch.unique(doc_start).numel()))
+            flex_documents = FlexMask(batch, heads, seq, block, device, doc_start) if flex is not None else None
         for target in args.densities:
             seed = seq + int(target * 1000)
             index = index_for_density(
@@ -164,9 +232,7 @@ def run(args):
                 seq // block - 2, target).to(device)
             density = index.density()
             flops = 4.0 * dim * float(index.num_entries().sum())
-            ours_fwd = time_ms(lambda: sparse_attention(q, k, v, index, scale), repeats=args.repeats)
-            ours_fwd_bwd = time_ms(lambda: fwd_bwd(lambda: sparse_attention(q, k, v, index, scale)),
-                                   repeats=args.repeats)
+            ours_fwd, ours_fwd_bwd = time_both(lambda: sparse_attention(q, k, v, index, scale))
             index_ms = time_ms(lambda: module.step_index(ops.op_index(index), seq), repeats=args.repeats)
             row = dict(impl="mtraining", seq_len=seq, density=density, target_density=target,
                        **paths,
@@ -184,9 +250,7 @@ def run(args):
                 def flex_forward():
                     return flex(qf, kf, vf, block_mask=block_mask, scale=scale, enable_gqa=True)
 
-                flex_fwd = time_ms(flex_forward, repeats=args.repeats)
-                flex_fwd_bwd = time_ms(lambda: torch.autograd.grad(flex_forward(), (qf, kf, vf), df),
-                                       repeats=args.repeats)
+                flex_fwd, flex_fwd_bwd = time_both(flex_forward, (qf, kf, vf), df)
                 rows.append(dict(impl="flex", seq_len=seq, density=density, target_density=target,
                                  block_density=flex_block_density, fwd_ms=flex_fwd, fwd_bwd_ms=flex_fwd_bwd,
                                  fwd_tflops=flops / flex_fwd / 1e9,
@@ -198,6 +262,8 @@ def run(args):
             if dense_rows:
                 row["speedup_vs_dense_fwd_bwd"] = dense_rows[0]["fwd_bwd_ms"] / ours_fwd_bwd
             rows.append(row)
+            if doc_start is not None:
+                rows.extend(documents_rows(row, index, doc_start, flex_documents if flex is not None else None))
             save()
             print(json.dumps(row), flush=True)
         del q, k, v, dout
@@ -227,6 +293,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--skip-flex", action="store_true")
     parser.add_argument("--skip-dense", action="store_true")
+    parser.add_argument("--documents", type=int, nargs=2, metavar=("MIN", "MAX"), default=None,
+                        help="also time the same indexes with documents of MIN..MAX tokens packed")
     parser.add_argument("--out", default="bench_results/kernel-<time>/kernel.json",
                         help="JSON file; by default in a new directory")
     return parser

@@ -36,16 +36,16 @@ evaluation: no held-out text is trained on).
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
-import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
 import numpy as np
+
+from .launch import launcher_env, read_metric, run_in_lanes, run_logged, training_command
 
 MODES = ("dense", "sparse", "static")
 STATIC_DENSITY_TAIL = 0.1  # static trains at sparse's mean density over this last share of steps
@@ -72,15 +72,6 @@ def mode_config(base: dict, mode: str, steps: int, data_file: str, static_densit
     if scheduler.get("type") == "WarmupDecayLR":
         scheduler["params"]["total_num_steps"] = steps
     return config
-
-
-def read_metric(run_dir: Path, name: str) -> tuple[np.ndarray, np.ndarray]:
-    """(steps, values) of one metric of a training run's csv monitor."""
-    path = run_dir / "metrics" / "mtraining" / f"Train_mtraining_{name}.csv"
-    with open(path) as handle:
-        rows = list(csv.reader(handle))[1:]
-    steps = np.array([int(r[0]) for r in rows])
-    return steps, np.array([float(r[1]) for r in rows])
 
 
 def tail_mean(values: np.ndarray, share: float = STATIC_DENSITY_TAIL) -> float:
@@ -155,14 +146,6 @@ class Study:
             env["CUDA_VISIBLE_DEVICES"] = device.split(":")[1]
         return env
 
-    def _run(self, command: list[str], log: Path, env: dict):
-        with open(log, "w") as handle:
-            done = subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT, env=env)
-        if done.returncode != 0:
-            tail = "".join(log.read_text().splitlines(keepends=True)[-15:])
-            raise RuntimeError(f"{' '.join(command[:6])} ... failed (exit {done.returncode}); "
-                               f"last lines of {log}:\n{tail}")
-
     def train(self, mode: str, folder: Path, steps: int, device: str, port: int, export: bool,
               static_density: float | None = None, base: dict | None = None) -> float:
         """Trains one run into ``folder`` (``device``: one, or comma-separated for data parallel);
@@ -171,18 +154,10 @@ class Study:
         config = mode_config(base or self.base, mode, steps, str(self.data / "train.parquet"), static_density,
                              None if base else self.pretrained)
         (folder / "config.json").write_text(json.dumps(config, indent=2))
-        devices = device.split(",")
-        placement = ["--num_gpus", str(len(devices))]
-        if device.startswith("cuda:"):
-            placement = ["--include", "localhost:" + ",".join(d.split(":")[1] for d in devices)]
-        command = [sys.executable, "-m", "deepspeed.launcher.runner", *placement, "--master_port", str(port),
-                   "--module", "ds_mtraining.train", "--deepspeed_config", str(folder / "config.json"),
-                   "--steps", str(steps), "--save_dir", str(folder / "run"), "--seed", str(self.args.seed),
-                   "--log_interval", str(min(self.args.log_interval, steps)), "--no_progress"]
-        if export:
-            command += ["--export_hf", str(folder / "hf")]
+        command = training_command(folder / "config.json", steps, folder / "run", device, port, self.args.seed,
+                                   self.args.log_interval, folder / "hf" if export else None)
         began = time.time()
-        self._run(command, folder / "train.log", {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"})
+        run_logged(command, folder / "train.log", launcher_env())
         return time.time() - began
 
     def calibrate(self, lanes) -> int:
@@ -236,7 +211,7 @@ class Study:
         command = [sys.executable, "-m", "ds_mtraining.bench.quality", "budget", model, "--config", args.config,
                    "--data", str(self.data / "train.parquet"), "--target", str(args.density_target),
                    "--device", "cuda" if device.startswith("cuda") else "cpu", "--out", str(out)]
-        self._run(command, self.out / "budget.log", self._device_env(device))
+        run_logged(command, self.out / "budget.log", self._device_env(device))
         choice = json.loads(out.read_text())
         self.base["mtraining"]["sparse"] = {k: v for k, v in choice["chosen"].items() if k != "block_size"}
         self.static_density = choice["density"]
@@ -244,26 +219,8 @@ class Study:
                  f"(density {choice['density']:.4f} on the starting model)")
 
     def _in_lanes(self, lanes, work):
-        """Runs ``work(mode, device, port)`` for the modes of each lane in order, the lanes at
-        once; a lane stops at its first error (static needs sparse), and the first error is
-        raised once every lane has ended."""
-        errors = []
-
-        def lane(modes, device, port):
-            try:
-                for mode in modes:
-                    work(mode, device, port)
-            except Exception as error:  # noqa: BLE001 - reported after the other lanes end
-                errors.append(error)
-
-        threads = [threading.Thread(target=lane, args=(modes, device, self.args.port + 10 * i))
-                   for i, (modes, device) in enumerate(lanes)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        if errors:
-            raise errors[0]
+        """:func:`run_in_lanes` with ``work(mode, device, port)``: each lane its own ports."""
+        run_in_lanes(lanes, lambda mode, device, lane: work(mode, device, self.args.port + 10 * lane))
 
     def run_mode(self, mode: str, device: str, port: int):
         args, folder = self.args, self.out / mode
@@ -283,7 +240,7 @@ class Study:
                     "--recall_length", str(args.recall_length), "--sparse_config",
                     json.dumps(config["mtraining"]["sparse"]), "--device", "cuda" if device != "cpu" else "cpu",
                     "--seed", str(args.seed), "--no_progress"]
-        self._run(evaluate, folder / "eval.log", self._device_env(device))
+        run_logged(evaluate, folder / "eval.log", self._device_env(device))
         (folder / "timing.json").write_text(json.dumps({"train_s": trained, "eval_s": time.time() - began,
                                                         "device": device}))
         self.say(f"{mode}: done")

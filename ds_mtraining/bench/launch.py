@@ -1,0 +1,76 @@
+"""Launching ``ds_mtraining.train`` from a benchmark and reading back what it logged: the
+studies (:mod:`.quality`, :mod:`.documents_training`) train through the real launcher path."""
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+
+
+def training_command(config: Path, steps: int, save_dir: Path, devices: str, port: int, seed: int,
+                     log_interval: int, export_hf: Path | None = None) -> list[str]:
+    """The ``deepspeed`` launcher command that trains ``config`` for ``steps`` steps on
+    ``devices`` ('cuda:0', 'cuda:0,cuda:1': those GPUs; 'cpu' or 'cpu,cpu': that many CPU ranks)."""
+    devices_list = devices.split(",")
+    placement = ["--num_gpus", str(len(devices_list))]
+    if devices.startswith("cuda:"):
+        placement = ["--include", "localhost:" + ",".join(d.split(":")[1] for d in devices_list)]
+    command = [sys.executable, "-m", "deepspeed.launcher.runner", *placement, "--master_port", str(port),
+               "--module", "ds_mtraining.train", "--deepspeed_config", str(config), "--steps", str(steps),
+               "--save_dir", str(save_dir), "--seed", str(seed), "--log_interval", str(min(log_interval, steps)),
+               "--no_progress"]
+    if export_hf is not None:
+        command += ["--export_hf", str(export_hf)]
+    return command
+
+
+def launcher_env() -> dict:
+    """The environment of a launch: the launcher places ranks on GPUs itself (``--include``)."""
+    return {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+
+
+def run_logged(command: list[str], log: Path, env: dict):
+    """Runs ``command`` with its output in ``log``; a failure raises RuntimeError with the log's tail."""
+    with open(log, "w") as handle:
+        done = subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT, env=env)
+    if done.returncode != 0:
+        tail = "".join(log.read_text().splitlines(keepends=True)[-15:])
+        raise RuntimeError(f"{' '.join(command[:6])} ... failed (exit {done.returncode}); "
+                           f"last lines of {log}:\n{tail}")
+
+
+def read_metric(run_dir: Path, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """(steps, values) of one metric of a training run's csv monitor."""
+    path = run_dir / "metrics" / "mtraining" / f"Train_mtraining_{name}.csv"
+    with open(path) as handle:
+        rows = list(csv.reader(handle))[1:]
+    steps = np.array([int(r[0]) for r in rows])
+    return steps, np.array([float(r[1]) for r in rows])
+
+
+def run_in_lanes(lanes: list[tuple[list, str]], work):
+    """Runs ``work(item, device, lane)`` for the items of each lane in order, the lanes at once
+    (``lanes``: [(items, device)], ``lane`` the lane's number); a lane stops at its first error
+    and the first error is raised once every lane has ended."""
+    errors = []
+
+    def lane(items, device, number):
+        try:
+            for item in items:
+                work(item, device, number)
+        except Exception as error:  # noqa: BLE001 - reported after the other lanes end
+            errors.append(error)
+
+    threads = [threading.Thread(target=lane, args=(items, device, number))
+               for number, (items, device) in enumerate(lanes)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
