@@ -11,6 +11,11 @@ Sources (the ``mtraining.data`` section of the DeepSpeed JSON, see :func:`load_d
   arrow or csv files, read by ``datasets`` (format from the extension, or ``"format"``).
 * ``{"saved_dataset": "dir", "split": "train"}``: a dataset saved with ``save_to_disk``
   (e.g. a ProLong-style long-document mix prepared elsewhere).
+* ``{"source": "random"}``: uniformly random token ids over the model's whole vocabulary
+  (``vocab_size`` from the model config, or ``"vocab_size"`` here), each sample one document,
+  drawn from a generator seeded (seed, sample index): throughput benchmarks at any length with
+  the real embedding and LM-head sizes, nothing read from disk (:class:`RandomSequences`;
+  ``"samples"``, default 1024, is the size of one epoch).
 * any source: ``"passkey_fraction"`` (default 0) turns that share of the samples into passkey
   retrieval samples (:func:`ds_mtraining.eval.passkey.passkey_training_sample`: a random key at a
   random depth of the sample's own text, the question and the key at the end), chosen per sample
@@ -38,9 +43,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .ring.layout import StripedLayout
+from .ring.layout import Layout, StripedLayout, check_divisible
 
 DEFAULT_DOCUMENT_CHARS = 1 << 18
+DEFAULT_RANDOM_SAMPLES = 1024
+SOURCES = ("stdlib", "random")
 FILE_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".arrow": "arrow",
                 ".csv": "csv"}
 
@@ -142,21 +149,26 @@ def check_data_spec(spec: dict | None, key: str = "mtraining.data") -> dict:
     returns it with defaults filled in."""
     spec = dict(spec or {"source": "stdlib"})
     known = {"source", "files", "format", "text_field", "saved_dataset", "split", "document_chars",
-             "max_documents", "passkey_fraction", "passkey_questions"}
+             "max_documents", "passkey_fraction", "passkey_questions", "samples", "vocab_size"}
     unknown = sorted(set(spec) - known)
     if unknown:
         raise DataConfigError(f"unknown key(s) {unknown} in '{key}'; valid keys are {sorted(known)}")
     chosen = [name for name in ("source", "files", "saved_dataset") if name in spec]
     if len(chosen) != 1:
-        raise DataConfigError(f"'{key}' needs exactly one of 'source' (\"stdlib\"), 'files' or "
+        raise DataConfigError(f"'{key}' needs exactly one of 'source' (\"stdlib\" or \"random\"), 'files' or "
                               f"'saved_dataset', got {chosen or 'none'}")
-    if "source" in spec and spec["source"] != "stdlib":
-        raise DataConfigError(f"{key}.source={spec['source']!r} is unknown; the built-in corpus is "
-                              f"\"stdlib\" (use 'files' or 'saved_dataset' for your own data)")
-    for name in ("document_chars", "max_documents"):
-        if name in spec and (type(spec[name]) is not int or spec[name] < 1 or "source" not in spec):
+    source = spec.get("source")
+    if source is not None and source not in SOURCES:
+        raise DataConfigError(f"{key}.source={source!r} is unknown; the built-in sources are {list(SOURCES)} "
+                              f"(the stdlib corpus, random token ids; use 'files' or 'saved_dataset' for your data)")
+    for name, owner in (("document_chars", "stdlib"), ("max_documents", "stdlib"), ("samples", "random"),
+                        ("vocab_size", "random")):
+        if name in spec and (type(spec[name]) is not int or spec[name] < 1 or source != owner):
             raise DataConfigError(f"{key}.{name}={spec[name]!r}: give a positive integer, with "
-                                  f"\"source\": \"stdlib\" only")
+                                  f"\"source\": \"{owner}\" only")
+    if source == "random" and spec.get("passkey_fraction", 0.0):
+        raise DataConfigError(f"{key}.passkey_fraction: random token ids have no text to hide a passkey in; "
+                              f"set it to 0 or use a text source")
     fraction = spec.get("passkey_fraction", 0.0)
     if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 <= fraction <= 1.0:
         raise DataConfigError(f"{key}.passkey_fraction={fraction!r} must be a number in [0, 1] (the share "
@@ -210,6 +222,9 @@ def load_documents(spec: dict | None, key: str = "mtraining.data"):
     import datasets
     spec = check_data_spec(spec, key)
     text_field = spec["text_field"]
+    if spec.get("source") == "random":
+        raise DataConfigError(f"{key}: the random source has no documents; build its samples with "
+                              f"ds_mtraining.data.RandomSequences")
     if "source" in spec:
         documents = stdlib_documents(spec.get("document_chars", DEFAULT_DOCUMENT_CHARS),
                                      spec.get("max_documents"))
@@ -330,7 +345,66 @@ class PackedSequences:
         return torch.from_numpy(np.concatenate([[0], inside, [self.seq_len]]).astype(np.int64))
 
 
+class RandomSequences:
+    """Samples of uniformly random token ids in ``[0, vocab_size)``, the same interface as
+    :class:`PackedSequences`: ``self[i]`` is ``(input_ids [L], labels [L])`` int64, labels shifted by
+    one on a window of L + 1 tokens drawn from a generator seeded (seed, i); each sample is one
+    document. ``samples`` is the length of one epoch."""
+
+    def __init__(self, seq_len: int, vocab_size: int, samples: int = DEFAULT_RANDOM_SAMPLES, seed: int = 0):
+        self.seq_len, self.vocab_size, self.samples, self.seed = seq_len, vocab_size, samples, seed
+
+    def __len__(self) -> int:
+        return self.samples
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not 0 <= i < len(self):
+            raise IndexError(f"sample {i} of {len(self)}")
+        generator = torch.Generator().manual_seed(int(np.random.SeedSequence([self.seed, i]).generate_state(1)[0]))
+        tokens = torch.randint(0, self.vocab_size, (self.seq_len + 1,), generator=generator)
+        return tokens[:-1], tokens[1:]
+
+    def cu_seqlens(self, i: int) -> torch.Tensor:
+        return torch.tensor([0, self.seq_len], dtype=torch.int64)
+
+
+def training_samples(spec: dict, seq_len: int, tokenizer, seed: int, vocab_size: int,
+                     key: str = "mtraining.data"):
+    """The samples of a run: :class:`RandomSequences` for ``{"source": "random"}`` (over
+    ``vocab_size``, the model's, unless the spec gives one), else the documents of ``spec``
+    tokenized and packed (:class:`PackedSequences`)."""
+    spec = check_data_spec(spec, key)
+    if spec.get("source") == "random":
+        return RandomSequences(seq_len, spec.get("vocab_size", vocab_size),
+                               spec.get("samples", DEFAULT_RANDOM_SAMPLES), seed)
+    documents = load_documents(spec, key=key)
+    return PackedSequences(tokenize_documents(documents, tokenizer), seq_len, spec.get("passkey_fraction", 0.0),
+                           tokenizer, seed, spec.get("passkey_questions", 1))
+
+
 # ----------------------------------------------------------------------------- per-rank batches
+@dataclass(frozen=True)
+class ContiguousLayout(Layout):
+    """Contiguous shards, the split DeepSpeed-Ulysses expects (what its data-loader adapter
+    cuts): rank ``r`` holds positions ``r S/W .. (r+1) S/W - 1``. ``block_size`` only sets the
+    divisibility that :meth:`check` asks for (the runs it is compared with stripe the same data)."""
+
+    world: int
+    block_size: int = 1
+
+    def check(self, seq_len: int):
+        check_divisible(seq_len, self.world, self.block_size)
+
+    def positions(self, seq_len: int, rank: int, device=None) -> torch.Tensor:
+        self.check(seq_len)
+        self._check_rank(rank)
+        local = seq_len // self.world
+        return torch.arange(rank * local, (rank + 1) * local, device=device)
+
+
+SHARD_LAYOUTS = {"striped": StripedLayout, "contiguous": ContiguousLayout}
+
+
 @dataclass
 class RankBatches:
     """Micro-batches for one rank: data-parallel replica ``data_rank`` of ``data_world`` reads its
@@ -341,7 +415,8 @@ class RankBatches:
     run, all epochs) as a dict of [B, S/W] int64 tensors: input_ids, labels, position_ids. With
     ``document_masking`` it also holds ``doc_start``, int32 [B, S] for the *whole* sequence
     (:mod:`ds_mtraining.documents`; every rank needs all of it), and the position ids restart at
-    0 in each document (RoPE of packed documents).
+    0 in each document (RoPE of packed documents). ``layout`` ``"contiguous"`` gives contiguous
+    shards instead of stripes (:class:`ContiguousLayout`, for DeepSpeed-Ulysses).
     """
 
     samples: PackedSequences
@@ -353,9 +428,12 @@ class RankBatches:
     block_size: int = 128
     seed: int = 0
     document_masking: bool = False
+    layout_name: str = "striped"
 
     def __post_init__(self):
-        self.layout = StripedLayout(self.sequence_world, self.block_size)
+        if self.layout_name not in SHARD_LAYOUTS:
+            raise ValueError(f"layout_name={self.layout_name!r}; use one of {list(SHARD_LAYOUTS)}")
+        self.layout = SHARD_LAYOUTS[self.layout_name](self.sequence_world, self.block_size)
         self.layout.check(self.samples.seq_len)
         self.per_epoch = len(self.samples) // (self.micro_batch_size * self.data_world)
         if self.per_epoch < 1:

@@ -12,6 +12,10 @@ with q [B, H, S/W, D] and k/v [B, Hkv, S/W, D] (GQA: key/value heads are not rep
 Each attention module keeps an :class:`~ds_mtraining.layer.IndexCache`: under activation
 checkpointing (``model.gradient_checkpointing_enable()``, reentrant or not) the recomputed
 forward reuses the index its forward estimated, so each layer estimates once per step.
+
+The baseline, :func:`use_ulysses_attention`, is what users run today: the model's own dense SDPA
+attention under DeepSpeed-Ulysses (``deepspeed.runtime.sequence_parallel.ulysses_sp``), on
+contiguous shards (:class:`ds_mtraining.data.ContiguousLayout`).
 """
 from __future__ import annotations
 
@@ -92,4 +96,48 @@ def use_mtraining_attention(model: PreTrainedModel, settings: MTrainingAttention
     for module in modules:
         setattr(module, SETTINGS_ATTRIBUTE, settings)
     model.set_attn_implementation(ATTENTION_NAME)
+    return model
+
+
+# ----------------------------------------------------------------------------- the Ulysses baseline
+ULYSSES_CORE_ATTENTION = "sdpa"  # torch SDPA: flash on GPUs in bf16/fp16, math/efficient elsewhere
+
+
+def remove_ulysses_attention(core: str = ULYSSES_CORE_ATTENTION):
+    """Undoes :func:`use_ulysses_attention` in this process: DeepSpeed's wrapper leaves
+    transformers' ``core`` attention and DeepSpeed's sequence-parallel groups are released, so
+    that it may be called again (a second call would otherwise wrap the wrapper)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    import deepspeed.runtime.sequence_parallel.parallel_state_sp as ulysses_groups
+    try:
+        del ALL_ATTENTION_FUNCTIONS[core]  # the local override only; the library's own stays
+    except KeyError:
+        pass
+    release = getattr(ulysses_groups, "_release_sequence_parallel_groups", None)
+    if release is not None:
+        release()
+
+
+def use_ulysses_attention(model: PreTrainedModel, sequence_ranks: list, micro_batch_size: int,
+                          seq_len: int) -> PreTrainedModel:
+    """Switches ``model`` to its dense SDPA attention under DeepSpeed-Ulysses over the
+    sequence-parallel group of ``sequence_ranks`` (W = its size; W = 1: plain dense SDPA), for
+    micro-batches of ``micro_batch_size`` sequences of ``seq_len`` tokens cut into contiguous
+    shards with global position ids. DeepSpeed's ``UlyssesSPAttentionHF.register_with_transformers``
+    does the work (an all-to-all from sequence to head shards before the attention and one back
+    after); its groups are checked to be ``sequence_ranks`` (the ranks that sum each other's
+    gradients and losses in this project's ``mpu``). In place; returns the model."""
+    import torch.distributed as dist
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+    world = len(sequence_ranks)
+    remove_ulysses_attention()
+    model.set_attn_implementation(ULYSSES_CORE_ATTENTION)
+    mpu = UlyssesSPAttentionHF.register_with_transformers(
+        model, core_attn_implementation=ULYSSES_CORE_ATTENTION, sequence_parallel_size=world,
+        micro_batch_size=micro_batch_size, seq_length=seq_len, seq_length_is_variable=False)
+    if mpu is not None:
+        ranks = dist.get_process_group_ranks(mpu.get_sequence_parallel_group())
+        if ranks != list(sequence_ranks):
+            raise RuntimeError(f"DeepSpeed-Ulysses grouped ranks {ranks}, but this run's sequence-parallel "
+                               f"group is {list(sequence_ranks)}; both must be the same consecutive ranks")
     return model

@@ -15,12 +15,19 @@ precision, monitors), an ``"mtraining"`` section, removed before the JSON reache
       "sparse": {"p_vertical": 0.9, ...},   # ds_mtraining.SparseConfig fields
       "model": "tiny-qwen2",            # preset, local model dir, or {"name_or_path", "config_overrides"}
       "tokenizer": "bytes",             # "model" (the model directory's own) or a tokenizer directory
-      "data": {"source": "stdlib"},     # or {"files": [...]} or {"saved_dataset": dir}
+      "data": {"source": "stdlib"},     # or {"files": [...]}, {"saved_dataset": dir}, {"source": "random"}
       "loss_chunk_tokens": 1024,        # rows per chunk of the LM-head cross-entropy
       "gradient_checkpointing": false,  # recompute each decoder layer in backward (long sequences)
       "attention": "sparse",            # sparse (MTraining) | dense | static (baselines, same path)
+                                        # | ulysses (dense HF SDPA under DeepSpeed-Ulysses)
       "static": {"density": 0.1, "sink_tokens": 4}  # attention "static" only (or "window_tokens")
     }
+
+``"attention": "ulysses"`` is the baseline users run today: the model's own dense attention (torch
+SDPA, flash on GPUs) under DeepSpeed-Ulysses over the ``sequence_parallel_size`` ranks (at 1: plain
+dense SDPA), on contiguous shards of the same samples, with the same loss, engine and groups
+(:func:`ds_mtraining.hf.use_ulysses_attention`). Each logged step also records, on CUDA, every
+rank's peak allocated memory (``peak_memory_gib``: the largest; ``peak_memory_gib_rank<r>``).
 
 Everything is validated before any process group exists; a bad value is one error naming its key
 and the fix. Checkpoints (``--save_dir``, every ``--save_interval`` steps) go through
@@ -52,15 +59,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ds_mtraining.data import (DataConfigError, PackedSequences, RankBatches, datasets_offline,
-                               load_documents, load_tokenizer, tokenize_documents)
+from ds_mtraining.data import DataConfigError, RankBatches, datasets_offline, load_tokenizer, training_samples
 from ds_mtraining.distributed import ParallelConfigError, initialize_groups
 from ds_mtraining.training import MTRAINING_KEY, ConfigError
 from ds_mtraining.training.export import export_hf
 from ds_mtraining.training.checkpoint import continue_metrics, resume_checkpoint, save_checkpoint
-from ds_mtraining.training.model import MTrainingCausalLM, build_model
+from ds_mtraining.training.model import MTrainingCausalLM, build_model, model_config
 from ds_mtraining.training.progress import Progress, describe_run, monitor_dir, with_default_monitor
-from ds_mtraining.training.run_config import load_run_config
+from ds_mtraining.training.run_config import ULYSSES, load_run_config
 from ds_mtraining.training.watchdog import Watchdog
 
 
@@ -107,6 +113,8 @@ def parse_args(argv=None):
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--log_interval", type=int, default=1)
     parser.add_argument("--no_progress", action="store_true", help="no progress output")
+    parser.add_argument("--no_checkpoint", action="store_true",
+                        help="save no checkpoint, not even at the end (benchmarks)")
     parser = deepspeed.add_config_arguments(parser)
     args = parser.parse_args(argv)
     if not args.deepspeed_config:
@@ -120,7 +128,7 @@ def parse_args(argv=None):
 def train(args, watchdog: Watchdog | None = None) -> dict:
     import deepspeed
     from deepspeed.accelerator import get_accelerator
-    from ds_mtraining.hf import use_mtraining_attention
+    from ds_mtraining.hf import use_mtraining_attention, use_ulysses_attention
     from ds_mtraining.layer import AttentionStats, MTrainingAttentionSettings
     from ds_mtraining.static import attention_pattern
 
@@ -130,10 +138,8 @@ def train(args, watchdog: Watchdog | None = None) -> dict:
     ds_config = with_default_monitor(ds_config, args.save_dir)
     # the data before any process group: an empty or unreadable corpus is one line, not a hang
     tokenizer = load_tokenizer(run.tokenizer)
-    documents = load_documents(run.data, key=f"{MTRAINING_KEY}.data")
-    samples = PackedSequences(tokenize_documents(documents, tokenizer), run.seq_len,
-                              run.data.get("passkey_fraction", 0.0), tokenizer, args.seed,
-                              run.data.get("passkey_questions", 1))
+    samples = training_samples(run.data, run.seq_len, tokenizer, args.seed, model_config(run.model).vocab_size,
+                               key=f"{MTRAINING_KEY}.data")
 
     # this rank's GPU before any collective (the watchdog's pid exchange runs before
     # deepspeed.initialize would set it; NCCL refuses a tensor on another device)
@@ -147,8 +153,10 @@ def train(args, watchdog: Watchdog | None = None) -> dict:
     torch.manual_seed(args.seed)
     model = build_model(run.model)
     stats = AttentionStats(enabled=False)
-    pattern = attention_pattern(run.attention, run.static)  # None (sparse) or a fixed baseline
-    use_mtraining_attention(model, MTrainingAttentionSettings.from_groups(run.sparse, groups, stats, pattern))
+    ulysses = run.attention == ULYSSES
+    if not ulysses:  # (Ulysses is registered below, once the micro-batch size is known)
+        pattern = attention_pattern(run.attention, run.static)  # None (sparse) or a fixed baseline
+        use_mtraining_attention(model, MTrainingAttentionSettings.from_groups(run.sparse, groups, stats, pattern))
     if run.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     module = MTrainingCausalLM(model, groups.sequence_group, run.loss_chunk_tokens).train()
@@ -157,9 +165,12 @@ def train(args, watchdog: Watchdog | None = None) -> dict:
                                            model_parameters=[p for p in module.parameters() if p.requires_grad])
     micro_batch = engine.train_micro_batch_size_per_gpu()
     accumulation = engine.gradient_accumulation_steps()
+    if ulysses:
+        use_ulysses_attention(model, groups.sequence_ranks, micro_batch, run.seq_len)
     batches = RankBatches(samples, micro_batch, groups.get_data_parallel_rank(),
                           groups.get_data_parallel_world_size(), groups.get_sequence_parallel_rank(),
-                          run.sequence_parallel_size, run.sparse.block_size, args.seed, run.document_masking)
+                          run.sequence_parallel_size, run.sparse.block_size, args.seed, run.document_masking,
+                          "contiguous" if ulysses else "striped")
 
     step, position = 0, 0
     if args.resume:
@@ -196,21 +207,34 @@ def train(args, watchdog: Watchdog | None = None) -> dict:
         history.append(mean_loss)
         if step % args.log_interval == 0:
             metrics = {"loss": mean_loss, "tokens_per_s": tokens_per_step / elapsed,
-                       "lr": engine.get_lr()[0], **stats.summary()}
+                       "lr": engine.get_lr()[0], **({} if ulysses else stats.summary()), **peak_memory()}
             engine.monitor.write_events([(f"Train/mtraining/{k}", v, step) for k, v in metrics.items()])
             progress.update(step, metrics)
-        if args.save_interval and step % args.save_interval == 0 or step == args.steps:
+        if not args.no_checkpoint and (args.save_interval and step % args.save_interval == 0 or step == args.steps):
             save_checkpoint(engine, args.save_dir, step, position, run)
     progress.close()
     if args.export_hf:
         tokenizer_dir = None if run.tokenizer == "bytes" else run.tokenizer
         exported = export_hf(model, args.export_hf, tokenizer_dir)
         progress.print(f"exported:   {exported} (step {step}; AutoModelForCausalLM.from_pretrained)")
-    progress.print(f"checkpoint: {Path(args.save_dir).resolve()} (tag step{step})")
+    if not args.no_checkpoint:
+        progress.print(f"checkpoint: {Path(args.save_dir).resolve()} (tag step{step})")
     where = monitor_dir(ds_config)
     if where:
         progress.print(f"metrics:    {Path(where).resolve()}")
-    return {"losses": history, "step": step}
+    return {"losses": history, "step": step, "model": model}  # (the model: for in-process callers, tests)
+
+
+def peak_memory() -> dict:
+    """On CUDA, every rank's peak allocated memory so far (GiB; a collective over the world):
+    ``peak_memory_gib`` the largest, ``peak_memory_gib_rank<r>`` each rank's. Empty on CPU."""
+    if not torch.cuda.is_available():
+        return {}
+    local = torch.tensor([torch.cuda.max_memory_allocated() / 2 ** 30], device="cuda", dtype=torch.float64)
+    everyone = [torch.zeros_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, local)
+    values = [float(t) for t in everyone]
+    return {"peak_memory_gib": max(values), **{f"peak_memory_gib_rank{r}": v for r, v in enumerate(values)}}
 
 
 def main(argv=None):

@@ -171,3 +171,92 @@ def test_depth_override_gives_the_config_transformers_builds_for_that_depth():
     reference = Qwen2Config(**{**preset, **overrides})
     assert config.layer_types == reference.layer_types and len(config.layer_types) == 5
     assert config.to_dict() == reference.to_dict()
+
+
+# ----------------------------------------------------------------------------- the Ulysses baseline
+ULYSSES_SEQ, ULYSSES_SEED, ULYSSES_LR = 512, 1234, 1.0
+
+
+def ulysses_config(**mtraining) -> dict:
+    """The CPU demo's JSON with the Ulysses mode on random tokens, one plain SGD step (lr 1, no
+    clipping, no schedule): each parameter moves by exactly minus its gradient."""
+    config = demo_config(**{"attention": "ulysses", "seq_len": ULYSSES_SEQ, "loss_chunk_tokens": 128,
+                            "gradient_checkpointing": True, "data": {"source": "random", "samples": 8}, **mtraining})
+    config.update(optimizer={"type": "SGD", "params": {"lr": ULYSSES_LR}}, gradient_clipping=0.0,
+                  zero_allow_untested_optimizer=True)
+    del config["scheduler"]
+    return config
+
+
+def _ulysses_worker(rank, world, root):
+    """One step of the real training entry point in the Ulysses mode on 2 ranks (W = 2), then the
+    same in a fresh run at W = 1 (2 data-parallel replicas of plain dense SDPA)."""
+    from ds_mtraining.train import parse_args, train
+    results = {}
+    for sp in (2, 1):
+        path = Path(root) / f"ulysses{sp}.json"
+        if rank == 0:
+            path.write_text(json.dumps(ulysses_config(sequence_parallel_size=sp)))
+        dist.barrier()
+        args = parse_args(["--deepspeed_config", str(path), "--steps", "1", "--save_dir", str(Path(root) / f"run{sp}"),
+                           "--seed", str(ULYSSES_SEED), "--no_progress", "--no_checkpoint"])
+        result = train(args)
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+        results[sp] = {"losses": result["losses"], "sdpa_module": ALL_ATTENTION_FUNCTIONS["sdpa"].__module__,
+                       "params": {n: p.detach().clone() for n, p in result["model"].named_parameters()},
+                       "attention": result["model"].config._attn_implementation}
+    return results
+
+
+@pytest.mark.usefixtures("cpu_op")  # DeepSpeed's shm op built before the ranks start
+def test_ulysses_mode_equals_the_single_process_dense_model(tmp_path):
+    """``attention: "ulysses"`` through ds_mtraining.train (DeepSpeed's UlyssesSPAttentionHF over
+    SDPA, contiguous shards, ZeRO-2 + CPU offload, activation checkpointing) on 2 gloo ranks: the
+    loss equals the single-process dense HF model's on the whole sequence (rel 1e-5) and, after one
+    SGD step with lr 1, every parameter moved by minus the dense model's gradient (fp32: atol 2e-6,
+    rtol 1e-4; the loss is summed in another order: chunks of 128 tokens, two ranks). At W = 1 the
+    mode is plain dense SDPA: two data-parallel replicas, each its own sample, the mean loss."""
+    from helpers import dense_loss
+    from ds_mtraining.data import RandomSequences, RankBatches
+    from ds_mtraining.training.model import build_model
+    results = run_on_ranks(_ulysses_worker, 2, str(tmp_path), timeout=TIMEOUT_S)
+    run, _ = load_run_config(ulysses_config(), 2)
+    samples = RandomSequences(ULYSSES_SEQ, 257, 8, ULYSSES_SEED)
+    for sp, replicas in ((2, 1), (1, 2)):
+        for rank in range(2):
+            assert results[rank][sp]["attention"] == "sdpa"
+            assert results[rank][sp]["sdpa_module"] == ("deepspeed.runtime.sequence_parallel.ulysses_sp" if sp > 1
+                                                        else "transformers.integrations.sdpa_attention")
+        torch.manual_seed(ULYSSES_SEED)
+        model = build_model(run.model)
+        batches = [RankBatches(samples, 1, data_rank=r, data_world=replicas, block_size=64,
+                               seed=ULYSSES_SEED).batch(0) for r in range(replicas)]
+        losses = [dense_loss(model, b["input_ids"], b["labels"]) for b in batches]
+        loss = sum(losses) / replicas
+        loss.backward()
+        for rank in range(2):
+            assert results[rank][sp]["losses"][0] == pytest.approx(loss.item(), rel=1e-5), (sp, rank)
+            for name, param in model.named_parameters():
+                moved = (param.detach() - results[rank][sp]["params"][name]) / ULYSSES_LR
+                torch.testing.assert_close(moved, param.grad, rtol=1e-4, atol=2e-6, msg=f"W={sp} {name}")
+
+
+@pytest.mark.parametrize("change, world, message", [
+    (dict(sequence_parallel_size=8), 8,
+     r"mtraining.model \(tiny-qwen2\): mtraining.attention='ulysses' splits the heads .* num_attention_heads=4 / "
+     r"num_key_value_heads=2 cannot be split over mtraining.sequence_parallel_size=8 .*among \[1, 2, 4\]"),
+    (dict(document_masking=True), 2, r"mtraining.attention='ulysses' runs HF's SDPA attention, whose Ulysses "
+                                     r"wrapper drops the attention mask .* cannot mask documents"),
+    (dict(ring="hierarchical"), 2, r"mtraining.attention='ulysses' has no ring .* set it to 'auto' or 'flat'"),
+    (dict(data={"source": "random", "passkey_fraction": 0.5}), 2,
+     r"mtraining.data.passkey_fraction: random token ids have no text"),
+    (dict(data={"source": "random", "document_chars": 100}), 2,
+     r"mtraining.data.document_chars=100: give a positive integer, with \"source\": \"stdlib\" only"),
+    (dict(data={"source": "stdlib", "samples": 4}), 2,
+     r"mtraining.data.samples=4: give a positive integer, with \"source\": \"random\" only"),
+    (dict(data={"source": "noise"}), 2, r"mtraining.data.source='noise' is unknown; the built-in sources are "
+                                        r"\['stdlib', 'random'\]"),
+])
+def test_bad_ulysses_or_random_data_config_is_one_clear_error(change, world, message):
+    with pytest.raises(ConfigError, match=message):
+        load_run_config(ulysses_config(**change), world)

@@ -13,6 +13,16 @@ PRESETS = {
     "tiny-qwen2": {"model_type": "qwen2", "vocab_size": 257, "hidden_size": 64, "num_hidden_layers": 2,
                    "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,
                    "rope_theta": 1e6, "max_position_embeddings": 1 << 20, "tie_word_embeddings": False},
+    # real shapes, random init (benchmarks: ds_mtraining.bench.e2e); no weights, nothing downloaded
+    "qwen2.5-3b": {"model_type": "qwen2", "vocab_size": 151936, "hidden_size": 2048, "num_hidden_layers": 36,
+                   "num_attention_heads": 16, "num_key_value_heads": 2, "intermediate_size": 11008,
+                   "rms_norm_eps": 1e-6, "rope_theta": 1e6, "max_position_embeddings": 1 << 20,
+                   "tie_word_embeddings": True},
+    # Llama-3.1-8B's shape (plain RoPE at its theta; its llama3 frequency scaling costs the same)
+    "llama-3.1-8b": {"model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "num_hidden_layers": 32,
+                     "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336,
+                     "rms_norm_eps": 1e-5, "rope_theta": 5e5, "max_position_embeddings": 1 << 20,
+                     "tie_word_embeddings": False},
 }
 
 

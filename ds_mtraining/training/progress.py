@@ -32,8 +32,11 @@ class Progress:
     def update(self, step: int, metrics: dict):
         if not self.enabled:
             return
-        text = (f"loss {metrics['loss']:.4f}  tok/s {metrics['tokens_per_s']:.0f}  "
-                f"density {metrics['density']:.3f}  imbalance {metrics['imbalance']:.3f}")
+        text = f"loss {metrics['loss']:.4f}  tok/s {metrics['tokens_per_s']:.0f}"
+        for name, label, digits in (("density", "density", 3), ("imbalance", "imbalance", 3),
+                                    ("peak_memory_gib", "peak GiB", 1)):
+            if name in metrics:  # (the Ulysses baseline has no index; CPU runs no GPU memory)
+                text += f"  {label} {metrics[name]:.{digits}f}"
         if self.live:
             self.bar.update(self.task, completed=step, metrics=text)
         else:
@@ -51,6 +54,10 @@ class Progress:
 def describe_run(run: RunConfig, groups) -> str:
     """One line on how the run is laid out (printed by rank 0)."""
     sp, dp = run.sequence_parallel_size, groups.get_data_parallel_world_size()
+    if run.attention == "ulysses":
+        return (f"DeepSpeed-Ulysses: {dist.get_world_size()} ranks = {dp} data-parallel x {sp} sequence-parallel, "
+                f"seq_len {run.seq_len} ({run.seq_len // sp} contiguous tokens per rank), dense SDPA attention "
+                f"(heads split over the {sp} ranks)")
     ring = groups.ring
     if groups.hierarchy is not None:
         ring += f" ({groups.hierarchy.nodes} nodes x {groups.hierarchy.per_node})"

@@ -13,6 +13,8 @@ from ..ring.layout import check_divisible
 from . import MTRAINING_KEY, ConfigError
 from .model import PRESETS, model_config
 
+ULYSSES = "ulysses"  # dense HF attention (torch SDPA) under DeepSpeed-Ulysses sequence parallelism
+
 
 @dataclass
 class RunConfig:
@@ -27,7 +29,7 @@ class RunConfig:
     data: dict = field(default_factory=lambda: {"source": "stdlib"})
     loss_chunk_tokens: int = 1024
     gradient_checkpointing: bool = False
-    attention: str = "sparse"  # sparse (MTraining) | dense | static: ds_mtraining.static
+    attention: str = "sparse"  # sparse (MTraining) | dense | static: ds_mtraining.static | ulysses
     static: dict | None = None  # the static pattern's settings when attention is "static"
     document_masking: bool = False  # packed documents attend only within themselves (ds_mtraining.documents)
 
@@ -118,6 +120,8 @@ def parse_run_config(section: dict, world_size: int) -> RunConfig:
         if not isinstance(value, bool):
             raise ConfigError(f"{MTRAINING_KEY}.{name}={value!r} must be true or false")
     attention, static = _attention_mode(section, seq_len, sparse.block_size)
+    if attention == ULYSSES:
+        _check_ulysses(section, documents, ring)
     model = _model_spec(section.get("model", "tiny-qwen2"))
     tokenizer = section.get("tokenizer", "bytes")
     if tokenizer == "model":
@@ -136,10 +140,11 @@ def _attention_mode(section: dict, seq_len: int, block: int) -> tuple[str, dict 
     """``attention`` (sparse | dense | static) and, for static, its validated ``static`` settings."""
     from ..static import ATTENTION_MODES, StaticPattern
     mode = section.get("attention", "sparse")
-    if mode not in ATTENTION_MODES:
+    if mode not in ATTENTION_MODES + (ULYSSES,):
         raise ConfigError(f"{MTRAINING_KEY}.attention={mode!r} is not an attention mode; use one of "
-                          f"{list(ATTENTION_MODES)} (sparse: MTraining's estimated index; dense: full "
-                          f"causal attention; static: sinks + local window, set in {MTRAINING_KEY}.static)")
+                          f"{list(ATTENTION_MODES + (ULYSSES,))} (sparse: MTraining's estimated index; dense: full "
+                          f"causal attention; static: sinks + local window, set in {MTRAINING_KEY}.static; "
+                          f"ulysses: the baseline, HF's dense SDPA attention under DeepSpeed-Ulysses)")
     if mode != "static":
         if "static" in section:
             raise ConfigError(f"{MTRAINING_KEY}.static is set but {MTRAINING_KEY}.attention is {mode!r}; "
@@ -154,6 +159,34 @@ def _attention_mode(section: dict, seq_len: int, block: int) -> tuple[str, dict 
     except (ValueError, TypeError) as error:
         raise ConfigError(f"{MTRAINING_KEY}.static: {error}") from None
     return mode, pattern.to_dict()
+
+
+def _check_ulysses(section: dict, document_masking: bool, ring: str):
+    """What DeepSpeed-Ulysses (``attention: "ulysses"``) cannot do in this project's path."""
+    where = f"{MTRAINING_KEY}.attention='{ULYSSES}'"
+    if document_masking:
+        raise ConfigError(f"{where} runs HF's SDPA attention, whose Ulysses wrapper drops the attention mask "
+                          f"(only causal masking remains): it cannot mask documents. Set "
+                          f"{MTRAINING_KEY}.document_masking to false, or use attention 'dense' (full "
+                          f"attention through the ring, documents masked) as the dense baseline")
+    if ring == "hierarchical":
+        raise ConfigError(f"{where} has no ring (one all-to-all over the sequence-parallel group each way); "
+                          f"remove {MTRAINING_KEY}.ring or set it to 'auto' or 'flat'")
+
+
+def check_ulysses_heads(config, sequence_parallel_size: int, key: str = f"{MTRAINING_KEY}.model"):
+    """Ulysses gives each of the W ranks whole attention heads: W must divide the query heads, and
+    divide the key/value heads or be a multiple of them (then DeepSpeed replicates them)."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    w = sequence_parallel_size
+    fits = [d for d in range(1, heads + 1) if heads % d == 0 and (kv_heads % d == 0 or d % kv_heads == 0)]
+    if heads % w != 0 or not (kv_heads % w == 0 or w % kv_heads == 0):
+        raise ConfigError(
+            f"{key}: {MTRAINING_KEY}.attention='{ULYSSES}' splits the heads over the sequence-parallel "
+            f"ranks, but num_attention_heads={heads} / num_key_value_heads={kv_heads} cannot be split over "
+            f"{MTRAINING_KEY}.sequence_parallel_size={w} (it must divide {heads}, and divide {kv_heads} or be a "
+            f"multiple of it); use a sequence_parallel_size among {fits}, or MTraining's ring (any head count)")
 
 
 def _data_override(value: str) -> dict:
@@ -199,5 +232,7 @@ def load_run_config(ds_config: str | dict, world_size: int, model: str | None = 
         tokenizer = load_tokenizer(run.tokenizer, key=f"{MTRAINING_KEY}.tokenizer")
     except DataConfigError as error:
         raise ConfigError(str(error)) from None
-    check_model(run.model, tokenizer.vocab_size)
+    config = check_model(run.model, tokenizer.vocab_size)
+    if run.attention == ULYSSES:
+        check_ulysses_heads(config, run.sequence_parallel_size, key=f"{MTRAINING_KEY}.model ({run.model['name_or_path']})")
     return run, values
