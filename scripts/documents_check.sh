@@ -5,10 +5,10 @@
 #                  without documents (a document shorter than a block, boundaries in stripes)
 #   two_gpu        tests/test_multi_gpu.py -k documents: flat and hierarchical (2 x 1) ring with
 #                  documents vs one GPU, bf16 rel. error <= 6e-3
-#   training       python -m ds_mtraining.bench.documents_training: ds_configs/documents_32k.json
-#                  with and without document masking, one GPU each, same seed and data
 #   kernel         python -m ds_mtraining.bench.kernel --documents 4096 32768 at 128K: the same
 #                  index without / with documents, and FlexAttention with the combined mask
+#   training       python -m ds_mtraining.bench.documents_training: ds_configs/documents_32k.json
+#                  with and without document masking, one GPU each, same seed and data
 # $OUT (default ./documents_out) gets documents_check.log (every stage's output), the benchmarks'
 # JSON/PNG and summary.txt (printed last).
 #
@@ -42,21 +42,21 @@ finish() {
 
 stage build 300 python3 -c "from ds_mtraining import ops; ops.op_module('cuda')" || { tail -30 "$LOG"; finish; exit 1; }
 timeouts=()
-python3 -c "import pytest_timeout" 2>/dev/null && timeouts=(--timeout 200 -o timeout_method=thread)
-stage cuda_tests 400 python3 -m pytest $(ls tests/test_cuda_*.py | grep -v compile) -q -rA --tb=short \
+python3 -c "import pytest_timeout" 2>/dev/null && timeouts=(--timeout 120 -o timeout_method=thread)
+stage cuda_tests 200 python3 -m pytest $(ls tests/test_cuda_*.py | grep -v compile) -q -rA --tb=short \
   -p no:cacheprovider "${timeouts[@]}"
 grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$LOG" | tail -8
 if [ "$gpus" -ge 2 ]; then
-  stage two_gpu 300 python3 -m pytest tests/test_multi_gpu.py -k documents -q -rA -s --tb=short -p no:cacheprovider
+  stage two_gpu 150 python3 -m pytest tests/test_multi_gpu.py -k documents -q -rA -s --tb=short -p no:cacheprovider
   lanes=(cuda:0 cuda:1)
 else
   summary+=("two_gpu     SKIP        (one GPU)")
   lanes=(cuda:0)
 fi
-stage training 400 python3 -m ds_mtraining.bench.documents_training --config ds_configs/documents_32k.json \
+stage kernel 180 env CUDA_VISIBLE_DEVICES=0 python3 -m ds_mtraining.bench.kernel --skip-dense --documents 4096 32768 \
+  ${KERNEL_ARGS:---seq-lens 131072 --densities 0.05 0.1} --out "$OUT/kernel_documents_$device.json"
+stage training 240 python3 -m ds_mtraining.bench.documents_training --config ds_configs/documents_32k.json \
   --steps "${STEPS:-300}" --lanes "${lanes[@]}" --log_interval 5 --out /tmp/documents_training \
   --results "$OUT" --tag "32k_$device"
-stage kernel 400 env CUDA_VISIBLE_DEVICES=0 python3 -m ds_mtraining.bench.kernel --skip-dense --documents 4096 32768 \
-  ${KERNEL_ARGS:---seq-lens 131072 --densities 0.05 0.1} --out "$OUT/kernel_documents_$device.json"
 grep -A20 "sparse attention, H=" "$LOG" | tail -12
 finish
