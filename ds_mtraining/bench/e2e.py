@@ -1,0 +1,452 @@
+"""``python -m ds_mtraining.bench.e2e``: whole training steps of MTraining against what users run
+today, DeepSpeed-Ulysses, on the same GPUs, and against dense attention on one GPU.
+
+Every number comes from the real training entry point, launched once per measurement
+(``deepspeed --include localhost:GPUS --module ds_mtraining.train``) with the DeepSpeed JSON
+``--config`` (default ``ds_configs/e2e_zero2_offload_bf16.json``: ZeRO-2 + CPU optimizer offload,
+bf16, activation checkpointing), in which only the model and its depth, ``seq_len``, the attention
+mode and the sequence-parallel size change. A step is the forward, the chunked sequence-parallel
+loss, the backward and the optimizer step, on random token ids over the model's whole vocabulary
+(the ``random`` data source). ``step_s`` is the median of the step times that the run logged after
+``--warmup`` steps; ``peak_memory_gib`` every rank's peak allocated GPU memory, as logged.
+
+Modes: ``mtraining`` (``attention: "sparse"``, the estimated vertical-slash index on the striped
+ring), ``ulysses`` (HF's dense SDPA attention under DeepSpeed-Ulysses), ``dense`` (a full index; on
+one GPU torch's SDPA flash). Per model shape and total sequence length, one row:
+
+* ``mtraining`` and ``ulysses`` on the same W = ``--world`` GPUs; ``speedup`` = Ulysses' step
+  time / MTraining's;
+* ``single_gpu``: ``mtraining`` and ``dense`` on one GPU, and its ``speedup``.
+
+Model shapes (presets of :mod:`ds_mtraining.training.model`, built from their config with random
+weights, nothing downloaded): ``qwen2.5-3b`` (36 layers, hidden 2048, 16/2 heads of 128, MLP 11008,
+vocabulary 151936, tied embeddings) and ``llama-3.1-8b`` (32 layers, hidden 4096, 32/8 heads, MLP
+14336, vocabulary 128256).
+
+Depth (``--depth`` for the W-GPU pair, ``--single_depth`` for the one-GPU pair): ``full`` times the
+model's own N layers; ``partial`` times L_a and L_b layers (``--layers``) of the same shape and
+extrapolates per layer, full = t(L_a) + (N - L_a) (t(L_b) - t(L_a)) / (L_b - L_a) (:func:`extrapolate`),
+so the embedding, the LM head, the loss and the optimizer count at full size (peak memory likewise);
+``auto`` times full depth unless the last full-depth launch of that mode at a shorter length
+predicts a launch longer than ``--timeout`` (its step time scaled with S for mtraining, S^2 for the
+dense modes) or the full-depth launch runs out of GPU memory or time, and then goes partial; an
+integer N times N layers and reports them as measured (no extrapolation). Every result says
+``extrapolated`` and lists the launches behind it (``runs``).
+
+    python -m ds_mtraining.bench.e2e --out benchmarks/results --tag h200x2
+    python -m ds_mtraining.bench.e2e --models qwen2.5-3b --seq_lens 262144 --parts single --single_depth 4 \\
+        --out benchmarks/results --tag h200x2
+    python -m ds_mtraining.bench.e2e --smoke      # CPU: a tiny model, 2 gloo ranks, end to end
+
+Writes ``OUT/e2e_<tag>.json`` after every measurement, so a run cut off keeps what it measured;
+rows of other (model, seq_len, world) already in the file are kept and a row measured again is
+updated part by part, so several short invocations fill one file. The launches' configs and logs
+go to ``OUT/e2e_<tag>/``. A table is printed last.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+MODES = {"mtraining": "sparse", "ulysses": "ulysses", "dense": "dense"}
+QUADRATIC = ("ulysses", "dense")  # dense attention: step time grows with S^2 (MTraining's about with S)
+MODELS = ("qwen2.5-3b", "llama-3.1-8b")
+PARTS = ("sp", "single")  # the W-GPU pair (mtraining vs ulysses) and the one-GPU pair (mtraining vs dense)
+DEFAULT_CONFIG = "ds_configs/e2e_zero2_offload_bf16.json"
+SMOKE = dict(config="ds_configs/cpu_demo.json", models=["tiny-qwen2"], seq_lens=[512], world=2, steps=2,
+             warmup=1, layers=[1, 2], depth="full", single_depth="full", timeout=180.0)
+OUT_OF_MEMORY = re.compile(r"CUDA out of memory|OutOfMemoryError|out of memory", re.IGNORECASE)
+
+
+class LaunchFailed(RuntimeError):
+    """A launch that did not finish: ``kind`` is "timeout", "oom" or "error"."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+def extrapolate(value_a: float, value_b: float, layers_a: int, layers_b: int, layers: int) -> float:
+    """The value at ``layers`` layers on the line through (``layers_a``, ``value_a``) and
+    (``layers_b``, ``value_b``): what is not per layer (embedding, LM head, loss, optimizer of those)
+    is the intercept, each layer adds the slope."""
+    if layers_a == layers_b:
+        raise ValueError(f"extrapolation needs two different depths, got {layers_a} twice")
+    return value_a + (layers - layers_a) * (value_b - value_a) / (layers_b - layers_a)
+
+
+def depth_arg(text: str):
+    """``--depth``/``--single_depth``: auto | full | partial | a number of layers."""
+    if text.isdigit() and int(text) > 0:
+        return int(text)
+    if text in ("auto", "full", "partial"):
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r}: give auto, full, partial or a positive number of layers")
+
+
+def model_layers(spec) -> int:
+    from ds_mtraining.training.model import model_config
+    spec = {"name_or_path": spec, "config_overrides": {}} if isinstance(spec, str) else spec
+    return model_config(spec).num_hidden_layers
+
+
+def launch_config(base: dict, model: str, mode: str, seq_len: int, world: int, layers: int | None) -> dict:
+    """``base`` with this measurement's model (``layers`` deep, None: its own depth), length, mode
+    and sequence-parallel size, on random tokens."""
+    config = json.loads(json.dumps(base))
+    section = config["mtraining"]
+    given = section.get("model")
+    overrides = dict(given.get("config_overrides", {})) if isinstance(given, dict) and \
+        given.get("name_or_path") == model else {}
+    overrides.pop("num_hidden_layers", None)  # the depth is the measurement's: the preset's own, or ``layers``
+    if layers is not None:
+        overrides["num_hidden_layers"] = layers
+    section.update(seq_len=seq_len, sequence_parallel_size=world, attention=MODES[mode],
+                   model={"name_or_path": model, "config_overrides": overrides}, data={"source": "random"})
+    section.pop("static", None)
+    return config
+
+
+def read_metric(run_dir: Path, name: str) -> list[tuple[int, float]]:
+    """(step, value) rows of one metric that ``ds_mtraining.train`` logged (csv monitor)."""
+    path = run_dir / "metrics" / "mtraining" / f"Train_mtraining_{name}.csv"
+    if not path.is_file():
+        return []
+    rows = [line.split(",") for line in path.read_text().splitlines()[1:] if line.strip()]
+    return [(int(float(step)), float(value)) for step, value in rows]
+
+
+def read_run(run_dir: Path, tokens_per_step: int, warmup: int, world: int) -> dict:
+    """Step times, tokens/s, peak memory per rank and losses of a finished run."""
+    steps = [tokens_per_step / rate for _, rate in read_metric(run_dir, "tokens_per_s")]
+    if len(steps) <= warmup:
+        raise LaunchFailed("error", f"{run_dir}: {len(steps)} logged step(s), none after the {warmup} warmup step(s)")
+    step_s = statistics.median(steps[warmup:])
+    peaks = [read_metric(run_dir, f"peak_memory_gib_rank{r}") for r in range(world)]
+    return {"step_s": step_s, "tokens_per_s": tokens_per_step / step_s, "step_times_s": steps,
+            "peak_memory_gib": [p[-1][1] for p in peaks] if all(peaks) else None,
+            "losses": [v for _, v in read_metric(run_dir, "loss")]}
+
+
+def launch(config: dict, gpus: list | None, world: int, folder: Path, port: int, args) -> dict:
+    """Trains ``config`` for ``args.steps`` steps through the deepspeed launcher on ``gpus`` (None:
+    ``world`` CPU ranks) within ``args.timeout`` seconds (then the launch's process group is killed);
+    returns :func:`read_run`'s numbers and the wall time."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    placement = ["--include", "localhost:" + ",".join(map(str, gpus))] if gpus else ["--num_gpus", str(world)]
+    command = [sys.executable, "-m", "deepspeed.launcher.runner", *placement, "--master_port", str(port),
+               "--module", "ds_mtraining.train", "--deepspeed_config", str(folder / "config.json"),
+               "--steps", str(args.steps), "--save_dir", str(folder / "run"), "--seed", str(args.seed),
+               "--no_progress", "--no_checkpoint"]
+    env = dict(os.environ)
+    if not gpus:
+        env.setdefault("OMP_NUM_THREADS", "1")  # CPU ranks outnumber small machines' cores
+    log = folder / "train.log"
+    started = time.monotonic()
+    with log.open("w") as handle:
+        process = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            code = process.wait(timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            raise LaunchFailed("timeout", f"still running after {args.timeout:.0f} s (killed); log {log}") from None
+    wall = time.monotonic() - started
+    if code != 0:
+        text = log.read_text(errors="replace")
+        tail = "\n".join(text.splitlines()[-12:])
+        raise LaunchFailed("oom" if OUT_OF_MEMORY.search(text) else "error",
+                           f"exit {code}; last lines of {log}:\n{tail}")
+    micro = config.get("train_micro_batch_size_per_gpu", 1) * config.get("gradient_accumulation_steps", 1)
+    result = read_run(folder / "run", micro * config["mtraining"]["seq_len"], args.warmup, world)
+    return {**result, "wall_s": wall, "log": str(log)}
+
+
+def speedup(slow: dict | None, fast: dict | None) -> float | None:
+    if not slow or not fast or not slow.get("step_s") or not fast.get("step_s"):
+        return None
+    return slow["step_s"] / fast["step_s"]
+
+
+class Bench:
+    """The measurements of one invocation; ``launcher`` runs one training launch (tests pass a fake)."""
+
+    def __init__(self, args, launcher=launch):
+        self.args, self.launcher = args, launcher
+        self.base = json.loads(Path(args.config).read_text())
+        self.out = Path(args.out)
+        self.path = self.out / f"e2e_{args.tag}.json"
+        self.logs = self.out / f"e2e_{args.tag}"
+        self.cpu = args.cpu
+        self.port = args.port
+        self.history: dict = {}  # (model, mode, world) -> (seq_len, step_s, launch overhead s) at full depth
+        self.earlier = self._earlier()
+        self.rows: dict = {}
+
+    # ------------------------------------------------------------------ launches
+    def _earlier(self) -> dict:
+        if not self.path.is_file():
+            return {"rows": [], "invocations": []}
+        try:
+            record = json.loads(self.path.read_text())
+            return {"rows": list(record["rows"]), "invocations": list(record.get("invocations", []))}
+        except (json.JSONDecodeError, KeyError, TypeError) as error:
+            raise SystemExit(f"e2e: {self.path} is not a results file of this benchmark ({error}); "
+                             f"pass another --out or --tag")
+
+    def _launch(self, model: str, mode: str, seq_len: int, world: int, layers: int, full: int) -> dict:
+        config = launch_config(self.base, model, mode, seq_len, world, None if layers == full else layers)
+        gpus = None if self.cpu else (self.args.gpus[:world] if world > 1 else [self.args.single_gpu])
+        folder = self.logs / f"{model}_{mode}_w{world}_s{seq_len}_l{layers}"
+        self.port += 1
+        self.say(f"{model} {mode} W={world} S={seq_len} {layers} layers ...")
+        result = self.launcher(config, gpus, world, folder, self.port, self.args)
+        self.say(f"    step {result['step_s']:.3f} s, {result['tokens_per_s']:.0f} tok/s, peak GiB "
+                 f"{result['peak_memory_gib']}, launch {result['wall_s']:.0f} s")
+        return {"layers": layers, **result}
+
+    def _predicted_s(self, model: str, mode: str, world: int, seq_len: int) -> float | None:
+        earlier = self.history.get((model, mode, world))
+        if earlier is None:
+            return None
+        shorter, step_s, overhead = earlier
+        growth = (seq_len / shorter) ** (2 if mode in QUADRATIC else 1)
+        return overhead + self.args.steps * step_s * growth
+
+    def measure(self, model: str, mode: str, seq_len: int, world: int, depth) -> dict:
+        """One mode at one length on ``world`` GPUs, at the depth ``depth`` asks for."""
+        full = model_layers(model)
+        out = {"mode": mode, "attention": MODES[mode], "world": world, "model_layers": full}
+        try:
+            if isinstance(depth, int):
+                run = self._launch(model, mode, seq_len, world, depth, full)
+                return {**out, **self._measured(run, depth), "extrapolated": False, "runs": [run]}
+            predicted = self._predicted_s(model, mode, world, seq_len) if depth == "auto" else None
+            if depth in ("full", "auto") and (predicted is None or predicted <= self.args.timeout):
+                try:
+                    run = self._launch(model, mode, seq_len, world, full, full)
+                    self.history[(model, mode, world)] = (seq_len, run["step_s"],
+                                                          run["wall_s"] - sum(run["step_times_s"]))
+                    return {**out, **self._measured(run, full), "extrapolated": False, "runs": [run]}
+                except LaunchFailed as error:
+                    if depth == "full" or error.kind == "error":
+                        raise
+                    out["full_depth"] = f"{error.kind}: {error}"
+                    self.say(f"    {error.kind} at full depth: timing {self.args.layers} layers instead")
+            elif depth == "auto":
+                out["full_depth"] = (f"skipped: a launch at full depth predicted {predicted:.0f} s > --timeout "
+                                     f"{self.args.timeout:.0f} s")
+                self.say(f"{model} {mode} W={world} S={seq_len}: {out['full_depth']}")
+            return {**out, **self._partial(model, mode, seq_len, world, full)}
+        except LaunchFailed as error:
+            self.say(f"    failed: {error.kind}: {str(error).splitlines()[0]}")
+            return {**out, "step_s": None, "error": f"{error.kind}: {error}"}
+
+    @staticmethod
+    def _measured(run: dict, layers: int) -> dict:
+        return {"layers": layers, "step_s": run["step_s"], "tokens_per_s": run["tokens_per_s"],
+                "peak_memory_gib": run["peak_memory_gib"]}
+
+    def _partial(self, model: str, mode: str, seq_len: int, world: int, full: int) -> dict:
+        """Times ``--layers`` L_a and L_b and extrapolates step time and peak memory to ``full``."""
+        layers_a, layers_b = self.args.layers
+        a, b = (self._launch(model, mode, seq_len, world, layers, full) for layers in (layers_a, layers_b))
+        step_s = extrapolate(a["step_s"], b["step_s"], layers_a, layers_b, full)
+        peak = None
+        if a["peak_memory_gib"] and b["peak_memory_gib"]:
+            peak = [extrapolate(x, y, layers_a, layers_b, full) for x, y in zip(a["peak_memory_gib"], b["peak_memory_gib"])]
+        return {"layers": full, "step_s": step_s, "tokens_per_s": a["tokens_per_s"] * a["step_s"] / step_s,
+                "peak_memory_gib": peak, "extrapolated": True, "runs": [a, b]}
+
+    # ------------------------------------------------------------------ rows
+    def run(self):
+        args = self.args
+        for model in args.models:
+            for seq_len in args.seq_lens:
+                row = self.rows.setdefault((model, seq_len, args.world),
+                                           {"model": model, "seq_len": seq_len, "world": args.world})
+                if "sp" in args.parts:
+                    for mode in ("mtraining", "ulysses"):
+                        row[mode] = self.measure(model, mode, seq_len, args.world, args.depth)
+                        self.save()
+                if "single" in args.parts:
+                    single = row["single_gpu"] = {}
+                    for mode in ("mtraining", "dense"):
+                        single[mode] = self.measure(model, mode, seq_len, 1, args.single_depth)
+                        self.save()
+        return self.save()
+
+    def rows_merged(self) -> list:
+        """This invocation's rows over the file's earlier ones (by model, seq_len, world; part by part)."""
+        merged = {(r["model"], r["seq_len"], r["world"]): dict(r) for r in self.earlier["rows"]}
+        for key, row in self.rows.items():
+            merged[key] = {**merged.get(key, {}), **row}
+        for row in merged.values():
+            row["speedup"] = speedup(row.get("ulysses"), row.get("mtraining"))
+            single = row.get("single_gpu")
+            if single:
+                single["speedup"] = speedup(single.get("dense"), single.get("mtraining"))
+            row["extrapolated"] = sorted(name for name, result in _results(row) if result.get("extrapolated"))
+        return sorted(merged.values(), key=lambda r: (r["model"], r["seq_len"], r["world"]))
+
+    def save(self) -> dict:
+        invocation = {"date": self.args.date, "device": self.args.device, "command": self.args.command}
+        record = {**invocation, "config": self.args.config, "steps": self.args.steps, "warmup": self.args.warmup,
+                  "partial_layers": self.args.layers, "invocations": self.earlier["invocations"] + [invocation],
+                  "rows": self.rows_merged()}
+        self.out.mkdir(parents=True, exist_ok=True)
+        temporary = self.path.with_suffix(".json.tmp")
+        temporary.write_text(json.dumps(record, indent=1))
+        temporary.replace(self.path)  # a run killed while writing keeps the last whole file
+        return record
+
+    def say(self, message: str):
+        print(f"e2e: {message}", flush=True)
+
+
+def _results(row: dict):
+    """(name, result) of every mode measured in a row."""
+    for mode in ("mtraining", "ulysses"):
+        if isinstance(row.get(mode), dict):
+            yield mode, row[mode]
+    for mode in ("mtraining", "dense"):
+        if isinstance(row.get("single_gpu", {}).get(mode), dict):
+            yield f"single_gpu.{mode}", row["single_gpu"][mode]
+
+
+# ----------------------------------------------------------------------------- output
+def table(record: dict):
+    """A rich table of the rows: step seconds (* = extrapolated per layer), the largest rank's peak
+    GiB, and the speedups."""
+    from rich.table import Table
+    world = ", ".join(sorted({str(r["world"]) for r in record["rows"]}))
+    grid = Table(title=f"e2e: training step, {record['device']} (W = {world}; * = extrapolated per layer)")
+    for name in ("model", "seq_len", "MTraining W", "Ulysses W", "speedup", "MTraining 1 GPU", "dense 1 GPU",
+                 "speedup 1 GPU"):
+        grid.add_column(name, justify="left" if name == "model" else "right")
+
+    def cell(result):
+        if not isinstance(result, dict):
+            return "-"
+        if not result.get("step_s"):
+            return f"[red]{result.get('error', 'failed').split(':')[0]}"
+        peak = result.get("peak_memory_gib")
+        memory = f", {max(peak):.0f} GiB" if peak else ""
+        return f"{result['step_s']:.2f} s{'*' if result.get('extrapolated') else ''}{memory}"
+
+    def ratio(value):
+        return f"{value:.1f}x" if value else "-"
+    for row in record["rows"]:
+        single = row.get("single_gpu", {})
+        length = row["seq_len"]
+        grid.add_row(row["model"], f"{length // 1024}K" if length % 1024 == 0 else str(length), cell(row.get("mtraining")), cell(row.get("ulysses")),
+                     ratio(row.get("speedup")), cell(single.get("mtraining")), cell(single.get("dense")),
+                     ratio(single.get("speedup")))
+    return grid
+
+
+def device_name(cpu: bool) -> str:
+    """The GPU model and count from nvidia-smi (no CUDA context in this process), else the CPU."""
+    if not cpu:
+        try:
+            names = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                                   text=True, timeout=30).stdout.split("\n")
+            names = [n.strip() for n in names if n.strip()]
+            if names:
+                return f"{len(names)}x {names[0]}"
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+
+
+def device_tag(device: str, cpu: bool, world: int) -> str:
+    """'2x NVIDIA H200' -> 'h200x2' (the GPU model and W), 'cpu' on CPU."""
+    if cpu:
+        return "cpu"
+    words = device.split("x ", 1)[-1].lower().replace("nvidia", "").split()
+    return (re.sub(r"[^a-z0-9]", "", words[0]) if words else "gpu") + f"x{world}"
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m ds_mtraining.bench.e2e",
+                                     description=" ".join(__doc__.split("\n\n")[0].split()),
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--config", default=DEFAULT_CONFIG, help="DeepSpeed JSON every launch starts from")
+    parser.add_argument("--models", nargs="+", default=list(MODELS), help="model presets")
+    parser.add_argument("--seq_lens", type=int, nargs="+", default=[131072, 262144, 524288], help="total tokens")
+    parser.add_argument("--world", type=int, default=2, help="GPUs of the MTraining vs Ulysses pair")
+    parser.add_argument("--gpus", type=int, nargs="+", default=None, help="their ids (default 0 .. world-1)")
+    parser.add_argument("--single_gpu", type=int, default=0, help="the GPU of the one-GPU pair")
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS),
+                        help="sp: MTraining vs Ulysses on W GPUs; single: MTraining vs dense on one GPU")
+    parser.add_argument("--depth", type=depth_arg, default="auto", help="auto | full | partial | N layers (W GPUs)")
+    parser.add_argument("--single_depth", type=depth_arg, default="auto", help="the same for the one-GPU pair")
+    parser.add_argument("--layers", type=int, nargs=2, default=[2, 4], metavar=("L_A", "L_B"),
+                        help="the two depths timed for a per-layer extrapolation")
+    parser.add_argument("--steps", type=int, default=3, help="training steps per launch")
+    parser.add_argument("--warmup", type=int, default=1, help="first steps left out of the median")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per launch (then killed)")
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--port", type=int, default=29650, help="master port of the first launch (then +1 each)")
+    parser.add_argument("--out", default=None, help="results folder (default bench_results/e2e-<UTC time>)")
+    parser.add_argument("--tag", default=None, help="e2e_<tag>.json (default: the device, e.g. h200x2, or cpu)")
+    parser.add_argument("--smoke", action="store_true",
+                        help=f"CPU end-to-end check at tiny sizes (2 gloo ranks): {SMOKE}, unless given")
+    parser.add_argument("--cpu", action="store_true", help="CPU ranks (gloo) even where GPUs exist")
+    given = set()
+    for item in argv if argv is not None else sys.argv[1:]:
+        if item.startswith("--"):
+            given.add(item[2:].split("=")[0])
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.cpu = True
+        for name, value in SMOKE.items():
+            if name not in given:
+                setattr(args, name, value)
+    if not args.cpu:
+        import torch
+        args.cpu = not torch.cuda.is_available()
+    if args.gpus is None:
+        args.gpus = list(range(args.world))
+    if len(args.gpus) < args.world:
+        parser.error(f"--gpus {args.gpus}: need {args.world} ids for --world {args.world}")
+    if args.layers[0] == args.layers[1] or min(args.layers) < 1:
+        parser.error(f"--layers {args.layers}: two different positive depths")
+    if args.warmup >= args.steps:
+        parser.error(f"--warmup {args.warmup} leaves no timed step of --steps {args.steps}")
+    args.device = device_name(args.cpu)
+    if args.tag is None:
+        args.tag = "smoke" if args.smoke else device_tag(args.device, args.cpu, args.world)
+    if args.out is None:
+        args.out = str(Path("bench_results", "e2e-" + datetime.datetime.now(datetime.timezone.utc)
+                            .strftime("%Y%m%dT%H%M%SZ")))
+    args.date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    args.command = " ".join(["python -m ds_mtraining.bench.e2e", *(argv if argv is not None else sys.argv[1:])])
+    return args
+
+
+def main(argv=None):
+    from rich.console import Console
+    args = parse_args(argv)
+    bench = Bench(args)
+    bench.say(f"{args.device}; models {args.models}, seq_lens {args.seq_lens}, W={args.world}, parts {args.parts}, "
+              f"depth {args.depth}/{args.single_depth}; writing {bench.path}")
+    record = bench.run()
+    Console(width=160).print(table(record))
+    print(f"e2e: results in {bench.path}", flush=True)
+    return record
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""bench.e2e: the per-layer extrapolation against a hand computation, the choice between full and
+partial depth and the results file (with a fake launcher: no processes), and the whole script end to
+end on 2 CPU ranks (--smoke), through the real training launcher."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from helpers import REPO, environment
+from ds_mtraining.bench import e2e
+
+
+def test_extrapolation_hand_computed():
+    # 2 layers 10 s, 4 layers 16 s: 3 s per layer, 4 s of embedding, head, loss and optimizer;
+    # 36 layers = 4 + 36 x 3 = 112 s (and the same line read backwards or at a measured depth)
+    assert e2e.extrapolate(10.0, 16.0, 2, 4, 36) == pytest.approx(112.0)
+    assert e2e.extrapolate(16.0, 10.0, 4, 2, 36) == pytest.approx(112.0)
+    assert e2e.extrapolate(10.0, 16.0, 2, 4, 4) == pytest.approx(16.0)
+    with pytest.raises(ValueError, match="two different depths"):
+        e2e.extrapolate(1.0, 2.0, 3, 3, 36)
+
+
+def test_launch_config_changes_only_model_depth_length_mode_and_group():
+    base = json.loads((REPO / e2e.DEFAULT_CONFIG).read_text())
+    config = e2e.launch_config(base, "llama-3.1-8b", "ulysses", 262144, 2, 4)
+    section = config.pop("mtraining")
+    expected = dict(base.pop("mtraining"), seq_len=262144, sequence_parallel_size=2, attention="ulysses",
+                    model={"name_or_path": "llama-3.1-8b", "config_overrides": {"num_hidden_layers": 4}},
+                    data={"source": "random"})
+    assert section == expected and config == base
+    assert e2e.launch_config(base | {"mtraining": expected}, "llama-3.1-8b", "mtraining", 131072, 1, None)[
+        "mtraining"]["model"] == {"name_or_path": "llama-3.1-8b", "config_overrides": {}}
+
+
+SECOND_PER_LAYER, FIXED_S, OVERHEAD_S = 0.5, 2.0, 5.0
+
+
+def fake_launcher(calls):
+    """Step time FIXED_S + layers x SECOND_PER_LAYER x (S/1024)^2 (dense modes) or x S/1024
+    (mtraining); peak memory 10 + layers GiB per rank. MTraining on one GPU at full depth and
+    S = 4096 runs out of memory."""
+    def launch(config, gpus, world, folder, port, args):
+        section = config["mtraining"]
+        mode = {v: k for k, v in e2e.MODES.items()}[section["attention"]]
+        layers = section["model"]["config_overrides"].get("num_hidden_layers", 36)
+        calls.append((mode, world, section["seq_len"], layers, gpus))
+        if (mode, world, layers, section["seq_len"]) == ("mtraining", 1, 36, 4096):
+            raise e2e.LaunchFailed("oom", "CUDA out of memory")
+        growth = (section["seq_len"] / 1024) ** (2 if mode in e2e.QUADRATIC else 1)
+        step = FIXED_S + layers * SECOND_PER_LAYER * growth
+        return {"step_s": step, "tokens_per_s": section["seq_len"] / step, "step_times_s": [step] * args.steps,
+                "peak_memory_gib": [10.0 + layers] * world, "losses": [12.0] * args.steps,
+                "wall_s": OVERHEAD_S + step * args.steps}
+    return launch
+
+
+def test_depth_choice_and_results_file(tmp_path):
+    """auto: full depth, until the last full-depth step predicts a launch over --timeout (the dense
+    modes at 4x the length: 5 + 3 x 20 x 16 s; MTraining's 5 + 3 x 20 x 4 s is launched) or the
+    launch runs out of memory (MTraining, one GPU): then 2 and 4 layers, extrapolated to 36. A later
+    invocation with one part keeps the other's numbers."""
+    calls = []
+    argv = ["--cpu", "--models", "qwen2.5-3b", "--seq_lens", "1024", "4096", "--timeout", "300",
+            "--out", str(tmp_path), "--tag", "t"]
+    record = e2e.Bench(e2e.parse_args(argv), fake_launcher(calls)).run()
+    full = lambda growth: FIXED_S + 36 * SECOND_PER_LAYER * growth  # noqa: E731
+    short, long = record["rows"]
+    assert (short["seq_len"], long["seq_len"]) == (1024, 4096)
+    assert short["speedup"] == pytest.approx(full(1) / full(1)) and short["extrapolated"] == []
+    assert long["mtraining"]["step_s"] == pytest.approx(full(4)) and not long["mtraining"]["extrapolated"]
+    assert long["ulysses"]["extrapolated"] and long["ulysses"]["full_depth"].startswith("skipped: a launch at full")
+    assert long["ulysses"]["step_s"] == pytest.approx(full(16))  # the line through 2 and 4 layers, at 36
+    assert long["ulysses"]["peak_memory_gib"] == pytest.approx([46.0, 46.0])
+    assert [r["layers"] for r in long["ulysses"]["runs"]] == [2, 4]
+    assert long["speedup"] == pytest.approx(full(16) / full(4))
+    single = long["single_gpu"]
+    assert single["mtraining"]["full_depth"].startswith("oom") and single["mtraining"]["step_s"] == pytest.approx(full(4))
+    assert single["dense"]["full_depth"].startswith("skipped") and single["dense"]["step_s"] == pytest.approx(full(16))
+    assert single["speedup"] == pytest.approx(full(16) / full(4))
+    assert long["extrapolated"] == ["single_gpu.dense", "single_gpu.mtraining", "ulysses"]
+    assert ("ulysses", 2, 4096, 36, None) not in calls and ("mtraining", 1, 4096, 36, None) in calls  # CPU: no ids
+    saved = json.loads((tmp_path / "e2e_t.json").read_text())
+    assert saved["rows"] == json.loads(json.dumps(record["rows"])) and {"date", "device", "command"} <= set(saved)
+
+    again = e2e.Bench(e2e.parse_args(argv[:-4] + ["--seq_lens", "1024", "--parts", "single", "--single_depth", "4",
+                                                  "--out", str(tmp_path), "--tag", "t"]), fake_launcher([])).run()
+    short_again = again["rows"][0]
+    assert short_again["ulysses"] == short["ulysses"] and short_again["single_gpu"]["dense"]["layers"] == 4
+    assert not short_again["single_gpu"]["dense"]["extrapolated"] and len(again["invocations"]) == 2
+
+
+@pytest.mark.usefixtures("cpu_op")  # built before the launched ranks start
+def test_smoke_end_to_end(tmp_path):
+    """``--smoke`` (the W-rank pair here: one launch per mode, ~15 s each on 2 cores) through the real
+    deepspeed launcher and ds_mtraining.train: the JSON has per seq_len the keys of both modes and
+    the speedup, from logged step times."""
+    command = [sys.executable, "-m", "ds_mtraining.bench.e2e", "--smoke", "--parts", "sp", "--out", str(tmp_path)]
+    done = subprocess.run(command, cwd=REPO, env=environment(), capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    record = json.loads((tmp_path / "e2e_smoke.json").read_text())
+    assert {"date", "device", "command", "rows"} <= set(record) and "--smoke" in record["command"]
+    row, = record["rows"]
+    assert (row["model"], row["seq_len"], row["world"]) == ("tiny-qwen2", 512, 2)
+    for mode in ("mtraining", "ulysses"):
+        assert row[mode]["step_s"] > 0 and row[mode]["layers"] == 2 and not row[mode]["extrapolated"]
+        assert len(row[mode]["runs"][0]["losses"]) == 2 and row[mode]["peak_memory_gib"] is None  # CPU
+    assert row["speedup"] == pytest.approx(row["ulysses"]["step_s"] / row["mtraining"]["step_s"])
+    assert "MTraining W" in done.stdout.split("e2e: tiny-qwen2 ulysses")[-1]  # the table, printed last
