@@ -143,6 +143,8 @@ def launch(config: dict, gpus: list | None, world: int, folder: Path, port: int,
     ``world`` CPU ranks) within ``args.timeout`` seconds (then the launch's process group is killed);
     returns :func:`read_run`'s numbers and the wall time."""
     folder.mkdir(parents=True, exist_ok=True)
+    monitor = {"enabled": True, "output_path": str(folder / "run" / "metrics"), "job_name": "mtraining"}
+    config = {**config, "csv_monitor": monitor}  # where read_run looks, whatever --config says
     (folder / "config.json").write_text(json.dumps(config, indent=1))
     placement = ["--include", "localhost:" + ",".join(map(str, gpus))] if gpus else ["--num_gpus", str(world)]
     command = [sys.executable, "-m", "deepspeed.launcher.runner", *placement, "--master_port", str(port),

@@ -142,7 +142,7 @@ def _attention_mode(section: dict, seq_len: int, block: int) -> tuple[str, dict 
     mode = section.get("attention", "sparse")
     if mode not in ATTENTION_MODES + (ULYSSES,):
         raise ConfigError(f"{MTRAINING_KEY}.attention={mode!r} is not an attention mode; use one of "
-                          f"{list(ATTENTION_MODES + (ULYSSES,))} (sparse: MTraining's estimated index; dense: full "
+                          f"{list(ATTENTION_MODES)} or '{ULYSSES}' (sparse: MTraining's estimated index; dense: full "
                           f"causal attention; static: sinks + local window, set in {MTRAINING_KEY}.static; "
                           f"ulysses: the baseline, HF's dense SDPA attention under DeepSpeed-Ulysses)")
     if mode != "static":
