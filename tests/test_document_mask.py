@@ -164,8 +164,8 @@ def test_benchmark_flex_mask_with_documents_is_the_oracle_mask():
     from ds_mtraining.bench.kernel import FlexMask, build_index, random_doc_start
     seq, block, heads = 2048, 64, 2
     generator = torch.Generator().manual_seed(0)
-    index = build_index(1, heads, seq, block, 6, generator)
     doc_start = random_doc_start(seq, 100, 500, generator)
+    index = build_index(1, heads, seq, block, 6, generator, torch.unique(doc_start).tolist())
     flex = FlexMask(1, heads, seq, block, "cpu", doc_start)
     block_mask, _ = flex.for_index(index)
     want = dense_mask(index) & document_causal_mask(doc_start)[:, None]

@@ -15,7 +15,8 @@ computed entries x 4 x D per forward (x 3.5 for forward+backward). Prints a tabl
 (date, device, command) that ``ds_mtraining.bench.comm --kernel-json`` reads.
 
 With ``--documents MIN MAX`` the sequence is also packed with documents of MIN..MAX tokens
-(random lengths, the last one cut at S) and each density adds ``mtraining_documents`` (the same
+(random lengths, the last one cut at S), every document's first tokens are sink columns (as the
+document-aware estimator selects them), and each density adds ``mtraining_documents`` (the same
 index with document masking, ``doc_start``) and ``flex_documents`` (FlexAttention with the
 combined mask: its block lists drop the key blocks before a query block's first document and its
 mask_mod adds ``kv >= doc_start[q]``). The FLOP counts stay those of the index without documents,
@@ -43,9 +44,10 @@ COLUMNS_PER_HOT_BLOCK = 16
 FWD_BWD_FLOP_FACTOR = 3.5
 
 
-def build_index(batch, heads, seq, block, n_slash, generator):
-    """A vertical-slash index: sinks + clustered columns, diagonals 0..1 + n_slash others
-    (half of them drawn near the diagonal, half anywhere)."""
+def build_index(batch, heads, seq, block, n_slash, generator, document_starts=(0,)):
+    """A vertical-slash index: sinks (the first SINK_TOKENS of every document in
+    ``document_starts``, as the document-aware estimator finds them) + clustered columns,
+    diagonals 0..1 + n_slash others (half of them drawn near the diagonal, half anywhere)."""
     from ds_mtraining.index import SparseIndex
     blocks = seq // block
     weight = torch.where(torch.arange(blocks) < 64, 8.0, 1.0)
@@ -55,8 +57,8 @@ def build_index(batch, heads, seq, block, n_slash, generator):
     hot = torch.randint(1, blocks, (batch, heads, HOT_BLOCKS), generator=generator)
     offsets = torch.randint(0, block, (batch, heads, HOT_BLOCKS, COLUMNS_PER_HOT_BLOCK), generator=generator)
     columns = (hot[..., None] * block + offsets).flatten(2)
-    sinks = torch.arange(SINK_TOKENS).expand(batch, heads, SINK_TOKENS)
-    vertical = torch.cat([sinks, columns], -1)
+    sinks = torch.cat([torch.arange(start, min(start + SINK_TOKENS, seq)) for start in document_starts])
+    vertical = torch.cat([sinks.expand(batch, heads, -1), columns], -1)
     return SparseIndex.from_blocks(slash, vertical, seq, block, local_blocks=2)
 
 
@@ -219,16 +221,17 @@ def run(args):
             save()
             del qt, kt, vt, dt
         flex_masks = FlexMask(batch, heads, seq, block, device) if flex is not None else None
-        doc_start = None
+        doc_start, starts = None, (0,)
         if args.documents:
             doc_start = random_doc_start(seq, *args.documents, torch.Generator().manual_seed(seq)).to(device)
-            result.setdefault("documents", {})[seq] = dict(
-                lengths=args.documents, count=int(torch.unique(doc_start).numel()))
+            starts = torch.unique(doc_start).tolist()
+            result.setdefault("documents", {})[seq] = dict(lengths=args.documents, count=len(starts),
+                                                           sinks="the first 64 tokens of every document")
             flex_documents = FlexMask(batch, heads, seq, block, device, doc_start) if flex is not None else None
         for target in args.densities:
             seed = seq + int(target * 1000)
             index = index_for_density(
-                lambda n: build_index(batch, heads, seq, block, n, torch.Generator().manual_seed(seed)),
+                lambda n: build_index(batch, heads, seq, block, n, torch.Generator().manual_seed(seed), starts),
                 seq // block - 2, target).to(device)
             density = index.density()
             flops = 4.0 * dim * float(index.num_entries().sum())
