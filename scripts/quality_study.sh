@@ -19,7 +19,8 @@ cd "$(dirname "$0")/.."
 start=$SECONDS
 OUT=${OUT:-$PWD/quality_out}
 STUDY=/tmp/quality_study
-mkdir -p "$OUT" "$STUDY"
+rm -rf "$STUDY"  # a warm machine keeps /tmp: an earlier call's study would mix into this one
+mkdir -p "$OUT"
 source scripts/device_env.sh
 
 gpus=$(python3 -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)

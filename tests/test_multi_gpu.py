@@ -114,8 +114,8 @@ def test_striped_ring_matches_one_gpu():
         assert max(result["errors"].values()) <= BF16_TOL, (rank, result)
 
 
-# documents of 1 token to 8K (a boundary inside a stripe, one on a stripe edge, one on the
-# ranks' seam), then one long document to the end
+# the starts of ten documents of 1 to 12,768 tokens over RING_CASE's 32K (boundaries inside
+# stripes, on a stripe edge, on the ranks' seam; one-token documents), the last one to the end
 DOCUMENT_BOUNDS = [0, 1, 300, 4096, 4100, 4224, 12000, 16384, 16385, 20000]
 DOCUMENTS_TOL = 6e-3
 

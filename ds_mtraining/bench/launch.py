@@ -45,12 +45,22 @@ def run_logged(command: list[str], log: Path, env: dict):
 
 
 def read_metric(run_dir: Path, name: str) -> tuple[np.ndarray, np.ndarray]:
-    """(steps, values) of one metric of a training run's csv monitor."""
+    """(steps, values) of one metric of a training run's csv monitor. A resumed run appends a new
+    header and later steps (kept); a header followed by steps that do not continue the earlier
+    ones means another run wrote into the same folder: ValueError."""
     path = run_dir / "metrics" / "mtraining" / f"Train_mtraining_{name}.csv"
     with open(path) as handle:
-        rows = list(csv.reader(handle))[1:]
-    steps = np.array([int(r[0]) for r in rows])
-    return steps, np.array([float(r[1]) for r in rows])
+        rows = list(csv.reader(handle))
+    steps, values = [], []
+    for row in rows:
+        if not row[0].lstrip("-").isdigit():  # a header: the file's first line, or a resumed run's
+            continue
+        if steps and int(row[0]) <= steps[-1]:
+            raise ValueError(f"{path} holds the metrics of more than one run (step {row[0]} after step "
+                             f"{steps[-1]}): train into a new folder")
+        steps.append(int(row[0]))
+        values.append(float(row[1]))
+    return np.array(steps), np.array(values)
 
 
 def run_in_lanes(lanes: list[tuple[list, str]], work):

@@ -129,6 +129,11 @@ class Study:
             if not (self.data / name).is_file():
                 raise FileNotFoundError(f"{self.data / name} is missing; build the corpus with "
                                         f"python -m ds_mtraining.eval.corpus --out {self.data} ...")
+        earlier = [name for name in ("pretrain", "calibration", *MODES) if (self.out / name).exists()]
+        if earlier:
+            raise FileExistsError(f"{self.out} already holds a study ({', '.join(earlier)}): its runs would "
+                                  f"append to those metrics; give a new --out or remove it")
+        self.out.mkdir(parents=True, exist_ok=True)
         self.lock = threading.Lock()
         self.start = time.time()
         self.pretrained = None
@@ -440,7 +445,7 @@ def main(argv=None):
             parser.error("--pretrain_config and --pretrain_steps >= 1 go together")
         try:
             Study(args).run()
-        except (FileNotFoundError, RuntimeError, ValueError) as error:
+        except (FileNotFoundError, FileExistsError, RuntimeError, ValueError) as error:
             print(f"ds_mtraining.bench.quality: error: {error}", file=sys.stderr)
             sys.exit(2)
         study = Path(args.out)
