@@ -51,7 +51,7 @@ def fake_launcher(calls):
         step = FIXED_S + layers * SECOND_PER_LAYER * growth
         return {"step_s": step, "tokens_per_s": section["seq_len"] / step, "step_times_s": [step] * args.steps,
                 "peak_memory_gib": [10.0 + layers] * world, "losses": [12.0] * args.steps,
-                "wall_s": OVERHEAD_S + step * args.steps}
+                "density": 0.1 if mode == "mtraining" else None, "wall_s": OVERHEAD_S + step * args.steps}
     return launch
 
 
@@ -105,5 +105,6 @@ def test_smoke_end_to_end(tmp_path):
     for mode in ("mtraining", "ulysses"):
         assert row[mode]["step_s"] > 0 and row[mode]["layers"] == 2 and not row[mode]["extrapolated"]
         assert len(row[mode]["runs"][0]["losses"]) == 2 and row[mode]["peak_memory_gib"] is None  # CPU
+    assert 0 < row["mtraining"]["density"] <= 1 and row["ulysses"]["density"] is None  # only an index has one
     assert row["speedup"] == pytest.approx(row["ulysses"]["step_s"] / row["mtraining"]["step_s"])
     assert "MTraining W" in done.stdout.split("e2e: tiny-qwen2 ulysses")[-1]  # the table, printed last

@@ -8,7 +8,11 @@ bf16, activation checkpointing), in which only the model and its depth, ``seq_le
 mode and the sequence-parallel size change. A step is the forward, the chunked sequence-parallel
 loss, the backward and the optimizer step, on random token ids over the model's whole vocabulary
 (the ``random`` data source). ``step_s`` is the median of the step times that the run logged after
-``--warmup`` steps; ``peak_memory_gib`` every rank's peak allocated GPU memory, as logged.
+``--warmup`` steps; ``peak_memory_gib`` every rank's peak allocated GPU memory, as logged;
+``density`` (MTraining) the median share of causal entries its index computed: a randomly
+initialised model's attention is nearly uniform, so top-p keeps almost everything (0.86-0.98 at
+256K-512K on two H200s) and MTraining does dense work there; its speedups mean what they say only
+with a trained model's attention (``mtraining.model`` a checkpoint directory).
 
 Modes: ``mtraining`` (``attention: "sparse"``, the estimated vertical-slash index on the striped
 ring), ``ulysses`` (HF's dense SDPA attention under DeepSpeed-Ulysses), ``dense`` (a full index; on
@@ -51,12 +55,13 @@ import json
 import os
 import platform
 import re
-import signal
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from .launch import LaunchTimeout, launcher_env, metric_path, read_metric, run_logged, training_command
 
 MODES = {"mtraining": "sparse", "ulysses": "ulysses", "dense": "dense"}
 QUADRATIC = ("ulysses", "dense")  # dense attention: step time grows with S^2 (MTraining's about with S)
@@ -117,25 +122,21 @@ def launch_config(base: dict, model: str, mode: str, seq_len: int, world: int, l
     return config
 
 
-def read_metric(run_dir: Path, name: str) -> list[tuple[int, float]]:
-    """(step, value) rows of one metric that ``ds_mtraining.train`` logged (csv monitor)."""
-    path = run_dir / "metrics" / "mtraining" / f"Train_mtraining_{name}.csv"
-    if not path.is_file():
-        return []
-    rows = [line.split(",") for line in path.read_text().splitlines()[1:] if line.strip()]
-    return [(int(float(step)), float(value)) for step, value in rows]
-
-
 def read_run(run_dir: Path, tokens_per_step: int, warmup: int, world: int) -> dict:
-    """Step times, tokens/s, peak memory per rank and losses of a finished run."""
-    steps = [tokens_per_step / rate for _, rate in read_metric(run_dir, "tokens_per_s")]
+    """Step times, tokens/s, peak memory per rank, losses and (sparse runs) the attention density
+    of a finished run."""
+    def metric(name: str) -> list[float]:
+        return read_metric(run_dir, name)[1].tolist() if metric_path(run_dir, name).is_file() else []
+
+    steps = [tokens_per_step / rate for rate in metric("tokens_per_s")]
     if len(steps) <= warmup:
         raise LaunchFailed("error", f"{run_dir}: {len(steps)} logged step(s), none after the {warmup} warmup step(s)")
     step_s = statistics.median(steps[warmup:])
-    peaks = [read_metric(run_dir, f"peak_memory_gib_rank{r}") for r in range(world)]
+    peaks = [metric(f"peak_memory_gib_rank{r}") for r in range(world)]
+    density = metric("density")[warmup:]
     return {"step_s": step_s, "tokens_per_s": tokens_per_step / step_s, "step_times_s": steps,
-            "peak_memory_gib": [p[-1][1] for p in peaks] if all(peaks) else None,
-            "losses": [v for _, v in read_metric(run_dir, "loss")]}
+            "peak_memory_gib": [p[-1] for p in peaks] if all(peaks) else None,
+            "density": statistics.median(density) if density else None, "losses": metric("loss")}
 
 
 def launch(config: dict, gpus: list | None, world: int, folder: Path, port: int, args) -> dict:
@@ -146,30 +147,22 @@ def launch(config: dict, gpus: list | None, world: int, folder: Path, port: int,
     monitor = {"enabled": True, "output_path": str(folder / "run" / "metrics"), "job_name": "mtraining"}
     config = {**config, "csv_monitor": monitor}  # where read_run looks, whatever --config says
     (folder / "config.json").write_text(json.dumps(config, indent=1))
-    placement = ["--include", "localhost:" + ",".join(map(str, gpus))] if gpus else ["--num_gpus", str(world)]
-    command = [sys.executable, "-m", "deepspeed.launcher.runner", *placement, "--master_port", str(port),
-               "--module", "ds_mtraining.train", "--deepspeed_config", str(folder / "config.json"),
-               "--steps", str(args.steps), "--save_dir", str(folder / "run"), "--seed", str(args.seed),
-               "--no_progress", "--no_checkpoint"]
-    env = dict(os.environ)
+    devices = ",".join(f"cuda:{gpu}" for gpu in gpus) if gpus else ",".join(["cpu"] * world)
+    command = training_command(folder / "config.json", args.steps, folder / "run", devices, port, args.seed, 1,
+                               extra=("--no_checkpoint",))
+    env = launcher_env()
     if not gpus:
         env.setdefault("OMP_NUM_THREADS", "1")  # CPU ranks outnumber small machines' cores
     log = folder / "train.log"
     started = time.monotonic()
-    with log.open("w") as handle:
-        process = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        try:
-            code = process.wait(timeout=args.timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-            raise LaunchFailed("timeout", f"still running after {args.timeout:.0f} s (killed); log {log}") from None
+    try:
+        run_logged(command, log, env, args.timeout)
+    except LaunchTimeout as error:
+        raise LaunchFailed("timeout", str(error)) from None
+    except RuntimeError as error:
+        raise LaunchFailed("oom" if OUT_OF_MEMORY.search(log.read_text(errors="replace")) else "error",
+                           str(error)) from None
     wall = time.monotonic() - started
-    if code != 0:
-        text = log.read_text(errors="replace")
-        tail = "\n".join(text.splitlines()[-12:])
-        raise LaunchFailed("oom" if OUT_OF_MEMORY.search(text) else "error",
-                           f"exit {code}; last lines of {log}:\n{tail}")
     micro = config.get("train_micro_batch_size_per_gpu", 1) * config.get("gradient_accumulation_steps", 1)
     result = read_run(folder / "run", micro * config["mtraining"]["seq_len"], args.warmup, world)
     return {**result, "wall_s": wall, "log": str(log)}
@@ -258,7 +251,7 @@ class Bench:
     @staticmethod
     def _measured(run: dict, layers: int) -> dict:
         return {"layers": layers, "step_s": run["step_s"], "tokens_per_s": run["tokens_per_s"],
-                "peak_memory_gib": run["peak_memory_gib"]}
+                "peak_memory_gib": run["peak_memory_gib"], "density": run["density"]}
 
     def _partial(self, model: str, mode: str, seq_len: int, world: int, full: int) -> dict:
         """Times ``--layers`` L_a and L_b and extrapolates step time and peak memory to ``full``."""
@@ -269,7 +262,7 @@ class Bench:
         if a["peak_memory_gib"] and b["peak_memory_gib"]:
             peak = [extrapolate(x, y, layers_a, layers_b, full) for x, y in zip(a["peak_memory_gib"], b["peak_memory_gib"])]
         return {"layers": full, "step_s": step_s, "tokens_per_s": a["tokens_per_s"] * a["step_s"] / step_s,
-                "peak_memory_gib": peak, "extrapolated": True, "runs": [a, b]}
+                "peak_memory_gib": peak, "density": b["density"], "extrapolated": True, "runs": [a, b]}
 
     # ------------------------------------------------------------------ rows
     def run(self):
@@ -343,9 +336,10 @@ def table(record: dict):
             return "-"
         if not result.get("step_s"):
             return f"[red]{result.get('error', 'failed').split(':')[0]}"
-        peak = result.get("peak_memory_gib")
+        peak, density = result.get("peak_memory_gib"), result.get("density")
         memory = f", {max(peak):.0f} GiB" if peak else ""
-        return f"{result['step_s']:.2f} s{'*' if result.get('extrapolated') else ''}{memory}"
+        sparse = f", density {density:.2f}" if density is not None else ""
+        return f"{result['step_s']:.2f} s{'*' if result.get('extrapolated') else ''}{memory}{sparse}"
 
     def ratio(value):
         return f"{value:.1f}x" if value else "-"

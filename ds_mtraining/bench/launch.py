@@ -1,9 +1,11 @@
 """Launching ``ds_mtraining.train`` from a benchmark and reading back what it logged: the
-studies (:mod:`.quality`, :mod:`.documents_training`) train through the real launcher path."""
+studies and benchmarks (:mod:`.quality`, :mod:`.documents_training`, :mod:`.e2e`) train through
+the real launcher path."""
 from __future__ import annotations
 
 import csv
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -13,9 +15,10 @@ import numpy as np
 
 
 def training_command(config: Path, steps: int, save_dir: Path, devices: str, port: int, seed: int,
-                     log_interval: int, export_hf: Path | None = None) -> list[str]:
+                     log_interval: int, export_hf: Path | None = None, extra: tuple = ()) -> list[str]:
     """The ``deepspeed`` launcher command that trains ``config`` for ``steps`` steps on
-    ``devices`` ('cuda:0', 'cuda:0,cuda:1': those GPUs; 'cpu' or 'cpu,cpu': that many CPU ranks)."""
+    ``devices`` ('cuda:0', 'cuda:0,cuda:1': those GPUs; 'cpu' or 'cpu,cpu': that many CPU ranks),
+    with ``extra`` arguments of ``ds_mtraining.train`` (e.g. ``--no_checkpoint``)."""
     devices_list = devices.split(",")
     placement = ["--num_gpus", str(len(devices_list))]
     if devices.startswith("cuda:"):
@@ -26,7 +29,7 @@ def training_command(config: Path, steps: int, save_dir: Path, devices: str, por
                "--no_progress"]
     if export_hf is not None:
         command += ["--export_hf", str(export_hf)]
-    return command
+    return command + list(extra)
 
 
 def launcher_env() -> dict:
@@ -34,21 +37,40 @@ def launcher_env() -> dict:
     return {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
 
 
-def run_logged(command: list[str], log: Path, env: dict):
-    """Runs ``command`` with its output in ``log``; a failure raises RuntimeError with the log's tail."""
+class LaunchTimeout(RuntimeError):
+    """A command still running after its timeout (its process group was killed)."""
+
+
+def run_logged(command: list[str], log: Path, env: dict, timeout: float | None = None):
+    """Runs ``command`` in its own process group with its output in ``log``. A non-zero exit raises
+    RuntimeError with the log's tail; past ``timeout`` seconds (or on an interrupt) the whole group
+    (the launcher and its ranks) is killed, and a timeout raises :class:`LaunchTimeout`."""
     with open(log, "w") as handle:
-        done = subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT, env=env)
-    if done.returncode != 0:
-        tail = "".join(log.read_text().splitlines(keepends=True)[-15:])
-        raise RuntimeError(f"{' '.join(command[:6])} ... failed (exit {done.returncode}); "
-                           f"last lines of {log}:\n{tail}")
+        process = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            code = process.wait(timeout=timeout)
+        except BaseException as stop:  # the timeout, or Ctrl-C: no rank may outlive its launch
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            if isinstance(stop, subprocess.TimeoutExpired):
+                raise LaunchTimeout(f"{' '.join(command[:6])} ... still running after {timeout:.0f} s (killed); "
+                                    f"log {log}") from None
+            raise
+    if code != 0:
+        tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-15:])
+        raise RuntimeError(f"{' '.join(command[:6])} ... failed (exit {code}); last lines of {log}:\n{tail}")
+
+
+def metric_path(run_dir: Path, name: str) -> Path:
+    """The csv file of one metric that ``ds_mtraining.train`` logged into ``run_dir``."""
+    return run_dir / "metrics" / "mtraining" / f"Train_mtraining_{name}.csv"
 
 
 def read_metric(run_dir: Path, name: str) -> tuple[np.ndarray, np.ndarray]:
     """(steps, values) of one metric of a training run's csv monitor. A resumed run appends a new
     header and later steps (kept); a header followed by steps that do not continue the earlier
     ones means another run wrote into the same folder: ValueError."""
-    path = run_dir / "metrics" / "mtraining" / f"Train_mtraining_{name}.csv"
+    path = metric_path(run_dir, name)
     with open(path) as handle:
         rows = list(csv.reader(handle))
     steps, values = [], []

@@ -43,7 +43,7 @@ from ..data import ByteTokenizer, stdlib_documents
 from ..documents import doc_start_from_cu_seqlens
 from ..estimate import (DOCUMENT_WEIGHTS, document_column_and_diagonal_mass, estimate_vertical_slash,
                         index_from_masses)
-from ..recall import attention_recall, causal_entries
+from ..recall import attention_recall
 
 CHOSEN_WEIGHT = "tokens"  # the rule estimate_vertical_slash ships
 
