@@ -61,6 +61,7 @@ import torch.distributed as dist
 
 from ds_mtraining.data import DataConfigError, RankBatches, datasets_offline, load_tokenizer, training_samples
 from ds_mtraining.distributed import ParallelConfigError, initialize_groups
+from ds_mtraining.distributed.shm import release_shm_buffer
 from ds_mtraining.training import MTRAINING_KEY, ConfigError
 from ds_mtraining.training.export import export_hf
 from ds_mtraining.training.checkpoint import continue_metrics, resume_checkpoint, save_checkpoint
@@ -146,6 +147,7 @@ def train(args, watchdog: Watchdog | None = None) -> dict:
     get_accelerator().set_device(int(os.environ.get("LOCAL_RANK", "0")))
     with contextlib.redirect_stdout(sys.stdout if launcher_rank() == 0 else io.StringIO()):
         deepspeed.init_distributed()  # DeepSpeed prints its shm op's build note: rank 0's copy only
+    release_shm_buffer()
     groups = initialize_groups(run.sequence_parallel_size, run.ring)
     if watchdog is not None:
         watchdog.know_peers()

@@ -2,13 +2,18 @@
 for ``cpu_op``) and random sparse indices. Shared helper functions live in helpers.py.
 
 Run order: the op-builder tests run first. With an empty extension cache the JIT test's build (into
-the session's cache) is the session's build of the CPU op: one compile, not two. Beside it a thread
-builds DeepSpeed's shm comm op (which every ``deepspeed.init_distributed`` loads, ~50 s of CPU to
-compile), so that no launched rank compiles it: a launch killed or timed out mid-build leaves the
-cache's lock file behind, and every later launch waits on it forever."""
+the session's cache) is the session's build of the CPU op: one compile, not two. Beside it a
+subprocess builds DeepSpeed's shm comm op (which every ``deepspeed.init_distributed`` loads, ~50 s
+of CPU to compile), so that no launched rank compiles it: a launch killed or timed out mid-build
+leaves the cache's lock file behind, and every later launch waits on it forever. (A subprocess,
+not a thread: a build in a thread of this process broke pytest's output capture of the test
+running beside it, "Bad file descriptor" at its teardown; DeepSpeed's builder redirects file
+descriptor 2 while it probes the compiler.)"""
 import multiprocessing
 import os
-import threading
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -43,26 +48,29 @@ def pytest_collection_modifyitems(session, config, items):
 _op_build: dict = {}
 
 
-def _build_ops(with_cpu_op: bool):
-    from deepspeed.comm.torch import build_shm_op
-    from ds_mtraining import ops
-    try:
-        build_shm_op()
-        if with_cpu_op:
-            ops.op_module("cpu")
-    except BaseException as error:  # re-raised by the fixture
-        _op_build["error"] = error
+def _build_ops_code(with_cpu_op: bool) -> str:
+    code = "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
+    return code + ("; from ds_mtraining import ops; ops.op_module('cpu')" if with_cpu_op else "")
 
 
 def pytest_collection_finish(session):
-    """When a selected test asks for ``cpu_op``: starts the ops' build (or cache load) in a thread,
-    the CPU op's only when the JIT test (which may build it) is not selected, and lets the
-    forkserver preload both for the ranks it forks."""
+    """When a selected test asks for ``cpu_op``: starts the ops' build (or cache load) in a
+    subprocess, the CPU op's only when the JIT test (which may build it) is not selected, and lets
+    the forkserver preload both for the ranks it forks."""
     if any("cpu_op" in getattr(item, "fixturenames", ()) for item in session.items):
         jit_test = any(item.name == JIT_TEST for item in session.items)
-        _op_build["thread"] = threading.Thread(target=_build_ops, args=(not jit_test,), name="ops-build", daemon=True)
-        _op_build["thread"].start()
+        log = tempfile.NamedTemporaryFile("w", prefix="ds_mtraining-ops-build-", suffix=".log", delete=False)
+        _op_build.update(log=log.name, process=subprocess.Popen(
+            [sys.executable, "-c", _build_ops_code(not jit_test)], stdout=log, stderr=subprocess.STDOUT))
+        log.close()
         multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD + ["forkserver_ops"])
+
+
+def pytest_sessionfinish(session, exitstatus):
+    process = _op_build.get("process")
+    if process is not None and process.poll() is None:  # no test waited for it
+        process.kill()
+        process.wait()
 
 
 @pytest.fixture(scope="session")
@@ -74,18 +82,21 @@ def cpu_op():
     at once. (Tests that call the op without asking wait for the same build: ``ops.op_module``
     holds a lock while it builds.)"""
     from ds_mtraining import ops
-    thread = _op_build.get("thread")
-    if thread is None:
-        _build_ops(with_cpu_op=True)
+    process = _op_build.get("process")
+    if process is None:
+        subprocess.run([sys.executable, "-c", _build_ops_code(True)], check=True, timeout=BUILD_TIMEOUT_S)
     else:
-        thread.join(BUILD_TIMEOUT_S)
-        if thread.is_alive():
+        try:
+            code = process.wait(BUILD_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            process.kill()
             from ds_mtraining_op_builder import extension_root
             pytest.fail(f"the ops' build still runs after {BUILD_TIMEOUT_S} s (a killed build's lock file "
                         f"left in {extension_root()}?)")
-    if "error" in _op_build:
-        raise _op_build["error"]
-    return ops.op_module("cpu")  # loaded by the thread, or from what the JIT test built
+        if code != 0:
+            pytest.fail(f"the ops' build failed (exit {code}); {_op_build['log']}:\n"
+                        + Path(_op_build["log"]).read_text()[-3000:])
+    return ops.op_module("cpu")  # from the cache: the subprocess or the JIT test built it
 
 
 @pytest.fixture(scope="session", autouse=True)

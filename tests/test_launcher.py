@@ -104,8 +104,11 @@ def side_runs(tmp_path_factory, cpu_op):  # the op is built before the launched 
 def reference(tmp_path_factory, side_runs):
     """An uninterrupted ``deepspeed --num_gpus 2`` run: {step: loss}."""
     save_dir = tmp_path_factory.mktemp("reference")
-    run(train_command(save_dir, demo_config(save_dir), "--num_gpus", "2", "--master_port", str(free_port())),
+    port = free_port()
+    run(train_command(save_dir, demo_config(save_dir), "--num_gpus", "2", "--master_port", str(port)),
         save_dir / "log.txt")
+    left = list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
+    assert not left, f"the run left DeepSpeed's shm buffers behind: {left}"
     rows = loss_rows(save_dir)
     assert [step for step, _ in rows] == list(range(1, STEPS + 1))
     assert (save_dir / "latest").read_text().strip() == f"step{STEPS}"
