@@ -27,8 +27,9 @@ short documents would lose their pattern. Step 1-2 then run per document instead
    query rows, :data:`DOCUMENT_WEIGHTS` ``"tokens"``: the weight each document's rows carry in
    the recall) and summed over the documents of the row;
 
-then steps 3-4 select per sequence with the same budgets. One document per row gives today's
-masses bit for bit. Cost: documents are grouped by length into power-of-two key windows (at most
+then steps 3-4 select per sequence with the same budgets, and step 4's sinks are the first
+``sink_tokens`` tokens of *every* document (each document's own sink, as when it runs alone). One
+document per row gives today's masses and index bit for bit. Cost: documents are grouped by length into power-of-two key windows (at most
 log2 S groups, each one batched einsum), so the work stays about ``2 last_q S`` logits per head
 however many documents there are.
 
@@ -181,6 +182,21 @@ def sink_columns(batch: int, heads: int, config: SparseConfig, seq_len: int, dev
     return sinks.expand(batch, heads, -1)
 
 
+def document_sink_columns(doc_start: torch.Tensor, heads: int, config: SparseConfig) -> torch.Tensor:
+    """[B, H, n] the first ``sink_tokens`` tokens of every document of each row (inside the
+    document), -1-padded: step 4's sinks under document masking."""
+    rows = []
+    for row in doc_start:
+        cu = cu_seqlens_from_doc_start(row).to(row.device)
+        sinks = cu[:-1, None] + torch.arange(config.sink_tokens, device=row.device)
+        rows.append(sinks[sinks < cu[1:, None]])
+    width = max(len(r) for r in rows)
+    padded = torch.full((len(rows), width), -1, dtype=torch.long, device=doc_start.device)
+    for i, r in enumerate(rows):
+        padded[i, :len(r)] = r
+    return padded[:, None].expand(-1, heads, -1)
+
+
 @torch.no_grad()
 def estimate_vertical_slash(q: torch.Tensor, k: torch.Tensor, config: SparseConfig,
                             softmax_scale: float | None = None,
@@ -207,13 +223,17 @@ def estimate_vertical_slash(q: torch.Tensor, k: torch.Tensor, config: SparseConf
     else:
         doc_start = check_doc_start(doc_start, b, s, q.device)
         columns, diagonals = document_column_and_diagonal_mass(q, k, doc_start, config.last_q, scale)
-    return index_from_masses(columns, diagonals, config)
+    return index_from_masses(columns, diagonals, config, doc_start)
 
 
-def index_from_masses(columns: torch.Tensor, diagonals: torch.Tensor, config: SparseConfig) -> SparseIndex:
-    """Steps 3-4: the index of the top-p columns and token diagonals of masses [B, H, S] each."""
+def index_from_masses(columns: torch.Tensor, diagonals: torch.Tensor, config: SparseConfig,
+                      doc_start: torch.Tensor | None = None) -> SparseIndex:
+    """Steps 3-4: the index of the top-p columns and token diagonals of masses [B, H, S] each (with
+    ``doc_start``, every document's sinks)."""
     b, h, s = columns.shape
     vertical = select_top_p(columns, config.p_vertical, config.max_vertical)
-    vertical = torch.cat([vertical, sink_columns(b, h, config, s, columns.device)], -1)
+    sinks = (sink_columns(b, h, config, s, columns.device) if doc_start is None
+             else document_sink_columns(doc_start, h, config))
+    vertical = torch.cat([vertical, sinks], -1)
     slash = select_top_p(diagonals, config.p_slash, config.max_slash_diagonals)
     return SparseIndex.from_vertical_slash(vertical, slash, s, config.block_size, config.local_blocks)

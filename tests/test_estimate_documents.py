@@ -8,7 +8,7 @@ import torch
 from ds_mtraining import SparseConfig, SparseIndex, estimate_vertical_slash, estimate_cuda, synthetic
 from ds_mtraining.documents import doc_start_from_cu_seqlens, document_causal_mask
 from ds_mtraining.estimate import (column_and_diagonal_mass, document_column_and_diagonal_mass,
-                                   last_query_scores, select_top_p, sink_columns)
+                                   last_query_scores, select_top_p)
 from ds_mtraining.recall import attention_recall, recall
 from ds_mtraining.reference import dense_attention_with_lse, dense_mask
 
@@ -83,13 +83,17 @@ def test_two_batch_rows_with_their_own_packings():
 @pytest.mark.parametrize("packing", list(PACKINGS))
 def test_index_is_the_selection_of_the_loop_masses(packing):
     """Steps 3-4 run per sequence on the document masses: the index equals top-p (with caps) of the
-    float64 loop masses, sinks and local blocks added."""
-    q, k, doc_start = packed_qk(PACKINGS[packing], seed=1)
+    float64 loop masses, every document's own sinks (its first 2 tokens, or its one token) and the
+    local blocks added."""
+    lengths = PACKINGS[packing]
+    q, k, doc_start = packed_qk(lengths, seed=1)
     config = SparseConfig(block_size=64, last_q=16, p_vertical=0.7, p_slash=0.8, max_vertical=50,
                           max_slash_diagonals=20, sink_tokens=2)
     columns, diagonals = loop_masses(q, k, doc_start, 16, 1 / math.sqrt(q.shape[-1]), "tokens")
+    starts = [sum(lengths[:d]) for d in range(len(lengths))]
+    sinks = torch.tensor([start + t for start, n in zip(starts, lengths) for t in range(min(2, n))])
     vertical = torch.cat([select_top_p(columns, config.p_vertical, config.max_vertical),
-                          sink_columns(1, 4, config, q.shape[1], "cpu")], -1)
+                          sinks.expand(1, 4, -1)], -1)
     slash = select_top_p(diagonals, config.p_slash, config.max_slash_diagonals)
     expected = SparseIndex.from_vertical_slash(vertical, slash, q.shape[1], 64)
     got = estimate_vertical_slash(q, k, config, doc_start=doc_start)

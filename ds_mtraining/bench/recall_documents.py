@@ -123,7 +123,7 @@ def packed_rows(layers, doc_start, configs: dict) -> dict:
         methods = {}
         for weight in DOCUMENT_WEIGHTS:
             masses = document_column_and_diagonal_mass(q, k, doc_start, last_q, scale, weight)
-            methods.update({(f"packed, documents ({weight})", p): index_from_masses(*masses, config)
+            methods.update({(f"packed, documents ({weight})", p): index_from_masses(*masses, config, doc_start)
                             for p, config in configs.items()})
         methods.update({("packed, last queries only", p): estimate_vertical_slash(q, k, config, scale)
                         for p, config in configs.items()})
