@@ -56,7 +56,7 @@ def main(argv=None):
     table = Table(title=f"vertical-slash sparse attention, S={s}, H={args.heads}/{hkv}, D={args.head_dim}")
     for col in ("head", "planted slash", "vertical", "slash blocks", "density"):
         table.add_column(col, justify="right")
-    density = index.num_entries()[0].double() / (s * (s + 1) / 2)
+    density = index.head_density()[0]
     group = args.heads // hkv
     for h in range(args.heads):
         table.add_row(str(h), str(offsets[h // group]), str(int(index.vertical_count[0, h])),

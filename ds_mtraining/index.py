@@ -43,6 +43,12 @@ class Stripe:
     k_rank: int = 0
 
 
+def causal_entries(seq_len: int) -> float:
+    """The entries of causal attention over ``seq_len`` tokens, S (S + 1) / 2: every density's
+    denominator."""
+    return seq_len * (seq_len + 1) / 2
+
+
 def _sorted_unique(values: torch.Tensor) -> torch.Tensor:
     """Sorts the last dim, turns repeats and negatives into PAD, trims trailing all-PAD columns."""
     values = torch.where(values < 0, torch.full_like(values, PAD), values)
@@ -195,10 +201,13 @@ class SparseIndex:
         vertical_entries = torch.where(cvalid, rows_after - covered.sum(-1), 0).sum(-1)
         return slash_entries + vertical_entries
 
+    def head_density(self) -> torch.Tensor:
+        """Float64 [B, H]: computed entries over the causal entries, per head."""
+        return self.num_entries().double() / causal_entries(self.seq_len)
+
     def density(self) -> float:
-        """Computed entries over the causal entries S (S + 1) / 2, averaged over batch and heads."""
-        causal = self.seq_len * (self.seq_len + 1) / 2
-        return float(self.num_entries().double().mean() / causal)
+        """:meth:`head_density` averaged over batch and heads."""
+        return float(self.head_density().mean())
 
     def __repr__(self):
         return (f"SparseIndex(batch={self.batch}, heads={self.heads}, seq_len={self.seq_len}, "

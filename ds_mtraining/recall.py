@@ -30,7 +30,7 @@ import torch
 from .attention import resolve_softmax_scale
 from .documents import check_doc_start
 from .estimate import check_qk
-from .index import SparseIndex, membership
+from .index import SparseIndex, causal_entries, membership
 
 
 @dataclass
@@ -42,15 +42,6 @@ class Recall:
     recall: torch.Tensor
     density: torch.Tensor
     block_mass: torch.Tensor
-
-
-def causal_entries(seq_len: int) -> float:
-    return seq_len * (seq_len + 1) / 2
-
-
-def index_density(index: SparseIndex) -> torch.Tensor:
-    """Float64 [B, H]: computed entries over causal entries, per head."""
-    return index.num_entries().double() / causal_entries(index.seq_len)
 
 
 def _scores(q_rows: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
@@ -136,7 +127,7 @@ def attention_recall(q: torch.Tensor, k: torch.Tensor, indices: Sequence[SparseI
             if doc_start is not None:
                 computed[n] += _kept_in_documents(keep, rows - first, row_start - first)
     if doc_start is None:
-        density = torch.stack([index_density(index) for index in indices])
+        density = torch.stack([index.head_density() for index in indices])
     else:
         density = computed / document_entries(doc_start)[:, None]
     return Recall(kept / s, density, block_mass / s)

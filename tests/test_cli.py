@@ -204,10 +204,31 @@ def loaded(pid: int, library: str) -> bool:
         return False
 
 
+def process_state(pid: int) -> str:
+    """A live process's scheduler state and kernel wait channel (why it ignores a signal: D =
+    uninterruptible sleep) and its threads' states."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        wchan = Path(f"/proc/{pid}/wchan").read_text() or "-"
+        threads = sorted(Path(f"/proc/{pid}/task/{t}/stat").read_text().rsplit(")", 1)[1].split()[0]
+                         for t in os.listdir(f"/proc/{pid}/task"))
+    except OSError as error:
+        return f"pid {pid}: {error}"
+    return f"pid {pid}: state {state}, wchan {wchan}, thread states {''.join(threads)}"
+
+
 def kill_launcher_when_ready(process: subprocess.Popen, log: Path, outcome: dict):
     """Waits until the ranks are past DeepSpeed's shm op load (rank 0's note in the log, and each
     rank's process maps the library: a rank killed inside torch's extension load would leave the
-    cache's lock file behind), SIGKILLs the launcher and times the ranks' exit, into ``outcome``."""
+    cache's lock file behind), SIGKILLs the launcher and times the ranks' exit, into ``outcome``
+    (an exception of this thread goes there too, as ``error``)."""
+    try:
+        _kill_launcher_when_ready(process, log, outcome)
+    except Exception as error:  # noqa: BLE001 - the test reports it
+        outcome["error"] = f"the launcher-killing thread failed: {error!r}"
+
+
+def _kill_launcher_when_ready(process: subprocess.Popen, log: Path, outcome: dict):
     deadline = time.monotonic() + LAUNCH_TIMEOUT_S
     pids = {}
     while not ("DeepSpeed deepspeed.ops.comm" in log.read_text() and len(pids := rank_pids(process)) == 2
@@ -222,6 +243,7 @@ def kill_launcher_when_ready(process: subprocess.Popen, log: Path, outcome: dict
     while any(alive(pid) for pid in pids.values()) and time.monotonic() < killed + EXIT_WITHIN_S:
         time.sleep(0.1)
     outcome.update(pids=pids, seconds=time.monotonic() - killed, left=[pid for pid in pids.values() if alive(pid)])
+    outcome["left_states"] = [process_state(pid) for pid in outcome["left"]]
     for pid in outcome["left"]:
         os.kill(pid, signal.SIGKILL)
 
@@ -331,7 +353,8 @@ def test_killed_launcher_and_bad_data_end_quickly(side_launches):
     assert "error" not in killed, killed.get("error")
     assert sorted(killed["pids"]) == [0, 1], killed["pids"]
     text = killed["log"].read_text()
-    assert not killed["left"], f"ranks still running {EXIT_WITHIN_S}s after the launcher died:\n{text[-3000:]}"
+    assert not killed["left"], (f"ranks still running {EXIT_WITHIN_S}s after the launcher died "
+                                f"({'; '.join(killed['left_states'])}):\n{text[-3000:]}")
     assert text.count("ds_mtraining.train: the launcher (pid") == 1 and "Traceback" not in text, text[-3000:]
     print(f"killed launcher: ranks exited {killed['seconds']:.1f} s after the kill")
 

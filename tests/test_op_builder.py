@@ -126,3 +126,11 @@ def test_prebuilt_install_imports_without_compiling(prebuilt_install, tmp_path):
     report = run_python("from ds_mtraining.cli import main; main(['report'])", env, tmp_path, 120)
     assert "prebuilt" in report
     assert not any(extensions.iterdir()), "nothing may be compiled when the op is prebuilt"
+
+
+def test_cpu_arch_is_deepspeeds_answer_without_its_probe():
+    """The CPU builder's -march flag (part of the JIT cache key) equals DeepSpeed's CPUOpBuilder's
+    on this machine, which reaches it through py-cpuinfo."""
+    from deepspeed.ops.op_builder.cpu.builder import CPUOpBuilder
+    builder = MTrainingCPUBuilder()
+    assert builder.cpu_arch() == CPUOpBuilder.cpu_arch(builder)

@@ -51,8 +51,7 @@ def layer_recall(q, k, sparse: SparseConfig, scale: float | None, dtype=torch.fl
     q, k = q.to(dtype), k.to(dtype)
     seq_len, heads, block = q.shape[1], q.shape[2], sparse.block_size
     index = estimate_vertical_slash(q, k, sparse, scale)
-    mean_density = float(index.num_entries().double().mean() / (seq_len * (seq_len + 1) / 2))
-    static = StaticPattern(density=mean_density, sink_tokens=sparse.sink_tokens)
+    static = StaticPattern(density=index.density(), sink_tokens=sparse.sink_tokens)
     static_index = static.index(q.shape[0], heads, seq_len, block, q.device)
     result = attention_recall(q, k, [index, static_index], block, scale)
     oracle, _ = oracle_recall(result.block_mass, seq_len, block, result.density[0])
