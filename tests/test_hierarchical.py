@@ -77,7 +77,7 @@ def test_topology_from_launcher_environment(tmp_path, monkeypatch):
 def test_bad_topologies_fail_before_any_communication(tmp_path, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "6")
     monkeypatch.setenv("LOCAL_SIZE", "4")
-    with pytest.raises(ValueError, match="world size 6 is not divisible by the 4 ranks per node"):
+    with pytest.raises(ValueError, match="the world of 6 ranks is not whole nodes of 4 ranks"):
         Topology.from_env()
     with pytest.raises(ValueError, match="straddle nodes unevenly"):
         Topology(2, 4).split([0, 1, 2, 4])
@@ -127,3 +127,13 @@ def test_deepspeed_launcher_two_fake_nodes_build_groups_and_match_flat_ring(tmp_
         assert report["seq_len"] == 4 * 2 * 64
         assert report["ok"] and report["max_rel_error_vs_flat"] <= 1e-4
         assert report["max_rel_error_vs_one_device"] <= 1e-4
+
+
+def test_hierarchical_groups_config_errors_name_the_fix():
+    from ds_mtraining.distributed import ParallelConfigError
+    from ds_mtraining.distributed.groups import hierarchical_topology
+    with pytest.raises(ParallelConfigError, match="not whole nodes of 4 ranks.*mtraining.ring='flat'"):
+        hierarchical_topology(6, 4, [list(range(6))])
+    with pytest.raises(ParallelConfigError, match="straddle nodes unevenly.*mtraining.ring='flat'"):
+        hierarchical_topology(8, 4, [[0, 1, 2, 4], [3, 5, 6, 7]])
+    assert hierarchical_topology(8, 4, [[0, 1, 4, 5], [2, 3, 6, 7]]) == Topology(2, 4)

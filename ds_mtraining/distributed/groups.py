@@ -190,15 +190,10 @@ def hierarchical_topology(world: int, ranks_per_node: int | None, sequence_rank_
     """The nodes x ranks-per-node topology for the hierarchical ring, validated against the
     sequence-parallel groups before any group is created."""
     from ds_mtraining.ring.topology import Topology
-    per_node = ranks_per_node or world
-    if world % per_node != 0:
-        raise ParallelConfigError(f"mtraining.ring='hierarchical': the world of {world} ranks is not whole "
-                                  f"nodes of {per_node} ranks (LOCAL_SIZE / hostfile slots); use equal "
-                                  f"slots per node or mtraining.ring='flat'")
-    topology = Topology(world // per_node, per_node)
-    for ranks in sequence_rank_lists:
-        try:
+    try:
+        topology = Topology.of_world(world, ranks_per_node or world)
+        for ranks in sequence_rank_lists:
             topology.split(ranks)
-        except ValueError as error:
-            raise ParallelConfigError(f"mtraining.ring='hierarchical': {error}") from None
+    except ValueError as error:
+        raise ParallelConfigError(f"mtraining.ring='hierarchical': {error}; or use mtraining.ring='flat'") from None
     return topology

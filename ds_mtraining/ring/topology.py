@@ -70,9 +70,14 @@ class Topology:
             per_node = slots.pop()
         else:
             per_node = local_world_size() or world
+        return cls.of_world(world, per_node)
+
+    @classmethod
+    def of_world(cls, world: int, per_node: int) -> "Topology":
+        """``world`` ranks as whole nodes of ``per_node`` (ValueError if they are not)."""
         if world % per_node:
-            raise ValueError(f"world size {world} is not divisible by the {per_node} ranks per node; "
-                             f"check LOCAL_WORLD_SIZE / the hostfile's slots")
+            raise ValueError(f"the world of {world} ranks is not whole nodes of {per_node} ranks; "
+                             f"check LOCAL_WORLD_SIZE / the hostfile's slots (the same on every node)")
         return cls(world // per_node, per_node)
 
     def split(self, ranks: list[int]) -> list[list[int]]:
