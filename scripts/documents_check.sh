@@ -56,7 +56,7 @@ fi
 stage kernel 180 env CUDA_VISIBLE_DEVICES=0 python3 -m ds_mtraining.bench.kernel --skip-dense --documents 4096 32768 \
   ${KERNEL_ARGS:---seq-lens 131072 --densities 0.05 0.1} --out "$OUT/kernel_documents_$device.json"
 stage training 240 python3 -m ds_mtraining.bench.documents_training --config ds_configs/documents_32k.json \
-  --steps "${STEPS:-300}" --lanes "${lanes[@]}" --log_interval 5 --out /tmp/documents_training \
+  --steps "${STEPS:-300}" --lanes "${lanes[@]}" --log_interval 5 --out "$(mktemp -d)/runs" \
   --results "$OUT" --tag "32k_$device"
 grep -A20 "sparse attention, H=" "$LOG" | tail -12
 finish

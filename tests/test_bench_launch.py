@@ -1,10 +1,14 @@
-"""The studies' launch helpers (ds_mtraining.bench.launch) and the quality study's guard
-against a reused study folder: no launches, hand-written metric files."""
+"""The studies' launch helpers (ds_mtraining.bench.launch), the studies' guards against a reused
+folder (hand-written metric files, no launches) and bench.documents_training end to end on CPU."""
 import argparse
+import json
+import subprocess
+import sys
 
 import pytest
+from helpers import REPO, environment
 
-from ds_mtraining.bench import launch
+from ds_mtraining.bench import documents_training, launch
 from ds_mtraining.bench.quality import Study
 
 
@@ -63,3 +67,30 @@ def test_quality_study_refuses_a_folder_holding_a_study(tmp_path):
     (out / "sparse").mkdir()
     with pytest.raises(FileExistsError, match="already holds a study"):
         Study(args)
+
+
+def test_documents_training_refuses_a_folder_holding_runs(tmp_path):
+    (tmp_path / "no_document_masking").mkdir()
+    with pytest.raises(FileExistsError, match="already holds runs"):
+        documents_training.train_both({}, 2, ["cpu,cpu"], tmp_path, 1, 29700, 1)
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("cpu_op")  # built before the launched ranks start
+def test_documents_training_end_to_end(tmp_path):
+    """Both runs (2 steps each, 2 CPU ranks, one lane) through the launcher: the JSON holds each
+    run's logged losses, densities and speeds, and the closing means compare the two."""
+    command = [sys.executable, "-m", "ds_mtraining.bench.documents_training", "--config",
+               "ds_configs/cpu_demo_documents.json", "--steps", "2", "--lanes", "cpu,cpu", "--tail", "2",
+               "--out", str(tmp_path / "runs"), "--results", str(tmp_path), "--tag", "t"]
+    done = subprocess.run(command, cwd=REPO, env=environment(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    record = json.loads((tmp_path / "documents_t.json").read_text())
+    assert set(record["runs"]) == {"document_masking", "no_document_masking"} and (tmp_path / "documents_t.png").is_file()
+    for name, run in record["runs"].items():
+        assert run["steps"] == [1, 2] and len(run["loss"]) == len(run["density"]) == 2
+        saved = json.loads((tmp_path / "runs" / name / "config.json").read_text())
+        assert saved["mtraining"]["document_masking"] is (name == "document_masking")
+        assert record["tail_mean_loss"][name] == pytest.approx(sum(run["loss"]) / 2)
+    assert record["tail_loss_gap"] == pytest.approx(
+        record["tail_mean_loss"]["document_masking"] / record["tail_mean_loss"]["no_document_masking"] - 1)

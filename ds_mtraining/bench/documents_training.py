@@ -8,7 +8,7 @@ the other. Writes ``documents_<tag>.json`` (per run: loss, density and tokens/s 
 the mean loss over the last ``--tail`` logged steps) and ``documents_<tag>.png``.
 
     python -m ds_mtraining.bench.documents_training --config ds_configs/documents_32k.json \\
-        --steps 300 --lanes cuda:0 cuda:1 --out /tmp/documents --tag 32k_h200
+        --steps 300 --lanes cuda:0 cuda:1 --tag 32k_h200
     OMP_NUM_THREADS=1 python -m ds_mtraining.bench.documents_training \\
         --config ds_configs/cpu_demo_documents.json --steps 40 --lanes cpu,cpu --tag cpu_demo
 """
@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import fresh_output_dir
 from .launch import launcher_env, read_metric, run_in_lanes, run_logged, training_command
 
 RUNS = {"document_masking": True, "no_document_masking": False}
@@ -30,6 +31,10 @@ RUNS = {"document_masking": True, "no_document_masking": False}
 def train_both(config: dict, steps: int, lanes: list[str], out: Path, seed: int, port: int,
                log_interval: int) -> dict:
     """Trains both runs (lane i takes runs i, i + len(lanes), ...); returns each run's curves."""
+    earlier = [name for name in RUNS if (out / name).exists()]
+    if earlier:
+        raise FileExistsError(f"{out} already holds runs ({', '.join(earlier)}): their metrics would mix; "
+                              f"give a new --out or remove it")
     results = {}
 
     def train(name: str, device: str, lane: int):
@@ -78,7 +83,7 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--lanes", nargs="+", default=["cuda:0"],
                         help="one device string per lane: 'cuda:0', 'cuda:0,cuda:1', 'cpu,cpu' (two CPU ranks)")
-    parser.add_argument("--out", default="/tmp/documents_training", help="folder of the two runs")
+    parser.add_argument("--out", default=None, help="folder of the two runs (default: a new bench_results/ folder)")
     parser.add_argument("--results", default="benchmarks/results", help="where documents_<tag>.json/.png go")
     parser.add_argument("--tag", required=True)
     parser.add_argument("--seed", type=int, default=1234)
@@ -89,9 +94,10 @@ def main(argv=None):
     if args.steps < 1:
         parser.error("--steps must be >= 1")
     config = json.loads(Path(args.config).read_text())
+    out = Path(args.out) if args.out else fresh_output_dir("documents_training")
     try:
-        runs = train_both(config, args.steps, args.lanes, Path(args.out), args.seed, args.port, args.log_interval)
-    except (FileNotFoundError, RuntimeError) as error:
+        runs = train_both(config, args.steps, args.lanes, out, args.seed, args.port, args.log_interval)
+    except (OSError, RuntimeError, ValueError) as error:
         print(f"ds_mtraining.bench.documents_training: error: {error}", file=sys.stderr)
         sys.exit(2)
     import torch
