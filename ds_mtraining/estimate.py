@@ -130,29 +130,55 @@ DOCUMENT_WEIGHTS = {
 }
 
 
+def _document_windows(doc_start: torch.Tensor):
+    """Every document of every row: (start, end, row, length, window) [docs] each, window the key
+    window of rules 1'-2' (the next power of two >= its length, at most S)."""
+    starts, ends, rows = [], [], []
+    for row in range(doc_start.shape[0]):  # a loop over the batch rows only
+        cu = cu_seqlens_from_doc_start(doc_start[row])
+        starts.append(cu[:-1])
+        ends.append(cu[1:])
+        rows.append(torch.full_like(cu[:-1], row))
+    start, end, row = (torch.cat(t).to(doc_start.device) for t in (starts, ends, rows))
+    length = end - start
+    window = torch.minimum(2 ** torch.ceil(torch.log2(length.double())).long(), length.new_tensor(doc_start.shape[1]))
+    return start, end, row, length, window
+
+
+def document_query_positions(doc_start: torch.Tensor, last_q: int) -> torch.Tensor:
+    """Ascending global positions of the query rows that rules 1'-2' read in any batch row: each
+    window's last min(last_q, window) rows (rows before a document's start are read, then masked)."""
+    _, end, _, _, window = _document_windows(doc_start)
+    count = window.clamp(max=last_q)
+    offsets = torch.arange(int(count.max()), device=end.device)
+    rows = end[:, None] - count[:, None] + offsets
+    return torch.unique(rows.clamp(min=0)[offsets < count[:, None]])  # (clamped as the rule reads them)
+
+
 def document_column_and_diagonal_mass(q: torch.Tensor, k: torch.Tensor, doc_start: torch.Tensor,
-                                      last_q: int, scale: float, weight: str = "tokens"
+                                      last_q: int, scale: float, weight: str = "tokens",
+                                      q_positions: torch.Tensor | None = None
                                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """Column masses [B, H, S] (global key positions) and token-diagonal masses [B, H, S] of rules
     1'-2' (module docstring): each document's last ``min(last_q, n_d)`` queries against its own
     keys, row-mean masses weighted by ``DOCUMENT_WEIGHTS[weight]`` and summed per batch row.
 
+    ``q`` is [B, S, H, D], or with ``q_positions`` [B, len(q_positions), H, D]: only the rows at
+    those global positions, at least :func:`document_query_positions` (what a sequence-parallel
+    estimate gathers instead of every query).
+
     Documents go in groups of equal window W (the next power of two >= n_d, at most S): a window
     holds the W keys ending at the document's last token, right-aligned, so every document of a
     group shares the causal mask of :func:`last_query_scores` and the diagonal view of
     :func:`column_and_diagonal_mass`; keys before the document's start are masked."""
-    b, s, h, _ = q.shape
-    starts, ends, rows = [], [], []
-    for row in range(b):  # a loop over the batch rows only
-        cu = cu_seqlens_from_doc_start(doc_start[row])
-        starts.append(cu[:-1])
-        ends.append(cu[1:])
-        rows.append(torch.full_like(cu[:-1], row))
-    start, end, row = (torch.cat(t).to(q.device) for t in (starts, ends, rows))
-    length = end - start
+    b, s, h = k.shape[0], k.shape[1], q.shape[2]
+    start, end, row, length, window = _document_windows(doc_start)
+    query_slot = None
+    if q_positions is not None:  # global position -> row of q
+        query_slot = torch.zeros(s, dtype=torch.long, device=q.device)
+        query_slot[q_positions] = torch.arange(len(q_positions), device=q.device)
     scored = length.clamp(max=last_q)
     weights = DOCUMENT_WEIGHTS[weight](length.double(), scored.double(), s)
-    window = torch.minimum(2 ** torch.ceil(torch.log2(length.double())).long(), length.new_tensor(s))
     columns = torch.zeros(b * s, h, dtype=torch.float32, device=q.device)
     diagonals = torch.zeros(b, h, s, dtype=torch.float32, device=q.device)
     for width in torch.unique(window).tolist():
@@ -160,9 +186,9 @@ def document_column_and_diagonal_mass(q: torch.Tensor, k: torch.Tensor, doc_star
         lq = min(last_q, width)
         local = torch.arange(width, device=q.device)
         key_pos = end[docs, None] - width + local  # global positions of the window, [docs, W]
-        query_pos = key_pos[:, width - lq:]
+        query_pos = key_pos[:, width - lq:].clamp(min=0)
         keys = k[row[docs, None], key_pos.clamp(min=0)]
-        queries = q[row[docs, None], query_pos.clamp(min=0)]
+        queries = q[row[docs, None], query_pos if query_slot is None else query_slot[query_pos]]
         logits = last_query_scores(queries, keys, local[width - lq:], local, scale)
         before_start = key_pos < start[docs, None]  # also masks rows of queries before the start
         logits.masked_fill_(before_start[:, None, None, :], float("-inf"))

@@ -191,3 +191,33 @@ def test_fused_estimator_refuses_documents():
     q = torch.zeros(1, 128, 2, 64, dtype=torch.bfloat16)
     reason = estimate_cuda.supports(q, q, SparseConfig(), 128, doc_start=torch.zeros(1, 128, dtype=torch.int32))
     assert reason is not None and "doc_start" in reason
+
+
+def distributed_documents_equal_single_device(rank, world):
+    """The document-aware index from striped shards (keys and only the read query rows gathered)
+    equals the single-device one: packings with documents shorter than a block, documents across
+    ranks, last_q longer than short documents' windows, two batch rows packed differently."""
+    from ds_mtraining.ring.comm import RingComm
+    from ds_mtraining.ring.estimate import estimate_documents_gathered
+    from ds_mtraining.ring.layout import StripedLayout
+    comm = RingComm(None)
+    block = 64
+    seq_len = world * block * 4
+    layout = StripedLayout(world, block)
+    g = torch.Generator().manual_seed(world)
+    q, k = torch.randn(2, seq_len, 4, 16, generator=g), torch.randn(2, seq_len, 2, 16, generator=g)
+    rows = [torch.tensor([0, 3, 40, 41, 100, seq_len]), torch.tensor([0, seq_len - 70, seq_len])]
+    doc_start = doc_start_from_cu_seqlens(rows, seq_len, 2)
+    for last_q in (16, 64):
+        config = SparseConfig(block_size=block, last_q=last_q, p_vertical=0.9, p_slash=0.9, max_slash_diagonals=40,
+                              sink_tokens=2)
+        expected = estimate_vertical_slash(q, k, config, doc_start=doc_start)
+        got = estimate_documents_gathered(layout.shard(q, rank), layout.shard(k, rank), config, comm, None, doc_start)
+        assert torch.equal(got.slash, expected.slash), f"last_q {last_q}, W={world}: slash differs"
+        assert torch.equal(got.vertical, expected.vertical), f"last_q {last_q}, W={world}: vertical differs"
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_distributed_documents_equal_single_device(world):
+    from ds_mtraining.distributed.spawn import run_on_ranks
+    run_on_ranks(distributed_documents_equal_single_device, world, timeout=120)

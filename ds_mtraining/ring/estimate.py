@@ -19,9 +19,11 @@ on the unstriped sequence, computed from the ranks' striped shards with small co
 
 Every rank ends with the same global :class:`~ds_mtraining.index.SparseIndex`.
 
-With document masking (``doc_start``), :func:`estimate_documents_gathered` all-gathers q and k
-and runs the document-aware rule on the whole sequence on every rank: correct and simple, but
-O(S) memory and work per rank (a sharded version is future work).
+With document masking (``doc_start``), :func:`estimate_documents_gathered` all-gathers k and only
+the query rows the document-aware rule reads (each document's last ``last_q``:
+:func:`~ds_mtraining.estimate.document_query_positions`) and runs the rule on every rank: exact
+and simple, but the keys cost O(S) memory per rank (``S x Hkv x D``; a sharded version is
+future work).
 
 On CUDA inputs the fused estimator takes (:func:`fused_estimator_takes`),
 :func:`estimate_vertical_slash_cuda_distributed` computes the same index from the fused passes
@@ -36,7 +38,9 @@ import torch.distributed as dist
 
 from ..attention import resolve_softmax_scale
 from ..config import SparseConfig
-from ..estimate import (check_qk, estimate_vertical_slash, last_key_mass, last_query_scores,
+from ..documents import check_doc_start
+from ..estimate import (check_qk, document_column_and_diagonal_mass, document_query_positions,
+                        estimate_vertical_slash, index_from_masses, last_key_mass, last_query_scores,
                         sink_columns, top_p_count)
 from ..index import PAD, SparseIndex
 from .comm import RingComm, ring_comm
@@ -320,13 +324,39 @@ def fused_estimator_takes(q: torch.Tensor, k: torch.Tensor, config: SparseConfig
     return estimate_cuda.supports(q, k, config, seq_len) is None
 
 
+def _rows_at(x: torch.Tensor, layout: StripedLayout, comm: RingComm, positions: torch.Tensor) -> torch.Tensor:
+    """[B, len(positions), ...] on every rank: the rows of the sharded ``x`` [B, S/W, ...] at the
+    global ``positions`` (ascending, the same on every rank), each rank sending the ones it holds
+    (one all-gather, padded to the largest share)."""
+    seq_len = x.shape[1] * comm.world
+    held = [layout.positions(seq_len, r, device=x.device) for r in range(comm.world)]
+    owned = [torch.isin(positions, rows) for rows in held]
+    counts = [int(mask.sum()) for mask in owned]
+    part = x.new_zeros(x.shape[0], max(counts), *x.shape[2:])
+    mine = torch.searchsorted(held[comm.rank], positions[owned[comm.rank]])
+    part[:, :counts[comm.rank]] = x[:, mine]
+    parts = _all_gather(part, comm)
+    rows = x.new_empty(x.shape[0], len(positions), *x.shape[2:])
+    for rank in range(comm.world):
+        rows[:, owned[rank]] = parts[rank][:, :counts[rank]]
+    return rows
+
+
 def estimate_documents_gathered(q, k, config: SparseConfig, comm: RingComm, softmax_scale, doc_start
                                 ) -> SparseIndex:
     """The document-aware index (:func:`~ds_mtraining.estimate.estimate_vertical_slash` with
-    ``doc_start``) of the whole sequence, from the ranks' striped shards gathered on every rank."""
+    ``doc_start``) of the whole sequence, from the ranks' striped shards: every rank gathers all
+    keys and the query rows the rule reads."""
+    check_qk(q, k)
+    b, local, _, d = q.shape
     layout = StripedLayout(comm.world, config.block_size)
-    q_all, k_all = (layout.unshard(list(_all_gather(t, comm).unbind(0))) for t in (q, k))
-    return estimate_vertical_slash(q_all, k_all, config, softmax_scale, doc_start=doc_start)
+    doc_start = check_doc_start(doc_start, b, local * comm.world, q.device)
+    k_all = layout.unshard(list(_all_gather(k, comm).unbind(0)))
+    positions = document_query_positions(doc_start, config.last_q)
+    columns, diagonals = document_column_and_diagonal_mass(
+        _rows_at(q, layout, comm, positions), k_all, doc_start, config.last_q,
+        resolve_softmax_scale(d, softmax_scale), q_positions=positions)
+    return index_from_masses(columns, diagonals, config, doc_start)
 
 
 def estimate_on_comm(q, k, config: SparseConfig, comm: RingComm | None,
