@@ -66,7 +66,9 @@ class AttentionStats:
     """Sparsity and balance of the attention calls since the last :meth:`reset` (one training
     step): ``density`` = computed entries / causal entries, ``imbalance`` = worker-level
     imbalance of the ring (slowest worker's work summed over ring steps / the mean worker's),
-    both from the compact index, averaged over the calls.
+    both from the compact index, averaged over the calls. With document masking both count only
+    the entries inside documents (the density's denominator too: the document-masked causal
+    entries).
 
     :meth:`record` only keeps the call's index (O(selected)); the numbers are computed when read
     (:meth:`summary`, ``densities``, ``imbalances``), so that recording never waits for the GPU.
@@ -77,17 +79,20 @@ class AttentionStats:
     _recorded: list = field(default_factory=list, repr=False)
     _values: list = field(default_factory=list, repr=False)  # (density, imbalance) of _recorded
 
-    def record(self, index: SparseIndex, world: int):
-        self._recorded.append((index, world))
+    def record(self, index: SparseIndex, world: int, doc_start: torch.Tensor | None = None):
+        self._recorded.append((index, world, doc_start))
 
     def _computed(self) -> list:
-        for index, world in self._recorded[len(self._values):]:
-            if world > 1:
-                pairs = pair_work(index, StripedLayout(world, index.block_size))
+        for index, world, doc_start in self._recorded[len(self._values):]:
+            density, balance = index.density(), 1.0
+            if world > 1 or doc_start is not None:
+                pairs = pair_work(index, StripedLayout(world, index.block_size), doc_start)
                 balance = imbalance(step_work(pairs))["worker_level"]
-            else:
-                balance = 1.0
-            self._values.append((index.density(), balance))
+            if doc_start is not None:
+                rows = torch.arange(index.seq_len, device=doc_start.device)
+                allowed = float((rows - doc_start.long() + 1).sum()) * index.heads
+                density = float(pairs.sum()) / allowed
+            self._values.append((density, balance))
         return self._values
 
     @property
@@ -270,7 +275,7 @@ def striped_sparse_attention(q, k, v, settings: MTrainingAttentionSettings,
         index = settings.pattern.index(q.shape[0], q.shape[2], q.shape[1] * settings.world,
                                        settings.sparse.block_size, q.device)
     if settings.stats is not None and settings.stats.enabled and not recompute:
-        settings.stats.record(index, settings.world)
+        settings.stats.record(index, settings.world, doc_start)
     if getattr(settings.pattern, "dense", False) and settings.world == 1 and q.is_cuda and doc_start is None:
         return _dense_causal_sdpa(q, k, v, scale)  # dense baseline on one GPU: flash SDPA
     return ring_sparse_attention(q, k, v, settings.sparse, settings.group, softmax_scale=scale,

@@ -43,6 +43,29 @@ def test_zigzag_pair_work_counts_the_dense_mask_at_zigzag_positions(world):
             assert work[r, s] == dense.sum(), (r, s)
 
 
+# two batch rows packed differently: a document shorter than a block, boundaries inside blocks
+# and on block edges, one long document
+DOCUMENT_ROWS = [[0, 5, 64, 100, 101, 230, 400], [0, 300]]
+
+
+@pytest.mark.parametrize("layout_kind", ["striped", "zigzag"])
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_pair_work_with_documents_counts_the_masked_entries(world, layout_kind):
+    from ds_mtraining.documents import doc_start_from_cu_seqlens, document_causal_mask
+    seq_len = 2 * world * BLOCK * 4
+    layout = StripedLayout(world, BLOCK) if layout_kind == "striped" else ZigzagLayout(world, BLOCK)
+    index = random_index(seq_len, seed=20 + world)
+    doc_start = doc_start_from_cu_seqlens([torch.tensor(r + [seq_len]) for r in DOCUMENT_ROWS], seq_len, 2)
+    documents = document_causal_mask(doc_start)[:, None]
+    work = pair_work(index, layout, doc_start)
+    for r in range(world):
+        for s in range(world):
+            q_pos, k_pos = layout.positions(seq_len, r), layout.positions(seq_len, s)
+            allowed = documents[..., q_pos[:, None], k_pos[None, :]]
+            assert work[r, s] == (mask_between(index, q_pos, k_pos) & allowed).sum(), (r, s)
+    assert work.sum() < pair_work(index, layout).sum()  # the documents matter: the test can fail
+
+
 def test_zigzag_layout_positions_and_roundtrip():
     layout = ZigzagLayout(3, BLOCK)
     seq_len = 6 * BLOCK
@@ -79,11 +102,13 @@ def test_synthetic_index_is_the_estimators_and_denser_with_more_slashes():
     assert (sparse.slash[..., 0] == 0).all() and (sparse.vertical[..., :4] == torch.arange(4)).all()
 
 
-def test_balance_cli_writes_json_and_png(tmp_path):
+@pytest.mark.parametrize("documents", [[], ["--documents", "300", "2000"]], ids=["plain", "documents"])
+def test_balance_cli_writes_json_and_png(tmp_path, documents):
     assert balance.main(["--seq-lens", "8192", "--worlds", "2", "4", "--heads", "2",
                          "--sparsity", "0.9", "--block-size", "64", "--max-vertical", "256",
-                         "--out", str(tmp_path), "--name", "smoke"]) == 0
+                         "--out", str(tmp_path), "--name", "smoke", *documents]) == 0
     result = json.loads((tmp_path / "smoke.json").read_text())
+    assert all((r["documents"] is None) == (not documents) for r in result["rows"])
     assert result["command"].startswith("python -m ds_mtraining.bench.balance")
     rows = result["rows"]
     assert [r["world"] for r in rows] == [2, 4]
@@ -93,3 +118,25 @@ def test_balance_cli_writes_json_and_png(tmp_path):
         assert steps.sum() == pytest.approx(r["entries"])  # every entry on one (worker, step)
         assert r["striped"]["worker_level"] == pytest.approx(imbalance(steps)["worker_level"])
     assert (tmp_path / "smoke.png").stat().st_size > 10_000
+
+
+def test_attention_stats_with_documents_count_the_masked_entries():
+    """The training metrics with document masking: density = index entries inside documents /
+    the document-masked causal entries (one process), and the ring's imbalance from the same
+    document-aware counts."""
+    from ds_mtraining.documents import doc_start_from_cu_seqlens, document_causal_mask
+    from ds_mtraining.layer import AttentionStats
+    seq_len = 2 * 2 * BLOCK * 4
+    index = random_index(seq_len, seed=30)
+    doc_start = doc_start_from_cu_seqlens([torch.tensor(r + [seq_len]) for r in DOCUMENT_ROWS], seq_len, 2)
+    allowed = document_causal_mask(doc_start)[:, None].expand(-1, index.heads, -1, -1)
+    stats = AttentionStats()
+    stats.record(index, 1, doc_start)
+    stats.record(index, 2, doc_start)
+    stats.record(index, 2)
+    expected = float((dense_mask(index) & allowed).sum()) / float(allowed.sum())
+    assert stats.densities[:2] == pytest.approx([expected, expected]) and stats.densities[2] == index.density()
+    pairs = pair_work(index, StripedLayout(2, BLOCK), doc_start)
+    assert stats.imbalances == pytest.approx([1.0, imbalance(step_work(pairs))["worker_level"],
+                                              imbalance(step_work(pair_work(index, StripedLayout(2, BLOCK))))["worker_level"]])
+    assert expected != pytest.approx(index.density())

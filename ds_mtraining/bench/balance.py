@@ -15,8 +15,12 @@ uniformly and half log-uniformly (60%), 256 columns including 4 strong sinks (8%
 log-normal background (2%). ``n_slash`` is calibrated so that the estimated index reaches the
 target sparsity (``1 - index.density()``).
 
+With ``--documents MIN MAX`` the work is counted with document masking (documents of MIN..MAX
+tokens packed, random lengths: what the kernels compute inside documents), for the same indices.
+
     python -m ds_mtraining.bench.balance                      # W 8/16/32, S 128K and 512K
     python -m ds_mtraining.bench.balance --measure            # + kernel times (GPU)
+    python -m ds_mtraining.bench.balance --documents 4096 32768
 """
 from __future__ import annotations
 
@@ -123,11 +127,12 @@ def calibrate_slashes(seq_len: int, target_sparsity: float, config: SparseConfig
 
 
 # ---------------------------------------------------------------------- metrics
-def layout_tables(index: SparseIndex, world: int) -> dict:
-    """Per layout: the [workers, steps] entry table and its imbalance metrics."""
+def layout_tables(index: SparseIndex, world: int, doc_start: torch.Tensor | None = None) -> dict:
+    """Per layout: the [workers, steps] entry table (with ``doc_start``, inside documents only)
+    and its imbalance metrics."""
     out = {}
     for name, layout_cls in LAYOUTS.items():
-        steps = step_work(pair_work(index, layout_cls(world, index.block_size)))
+        steps = step_work(pair_work(index, layout_cls(world, index.block_size), doc_start))
         out[name] = {"steps": steps, **imbalance(steps)}
     return out
 
@@ -234,6 +239,8 @@ def parse_args(argv):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--measure", action="store_true",
                         help="also time the kernel per (query rank, key rank) pair on one GPU")
+    parser.add_argument("--documents", type=int, nargs=2, metavar=("MIN", "MAX"), default=None,
+                        help="count the work with document masking: documents of MIN..MAX tokens packed")
     parser.add_argument("--out", default=BALANCE_OUT, help="output directory; by default a new one")
     parser.add_argument("--name", default="balance", help="output file stem")
     return parser.parse_args(argv)
@@ -259,12 +266,19 @@ def main(argv=None) -> int:
             index = synthetic_index(seq_len, args.heads, n_slash, config, args.seed, device)
             sparsity = 1.0 - index.density()
             entries = float(index.num_entries().sum())
+            doc_start = None
+            if args.documents:
+                from .kernel import random_doc_start
+                doc_start = random_doc_start(seq_len, *args.documents, torch.Generator().manual_seed(args.seed))
+                entries = float(pair_work(index, StripedLayout(1, args.block_size), doc_start).sum())
             print(f"S={seq_len}: target sparsity {target:.2f} -> {n_slash} planted slashes per head, "
                   f"estimated index sparsity {sparsity:.4f} ({time.time() - started:.0f}s)", flush=True)
             for world in args.worlds:
-                tables = layout_tables(index, world)
+                tables = layout_tables(index, world, doc_start)
                 row = {"seq_len": seq_len, "target_sparsity": target, "sparsity": sparsity,
                        "planted_slashes": n_slash, "world": world, "entries": entries,
+                       "documents": None if doc_start is None else {
+                           "lengths": args.documents, "count": int(torch.unique(doc_start).numel())},
                        "fwd_bwd_flops": entries * 4 * args.head_dim * 3.5}
                 for name, t in tables.items():
                     row[name] = {k: v for k, v in t.items() if k != "steps"}
