@@ -67,10 +67,15 @@ def pytest_collection_finish(session):
 
 
 def pytest_sessionfinish(session, exitstatus):
+    """Lets a build that no test waited for finish: killed mid-build it would leave the cache's
+    lock file behind, on which every later build waits forever."""
     process = _op_build.get("process")
-    if process is not None and process.poll() is None:  # no test waited for it
-        process.kill()
-        process.wait()
+    if process is not None:
+        try:
+            process.wait(BUILD_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 @pytest.fixture(scope="session")
