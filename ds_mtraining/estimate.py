@@ -29,9 +29,9 @@ short documents would lose their pattern. Step 1-2 then run per document instead
 
 then steps 3-4 select per sequence with the same budgets, and step 4's sinks are the first
 ``sink_tokens`` tokens of *every* document (each document's own sink, as when it runs alone). One
-document per row gives today's masses and index bit for bit. Cost: documents are grouped by length into power-of-two key windows (at most
-log2 S groups, each one batched einsum), so the work stays about ``2 last_q S`` logits per head
-however many documents there are.
+document per row gives today's masses and index bit for bit. Cost: documents are grouped by
+length into power-of-two key windows (at most log2 S groups, each one batched einsum), so the
+work stays about ``2 last_q S`` logits per head however many documents there are.
 
 Token diagonals are summed through a skewed strided view of P (no scatter). The pieces
 (:func:`last_query_scores`, :func:`last_key_mass`, :func:`top_p_count`) are shared with the
