@@ -43,7 +43,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .ring.layout import Layout, StripedLayout, check_divisible
+from .ring.layout import ContiguousLayout, StripedLayout
 
 DEFAULT_DOCUMENT_CHARS = 1 << 18
 DEFAULT_RANDOM_SAMPLES = 1024
@@ -383,25 +383,6 @@ def training_samples(spec: dict, seq_len: int, tokenizer, seed: int, vocab_size:
 
 
 # ----------------------------------------------------------------------------- per-rank batches
-@dataclass(frozen=True)
-class ContiguousLayout(Layout):
-    """Contiguous shards, the split DeepSpeed-Ulysses expects (what its data-loader adapter
-    cuts): rank ``r`` holds positions ``r S/W .. (r+1) S/W - 1``. ``block_size`` only sets the
-    divisibility that :meth:`check` asks for (the runs it is compared with stripe the same data)."""
-
-    world: int
-    block_size: int = 1
-
-    def check(self, seq_len: int):
-        check_divisible(seq_len, self.world, self.block_size)
-
-    def positions(self, seq_len: int, rank: int, device=None) -> torch.Tensor:
-        self.check(seq_len)
-        self._check_rank(rank)
-        local = seq_len // self.world
-        return torch.arange(rank * local, (rank + 1) * local, device=device)
-
-
 SHARD_LAYOUTS = {"striped": StripedLayout, "contiguous": ContiguousLayout}
 
 

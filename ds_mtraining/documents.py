@@ -57,6 +57,15 @@ def cu_seqlens_from_doc_start(doc_start: torch.Tensor) -> torch.Tensor:
     return torch.cat([starts, starts.new_tensor([doc_start.numel()])])
 
 
+def document_ends(doc_start: torch.Tensor) -> torch.Tensor:
+    """Int64, ``doc_start``'s shape [B, S]: the end (exclusive) of each token's document."""
+    rows = []
+    for row in doc_start:
+        cu = cu_seqlens_from_doc_start(row).to(row.device)
+        rows.append(torch.repeat_interleave(cu[1:], cu[1:] - cu[:-1]))
+    return torch.stack(rows)
+
+
 def document_positions(doc_start: torch.Tensor) -> torch.Tensor:
     """RoPE positions that restart in each document: ``t - doc_start[t]`` (int64, same shape)."""
     t = torch.arange(doc_start.shape[-1], device=doc_start.device)

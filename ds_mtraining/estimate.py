@@ -211,11 +211,10 @@ def sink_columns(batch: int, heads: int, config: SparseConfig, seq_len: int, dev
 def document_sink_columns(doc_start: torch.Tensor, heads: int, config: SparseConfig) -> torch.Tensor:
     """[B, H, n] the first ``sink_tokens`` tokens of every document of each row (inside the
     document), -1-padded: step 4's sinks under document masking."""
-    rows = []
-    for row in doc_start:
-        cu = cu_seqlens_from_doc_start(row).to(row.device)
-        sinks = cu[:-1, None] + torch.arange(config.sink_tokens, device=row.device)
-        rows.append(sinks[sinks < cu[1:, None]])
+    start, end, row, _, _ = _document_windows(doc_start)
+    sinks = start[:, None] + torch.arange(config.sink_tokens, device=doc_start.device)
+    inside = sinks < end[:, None]
+    rows = [sinks[row == r][inside[row == r]] for r in range(doc_start.shape[0])]
     width = max(len(r) for r in rows)
     padded = torch.full((len(rows), width), -1, dtype=torch.long, device=doc_start.device)
     for i, r in enumerate(rows):

@@ -15,7 +15,7 @@ forward reuses the index its forward estimated, so each layer estimates once per
 
 The baseline, :func:`use_ulysses_attention`, is what users run today: the model's own dense SDPA
 attention under DeepSpeed-Ulysses (``deepspeed.runtime.sequence_parallel.ulysses_sp``), on
-contiguous shards (:class:`ds_mtraining.data.ContiguousLayout`).
+contiguous shards (:class:`ds_mtraining.ring.layout.ContiguousLayout`).
 """
 from __future__ import annotations
 

@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 from .attention import resolve_softmax_scale
 from .config import SparseConfig
-from .documents import doc_start_from_cu_seqlens
+from .documents import doc_start_from_cu_seqlens, document_positions
 from .index import SparseIndex
 from .ring import ring_sparse_attention
 from .ring.agreement import (check_due, check_ranks_before_collectives, current_step, in_backward,
@@ -89,8 +89,7 @@ class AttentionStats:
                 pairs = pair_work(index, StripedLayout(world, index.block_size), doc_start)
                 balance = imbalance(step_work(pairs))["worker_level"]
             if doc_start is not None:
-                rows = torch.arange(index.seq_len, device=doc_start.device)
-                allowed = float((rows - doc_start.long() + 1).sum()) * index.heads
+                allowed = float((document_positions(doc_start) + 1).sum()) * index.heads  # per row: keys seen
                 density = float(pairs.sum()) / allowed
             self._values.append((density, balance))
         return self._values

@@ -8,7 +8,9 @@ positions each rank holds (ascending), so one pair of helpers shards and unshard
   :class:`~ds_mtraining.index.Stripe` names to the kernels. Slash diagonals then spread evenly
   over ranks and ring steps.
 * :class:`ZigzagLayout` (the baseline): the sequence cut into ``2 world`` equal chunks, rank ``r``
-  holding chunks ``r`` and ``2 world - 1 - r``: balanced for dense causal attention only.
+  holding chunks ``r`` and ``2 world - 1 - r``: balanced for dense causal attention only;
+* :class:`ContiguousLayout`: rank ``r`` holds the ``r``-th of ``world`` equal runs, the split
+  DeepSpeed-Ulysses expects (the loader's shards for the Ulysses baseline).
 
 Stripe once, in the data loader (token ids and RoPE position ids), never per layer::
 
@@ -123,3 +125,22 @@ class ZigzagLayout(Layout):
         chunk = seq_len // (2 * self.world)
         local = torch.arange(chunk, device=device)
         return torch.cat([rank * chunk + local, (2 * self.world - 1 - rank) * chunk + local])
+
+
+@dataclass(frozen=True)
+class ContiguousLayout(Layout):
+    """Contiguous shards, the split DeepSpeed-Ulysses expects (what its data-loader adapter
+    cuts): rank ``r`` holds positions ``r S/W .. (r+1) S/W - 1``. ``block_size`` only sets the
+    divisibility that :meth:`check` asks for (the runs it is compared with stripe the same data)."""
+
+    world: int
+    block_size: int = 1
+
+    def check(self, seq_len: int):
+        check_divisible(seq_len, self.world, self.block_size)
+
+    def positions(self, seq_len: int, rank: int, device=None) -> torch.Tensor:
+        self.check(seq_len)
+        self._check_rank(rank)
+        local = seq_len // self.world
+        return torch.arange(rank * local, (rank + 1) * local, device=device)

@@ -23,20 +23,11 @@ from __future__ import annotations
 
 import torch
 
-from ..documents import cu_seqlens_from_doc_start
+from ..documents import document_ends
 from ..index import PAD, SparseIndex
 from .layout import Layout
 
 _DIAGONALS_PER_CHUNK = 256
-
-
-def document_ends(doc_start: torch.Tensor) -> torch.Tensor:
-    """Int64 [B, S]: for each token, the end (exclusive) of its document."""
-    rows = []
-    for row in doc_start:
-        cu = cu_seqlens_from_doc_start(row).to(row.device)
-        rows.append(torch.repeat_interleave(cu[1:], cu[1:] - cu[:-1]))
-    return torch.stack(rows)
 
 
 def pair_work(index: SparseIndex, layout: Layout, doc_start: torch.Tensor | None = None) -> torch.Tensor:
