@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from ds_mtraining import SparseIndex
+from ds_mtraining import SparseConfig, SparseIndex
 from ds_mtraining.data import ByteTokenizer, stdlib_documents
 
 REPO = Path(__file__).resolve().parents[1]
@@ -75,6 +75,22 @@ def ring_inputs(seq_len: int, block: int, seed: int = 0):
     index = SparseIndex.from_blocks(torch.randint(-1, nb, (1, 4, 5), generator=g),
                                     torch.randint(-1, seq_len, (1, 4, 6), generator=g), seq_len, block)
     return q, k, v, dout, index
+
+
+def every_entry_config(seq_len: int, block: int) -> SparseConfig:
+    """p = 1 and caps >= S: an estimate under this config selects every causal entry."""
+    return SparseConfig(block_size=block, last_q=64, p_vertical=1.0, p_slash=1.0, max_vertical=seq_len,
+                        max_slash_diagonals=seq_len)
+
+
+def layout_error(call) -> str | None:
+    """The message of the LayoutError that ``call()`` raises, or None if it passes."""
+    from ds_mtraining.layer import LayoutError
+    try:
+        call()
+    except LayoutError as error:
+        return str(error)
+    return None
 
 
 # ----------------------------------------------------------------------------- processes

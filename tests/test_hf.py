@@ -8,13 +8,13 @@ sequence-parallel group, as DeepSpeed does.
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import MODELS, SMALL, dense_loss, sequence, summed_grads, tiny_model
+from helpers import MODELS, SMALL, dense_loss, every_entry_config, layout_error, sequence, summed_grads, tiny_model
 from transformers import Qwen2Config
 
 from ds_mtraining import SparseConfig
 from ds_mtraining.distributed import initialize_groups, run_on_ranks
 from ds_mtraining.hf import check_model_config, use_mtraining_attention
-from ds_mtraining.layer import AttentionStats, LayoutError, MTrainingAttentionSettings
+from ds_mtraining.layer import AttentionStats, MTrainingAttentionSettings
 from ds_mtraining.ring.layout import StripedLayout
 from ds_mtraining.training.model import MTrainingCausalLM
 
@@ -26,9 +26,7 @@ SPARSE_LOSS_RTOL = 0.01   # sparse (density ~0.42) vs dense loss at each of STEP
 STEPS = 4
 LR = 3e-3
 
-# p = 1 and caps >= S: every causal entry is selected
-FULL = SparseConfig(block_size=BLOCK, last_q=64, p_vertical=1.0, p_slash=1.0, max_vertical=SEQ,
-                    max_slash_diagonals=SEQ)
+FULL = every_entry_config(SEQ, BLOCK)
 SPARSE = SparseConfig(block_size=BLOCK, last_q=64, p_vertical=0.5, p_slash=0.5, max_vertical=16,
                       max_slash_diagonals=2)
 
@@ -55,11 +53,8 @@ def _full_index_worker(rank, world):
     model = use_mtraining_attention(tiny_model("qwen2"), MTrainingAttentionSettings.from_groups(FULL, groups))
     local = SEQ // world
     contiguous = torch.arange(rank * local, (rank + 1) * local)[None]
-    try:
-        model(input_ids=input_ids[:1, rank * local:(rank + 1) * local], position_ids=contiguous)
-        results["contiguous_error"] = None
-    except LayoutError as error:
-        results["contiguous_error"] = str(error)
+    results["contiguous_error"] = layout_error(
+        lambda: model(input_ids=input_ids[:1, rank * local:(rank + 1) * local], position_ids=contiguous))
     return results
 
 

@@ -9,13 +9,12 @@ gradients (summed over the ranks, as DeepSpeed does).
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import MODELS, sequence, summed_grads, tiny_model
+from helpers import MODELS, every_entry_config, layout_error, sequence, summed_grads, tiny_model
 
-from ds_mtraining import SparseConfig
 from ds_mtraining.distributed import initialize_groups, run_on_ranks
 from ds_mtraining.documents import doc_start_from_cu_seqlens, document_positions
 from ds_mtraining.hf import use_mtraining_attention
-from ds_mtraining.layer import LayoutError, MTrainingAttentionSettings
+from ds_mtraining.layer import MTrainingAttentionSettings
 from ds_mtraining.ring.layout import StripedLayout
 from ds_mtraining.training.model import MTrainingCausalLM
 
@@ -26,8 +25,7 @@ GRAD_TOL = dict(rtol=1e-4, atol=2e-5)
 # documents of 3 to 200 tokens: one shorter than a block, boundaries inside blocks and at block
 # and stripe edges (64, 128), documents spanning both ranks' stripes
 CU_SEQLENS = torch.tensor([0, 3, 64, 100, 128, 131, 330, 400, 512])
-FULL = SparseConfig(block_size=BLOCK, last_q=64, p_vertical=1.0, p_slash=1.0, max_vertical=SEQ,
-                    max_slash_diagonals=SEQ)
+FULL = every_entry_config(SEQ, BLOCK)
 
 
 def _packed_worker(rank, world):
@@ -43,12 +41,9 @@ def _packed_worker(rank, world):
         loss = wrapper(layout.shard(input_ids, rank), layout.shard(labels, rank), positions, doc_start)
         loss.backward()
         results[kind] = {"loss": loss.item(), "grads": summed_grads(model, groups.sequence_group)}
-    try:  # global positions where restarted ones are due: refused, naming the fix
-        wrapper(layout.shard(input_ids, rank), layout.shard(labels, rank), layout.positions(SEQ, rank)[None],
-                doc_start)
-        results["position_error"] = None
-    except LayoutError as error:
-        results["position_error"] = str(error)
+    # global positions where restarted ones are due: refused, naming the fix
+    results["position_error"] = layout_error(lambda: wrapper(
+        layout.shard(input_ids, rank), layout.shard(labels, rank), layout.positions(SEQ, rank)[None], doc_start))
     return results
 
 

@@ -6,7 +6,7 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import ring_inputs
+from helpers import every_entry_config, ring_inputs
 
 from ds_mtraining import SparseConfig, sparse_attention
 from ds_mtraining.distributed.spawn import run_on_ranks
@@ -24,7 +24,7 @@ REF_TOL = dict(atol=2e-5, rtol=1e-4)     # fp32 vs float64
 # documents spanning every rank
 CU_SEQLENS = torch.tensor([0, 5, 64, 128, 140, 300, 301, 450, SEQ])
 # p = 1, caps >= S: the drop-in's own estimate keeps every causal entry
-FULL = SparseConfig(block_size=BLOCK, p_vertical=1.0, p_slash=1.0, max_vertical=SEQ, max_slash_diagonals=SEQ)
+FULL = every_entry_config(SEQ, BLOCK)
 
 
 def inputs():
