@@ -9,7 +9,7 @@ import pytest
 from helpers import REPO, environment
 
 from ds_mtraining.bench import documents_training, launch
-from ds_mtraining.bench.quality import Study
+from ds_mtraining.bench.quality import Study, mode_config
 
 
 def write_metric(run_dir, name, text):
@@ -62,11 +62,27 @@ def test_quality_study_refuses_a_folder_holding_a_study(tmp_path):
     config = tmp_path / "config.json"
     config.write_text("{}")
     out = tmp_path / "study"
-    args = argparse.Namespace(out=str(out), config=str(config), data=str(data))
+    args = argparse.Namespace(out=str(out), config=str(config), data=str(data), passkey_questions=None)
     Study(args)  # an empty or new folder is fine
     (out / "sparse").mkdir()
     with pytest.raises(FileExistsError, match="already holds a study"):
         Study(args)
+
+
+def test_quality_study_passkey_questions_reach_every_run_config(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    for name in ("train.parquet", "heldout.parquet"):
+        (data / name).write_text("")
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"mtraining": {"sparse": {}, "data": {"source": "stdlib", "passkey_questions": 8}}}))
+    for given, expected in ((None, 8), (1, 1)):
+        args = argparse.Namespace(out=str(tmp_path / f"study{given}"), config=str(config), data=str(data),
+                                  passkey_questions=given)
+        study = Study(args)
+        for mode in ("dense", "sparse"):
+            run = mode_config(study.base, mode, 10, str(data / "train.parquet"))
+            assert run["mtraining"]["data"]["passkey_questions"] == expected
 
 
 def test_documents_training_refuses_a_folder_holding_runs(tmp_path):

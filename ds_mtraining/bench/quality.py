@@ -124,6 +124,8 @@ class Study:
         self.args = args
         self.out = Path(args.out)
         self.base = json.loads(Path(args.config).read_text())
+        if args.passkey_questions is not None:
+            self.base["mtraining"].setdefault("data", {})["passkey_questions"] = args.passkey_questions
         self.data = Path(args.data)
         for name in ("train.parquet", "heldout.parquet"):
             if not (self.data / name).is_file():
@@ -402,6 +404,10 @@ def main(argv=None):
     run.add_argument("--density_target", type=float, default=None,
                      help="choose the slash budget whose density on the stage-1 model is <= this; static "
                           "then trains at that density, beside sparse")
+    run.add_argument("--passkey_questions", type=int, default=None,
+                     help="times each passkey sample of the study's runs asks its key (stage 1 keeps its "
+                          "config's); 1 puts the only retrieval at the end, where MTraining's estimator looks. "
+                          "Default: --config's mtraining.data.passkey_questions")
     budget = sub.add_parser("budget", help="the slash budget of a config that keeps a model's density <= target",
                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     budget.add_argument("model", help="HF model directory")
