@@ -190,15 +190,19 @@ def estimate_vertical_slash_distributed(q: torch.Tensor, k: torch.Tensor, config
 # ---------------------------------------------------------------------- fused CUDA, distributed
 def merge_row_stats(row_max: torch.Tensor, row_sum: torch.Tensor, group=None
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """All-reduces per-rank :func:`ds_mtraining.estimate_cuda.row_stats` into the global ones (collective, on the GPU): the max
-    over ranks, and each rank's sum rescaled to it then summed."""
-    global_max = row_max.clone()
-    dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=group)
-    finite = torch.isfinite(row_max)
-    scaled = torch.where(finite, row_sum * torch.exp(torch.where(finite, row_max, global_max) - global_max),
-                         torch.zeros_like(row_sum))
-    dist.all_reduce(scaled, group=group)
-    return global_max, scaled
+    """Every rank's :func:`ds_mtraining.estimate_cuda.row_stats` combined into the global ones
+    (collective, on the GPU): one all-gather of the (max, sum) pairs, then on every rank, in rank
+    order, the max over ranks and each rank's sum rescaled to it, summed."""
+    world = dist.get_world_size(group)
+    local = torch.stack([row_max, row_sum.to(row_max.dtype)])
+    parts = torch.empty((world * 2, *row_max.shape), dtype=local.dtype, device=local.device)
+    dist.all_gather_into_tensor(parts, local.contiguous(), group=group)
+    maxes, sums = parts.view(world, 2, *row_max.shape).unbind(1)
+    global_max = maxes.amax(0)
+    finite = torch.isfinite(maxes)
+    scaled = torch.where(finite, sums * torch.exp(torch.where(finite, maxes, global_max) - global_max),
+                         torch.zeros_like(sums))
+    return global_max, scaled.sum(0)
 
 
 def owned_diagonals_from_shares(shares: torch.Tensor, layout: StripedLayout, comm: RingComm,
@@ -245,28 +249,45 @@ def owned_diagonals_from_shares(shares: torch.Tensor, layout: StripedLayout, com
     return owned
 
 
-def select_top_p_fixed(local_mass: torch.Tensor, local_positions: torch.Tensor, p: float, cap: int,
-                       comm: RingComm) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`select_top_p_across_ranks` in fixed widths (no host synchronisation): each rank
-    offers its leading ``min(cap, S/W)`` entries, which always hold its part of the global top
-    ``cap`` (ties broken by position as in :func:`~ds_mtraining.estimate.select_top_p`), in one
-    all-gather of ``W x B x H x 2 min(cap, S/W)`` int32 (masses bit-cast); the totals are
-    all-reduced (``B x H``).
+def select_top_p_fixed(lists, comm: RingComm) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`select_top_p_across_ranks` for several lists at once, in fixed widths (no host
+    synchronisation). ``lists``: (local_mass [B, H, n], its global positions [n] ascending, p, cap)
+    per list. Each rank offers, per list, its leading ``min(cap, n)`` entries, which always hold its
+    part of the global top ``cap`` (ties broken by position as in
+    :func:`~ds_mtraining.estimate.select_top_p`), and its total mass: one all-gather of
+    ``W x B x H x (lists + 2 sum(min(cap, n)))`` int32 (masses bit-cast) for every list; the totals
+    are summed in rank order.
 
-    Returns (global positions int32 [B, H, min(cap, S)] ascending, PAD padded; counts int32 [B, H]),
-    identical on every rank."""
-    b, h, n = local_mass.shape
-    total = local_mass.sum(-1)
-    dist.all_reduce(total, group=comm.group)
-    width = min(cap, n)
-    values, order = local_mass.float().sort(dim=-1, descending=True, stable=True)
-    positions = local_positions.to(torch.int32)[order[..., :width]]
-    packed = torch.cat([values[..., :width].contiguous().view(torch.int32), positions], -1)
-    gathered = torch.empty((comm.world * b, h, 2 * width), dtype=torch.int32, device=packed.device)
-    dist.all_gather_into_tensor(gathered, packed.contiguous(), group=comm.group)
-    gathered = gathered.view(comm.world, b, h, 2 * width)
-    mass = gathered[..., :width].contiguous().view(torch.float32).movedim(0, -2).flatten(-2)
-    pos = gathered[..., width:].movedim(0, -2).flatten(-2)           # [B, H, W * width]
+    Returns, per list, (global positions int32 [B, H, min(cap, W n)] ascending, PAD padded;
+    counts int32 [B, H]), identical on every rank."""
+    widths, pieces = [], []
+    for local_mass, local_positions, _, cap in lists:
+        width = min(cap, local_mass.shape[-1])
+        values, order = local_mass.float().sort(dim=-1, descending=True, stable=True)
+        pieces += [values[..., :width].contiguous().view(torch.int32),
+                   local_positions.to(torch.int32)[order[..., :width]]]
+        widths.append(width)
+    totals = torch.stack([mass.float().sum(-1) for mass, *_ in lists], -1).view(torch.int32)
+    packed = torch.cat([totals, *pieces], -1).contiguous()
+    b, h, packed_len = packed.shape
+    gathered = torch.empty((comm.world * b, h, packed_len), dtype=torch.int32, device=packed.device)
+    dist.all_gather_into_tensor(gathered, packed, group=comm.group)
+    gathered = gathered.view(comm.world, b, h, packed_len)
+    totals = gathered[..., :len(lists)].contiguous().view(torch.float32).sum(0)  # [B, H, lists]
+    chosen, at = [], len(lists)
+    for i, ((_, _, p, cap), width) in enumerate(zip(lists, widths)):
+        mass = gathered[..., at:at + width].contiguous().view(torch.float32).movedim(0, -2).flatten(-2)
+        pos = gathered[..., at + width:at + 2 * width].movedim(0, -2).flatten(-2)  # [B, H, W * width]
+        at += 2 * width
+        chosen.append(_top_p_of_candidates(mass, pos, totals[..., i], p, cap))
+    return chosen
+
+
+def _top_p_of_candidates(mass: torch.Tensor, pos: torch.Tensor, total: torch.Tensor, p: float, cap: int
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top-p selection over the gathered candidates ``mass``/``pos`` [B, H, n] (distinct
+    positions) of a list whose mass sums to ``total``: (positions ascending, PAD padded, to
+    ``min(cap, n)``; counts int32)."""
     by_pos = pos.argsort(dim=-1)                                      # positions are distinct
     mass, pos = mass.gather(-1, by_pos), pos.gather(-1, by_pos)
     mass, order = mass.sort(dim=-1, descending=True, stable=True)
@@ -284,10 +305,11 @@ def estimate_vertical_slash_cuda_distributed(q: torch.Tensor, k: torch.Tensor, c
                                              passes=None) -> SparseIndex:
     """:func:`estimate_vertical_slash_distributed` with the fused CUDA estimator's passes
     (:mod:`ds_mtraining.estimate_cuda`) and without host synchronisation. Collectives per call
-    (elements): broadcast of the last L queries (``L x H x D``), two all-reduces of the row
-    statistics (``B x H x L``), the diagonal spill to the next rank(s)
-    (:func:`owned_diagonals_from_shares`, about ``(L - 1) / block`` of a local mass list), two
-    all-reduces of totals (``B x H``) and two candidate all-gathers (:func:`select_top_p_fixed`).
+    (elements): broadcast of the last L queries (``L x H x D``), an all-gather of the row
+    statistics (``W x 2 x B x H x L``, :func:`merge_row_stats`), the diagonal spill to the next
+    rank(s) (:func:`owned_diagonals_from_shares`, about ``(L - 1) / block`` of a local mass list)
+    and one all-gather of both lists' candidates and totals (:func:`select_top_p_fixed`): four
+    collectives, each launched from the host (which bounds this path's speed, not its bytes).
     The result is exact (the rule on the global masses) and identical on every rank.
 
     ``passes``: an object with the functions ``row_stats``, ``masses`` and ``build_index`` of
@@ -309,10 +331,9 @@ def estimate_vertical_slash_cuda_distributed(q: torch.Tensor, k: torch.Tensor, c
     k_pos = layout.positions(seq_len, rank, device=q.device)
     diagonals = owned_diagonals_from_shares(shares, layout, comm, count).flip(-1)
     diagonal_pos = (seq_len - 1 - k_pos).flip(0)  # t = S - 1 - last key, ascending
-    slash, slash_count = select_top_p_fixed(diagonals, diagonal_pos, config.p_slash,
-                                            config.max_slash_diagonals, comm)
-    vertical, vertical_count = select_top_p_fixed(columns, k_pos, config.p_vertical,
-                                                  config.max_vertical, comm)
+    (slash, slash_count), (vertical, vertical_count) = select_top_p_fixed(
+        [(diagonals, diagonal_pos, config.p_slash, config.max_slash_diagonals),
+         (columns, k_pos, config.p_vertical, config.max_vertical)], comm)
     return passes.build_index(slash, slash_count, vertical, vertical_count, seq_len, config)
 
 
