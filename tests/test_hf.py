@@ -160,3 +160,22 @@ def test_attention_masks_and_sliding_windows_are_refused():
         model(input_ids=input_ids, attention_mask=torch.ones(1, 1, SEQ, SEQ))
     with pytest.raises(ValueError, match="use_sliding_window"):
         check_model_config(Qwen2Config(**SMALL, use_sliding_window=True, sliding_window=128))
+
+
+@pytest.mark.parametrize("kind", MODELS)
+def test_training_forward_hands_attention_keys_and_values_without_a_copy(kind, monkeypatch):
+    """The training forward builds no KV cache: HF's cache would copy every layer's keys and
+    values into [B, H, S, D] (and the attention would copy them back to [B, S, H, D])."""
+    from ds_mtraining import hf
+    seen = []
+    forward = hf.mtraining_attention_forward
+
+    def spy(module, query, key, value, *args, **kwargs):
+        seen.append([t.transpose(1, 2).is_contiguous() for t in (query, key, value)])
+        return forward(module, query, key, value, *args, **kwargs)
+    monkeypatch.setitem(hf.AttentionInterface._global_mapping, hf.ATTENTION_NAME, spy)
+    model = use_mtraining_attention(tiny_model(kind), MTrainingAttentionSettings(FULL))
+    assert model.config.use_cache  # the models' default: the forward must turn it off itself
+    input_ids, labels = sequence(batch=1)
+    MTrainingCausalLM(model, None, loss_chunk_tokens=SEQ)(input_ids, labels, torch.arange(SEQ)[None])
+    assert seen and all(all(layouts) for layouts in seen), f"q/k/v already [B, S, H, D] per layer: {seen}"

@@ -106,7 +106,10 @@ class MTrainingCausalLM(torch.nn.Module):
     def forward(self, input_ids, labels, position_ids, doc_start=None):
         from ds_mtraining.loss import sequence_parallel_cross_entropy
         documents = {} if doc_start is None else {"doc_start": doc_start}
-        hidden = self.model.base_model(input_ids=input_ids, position_ids=position_ids, **documents).last_hidden_state
+        # no KV cache: training never reads it, and filling it copies every layer's keys and values
+        # (and holds the copies to the end of the forward) unless activation checkpointing is on
+        hidden = self.model.base_model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                                       **documents).last_hidden_state
         weight = self.model.get_output_embeddings().weight
         return sequence_parallel_cross_entropy(hidden, weight, labels, self.group, self.loss_chunk_tokens)
 
