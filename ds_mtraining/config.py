@@ -81,3 +81,11 @@ def _refuse_renamed(key: str, where: str):
     raise ValueError(
         f"'{key}' in '{where}' is no longer accepted (it capped block diagonals); use "
         f"'{RENAMED_KEYS[key]}', the cap in token diagonals (e.g. 4096)")
+
+
+def slash_cap_for_blocks(blocks: int) -> int:
+    """``max_slash_diagonals`` for about ``blocks`` block diagonals where the estimator's top-p
+    runs to the cap (nearly uniform attention, e.g. random weights): the cap counts token
+    diagonals, and scattered ones mark one or two block diagonals each."""
+    return max(1, blocks // 2)
+

@@ -4,6 +4,7 @@ end on 2 CPU ranks (--smoke), through the real training launcher."""
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -108,3 +109,17 @@ def test_smoke_end_to_end(tmp_path):
     assert 0 < row["mtraining"]["density"] <= 1 and row["ulysses"]["density"] is None  # only an index has one
     assert row["speedup"] == pytest.approx(row["ulysses"]["step_s"] / row["mtraining"]["step_s"])
     assert "MTraining W" in done.stdout.split("e2e: tiny-qwen2 ulysses")[-1]  # the table, printed last
+
+
+def test_density_pins_mtraining_caps_only():
+    """--density D: MTraining's slash cap marks about D x S / block block diagonals (a scattered token
+    diagonal marks one or two) and max_vertical is --max_vertical; the baselines keep the config's."""
+    base = json.loads((Path(REPO) / e2e.DEFAULT_CONFIG).read_text())
+    sparse = e2e.launch_config(base, "qwen2.5-3b", "mtraining", 524288, 2, None, 0.05, 512)["mtraining"]["sparse"]
+    assert sparse["max_slash_diagonals"] == round(0.05 * 524288 / 128) // 2 and sparse["max_vertical"] == 512
+    assert sparse["p_slash"] == base["mtraining"]["sparse"]["p_slash"]  # the rest of the rule stays
+    for mode in ("ulysses", "dense"):
+        assert e2e.launch_config(base, "qwen2.5-3b", mode, 524288, 2, None, 0.05)["mtraining"]["sparse"] == \
+            base["mtraining"]["sparse"]
+    assert e2e.launch_config(base, "qwen2.5-3b", "mtraining", 524288, 2, None)["mtraining"]["sparse"] == \
+        base["mtraining"]["sparse"]

@@ -12,7 +12,10 @@ loss, the backward and the optimizer step, on random token ids over the model's 
 ``density`` (MTraining) the median share of causal entries its index computed: a randomly
 initialised model's attention is nearly uniform, so top-p keeps almost everything (0.86-0.98 at
 256K-512K on two H200s) and MTraining does dense work there; its speedups mean what they say only
-with a trained model's attention (``mtraining.model`` a checkpoint directory).
+with a trained model's attention (``mtraining.model`` a checkpoint directory), or at a stated
+density: ``--density D`` pins MTraining's caps so that top-p, which runs to the caps on random
+weights, computes about D of the causal entries (:func:`pinned_caps`; the measured density is
+reported beside every speedup).
 
 Modes: ``mtraining`` (``attention: "sparse"``, the estimated vertical-slash index on the striped
 ring), ``ulysses`` (HF's dense SDPA attention under DeepSpeed-Ulysses), ``dense`` (a full index; on
@@ -61,6 +64,7 @@ import sys
 import time
 from pathlib import Path
 
+from ..config import slash_cap_for_blocks
 from .launch import LaunchTimeout, launcher_env, metric_path, read_metric, run_logged, training_command
 
 MODES = {"mtraining": "sparse", "ulysses": "ulysses", "dense": "dense"}
@@ -105,11 +109,16 @@ def model_layers(spec) -> int:
     return model_config(spec).num_hidden_layers
 
 
-def launch_config(base: dict, model: str, mode: str, seq_len: int, world: int, layers: int | None) -> dict:
+def launch_config(base: dict, model: str, mode: str, seq_len: int, world: int, layers: int | None,
+                  density: float | None = None, max_vertical: int = 256) -> dict:
     """``base`` with this measurement's model (``layers`` deep, None: its own depth), length, mode
-    and sequence-parallel size, on random tokens."""
+    and sequence-parallel size, on random tokens. With ``density`` (MTraining only), the sparse
+    caps that give about that density on a randomly initialised model (:func:`pinned_caps`)."""
     config = json.loads(json.dumps(base))
     section = config["mtraining"]
+    if density is not None and mode == "mtraining":
+        section["sparse"] = {**section.get("sparse", {}),
+                             **pinned_caps(density, seq_len, section.get("stripe_block", 128), max_vertical)}
     given = section.get("model")
     overrides = dict(given.get("config_overrides", {})) if isinstance(given, dict) and \
         given.get("name_or_path") == model else {}
@@ -120,6 +129,14 @@ def launch_config(base: dict, model: str, mode: str, seq_len: int, world: int, l
                    model={"name_or_path": model, "config_overrides": overrides}, data={"source": "random"})
     section.pop("static", None)
     return config
+
+
+def pinned_caps(density: float, seq_len: int, block_size: int, max_vertical: int) -> dict:
+    """The sparse caps for about ``density`` of the causal entries on random weights: their
+    nearly uniform attention makes top-p run to the caps, so the slash cap (block diagonals, the
+    bulk of the work) sets the density; ``max_vertical`` columns add max_vertical / (S / 2)."""
+    blocks = max(1, round(density * seq_len / block_size))
+    return {"max_slash_diagonals": slash_cap_for_blocks(blocks), "max_vertical": max_vertical}
 
 
 def read_run(run_dir: Path, tokens_per_step: int, warmup: int, world: int) -> dict:
@@ -201,7 +218,8 @@ class Bench:
                              f"pass another --out or --tag")
 
     def _launch(self, model: str, mode: str, seq_len: int, world: int, layers: int, full: int) -> dict:
-        config = launch_config(self.base, model, mode, seq_len, world, None if layers == full else layers)
+        config = launch_config(self.base, model, mode, seq_len, world, None if layers == full else layers,
+                               self.args.density, self.args.max_vertical)
         gpus = None if self.cpu else (self.args.gpus[:world] if world > 1 else [self.args.single_gpu])
         folder = self.logs / f"{model}_{mode}_w{world}_s{seq_len}_l{layers}"
         self.port += 1
@@ -400,6 +418,10 @@ def parse_args(argv=None):
     parser.add_argument("--smoke", action="store_true",
                         help=f"CPU end-to-end check at tiny sizes (2 gloo ranks): {SMOKE}, unless given")
     parser.add_argument("--cpu", action="store_true", help="CPU ranks (gloo) even where GPUs exist")
+    parser.add_argument("--density", type=float, default=None,
+                        help="MTraining's sparse caps pinned for about this density on random weights "
+                             "(default: the config's budgets, which keep nearly everything there)")
+    parser.add_argument("--max_vertical", type=int, default=256, help="vertical cap with --density")
     given = set()
     for item in argv if argv is not None else sys.argv[1:]:
         if item.startswith("--"):

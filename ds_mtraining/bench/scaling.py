@@ -56,7 +56,7 @@ import torch.distributed as dist
 
 from .. import ops
 from ..attention import resolve_softmax_scale, sparse_attention
-from ..config import SparseConfig
+from ..config import SparseConfig, slash_cap_for_blocks
 from ..index import Stripe
 from ..ring import RingComm, StripedLayout, estimate_vertical_slash_distributed, ring_sparse_attention
 from ..ring.estimate import estimate_on_comm
@@ -292,7 +292,7 @@ def calibrated_index(q, k, seq_len, args, device, comm, scale):
     slash = max(1, round(args.density * nb))  # in block diagonals
     for _ in range(4):
         config = SparseConfig(block_size=args.block_size, max_vertical=args.max_vertical,
-                              **slash_budget(slash, args.block_size))
+                              max_slash_diagonals=slash_cap_for_blocks(slash))
         index = estimate_vertical_slash_distributed(q, k, config, comm, scale)
         density = index.density()
         better = max(1, min(nb, round(slash * args.density / max(density, 1e-9))))
@@ -300,12 +300,6 @@ def calibrated_index(q, k, seq_len, args, device, comm, scale):
             break
         slash = better
     return config, index, density
-
-
-def slash_budget(blocks: int, block_size: int) -> dict:
-    """SparseConfig's slash cap for about ``blocks`` block diagonals: ``max_slash_diagonals``
-    counts token diagonals, each marking one or two block diagonals."""
-    return {"max_slash_diagonals": max(1, blocks // 2)}
 
 
 def fwd_bwd(attention, inputs, dout):
