@@ -80,7 +80,7 @@ def test_passkey_training_sample_asking_several_times():
     sample = passkey_training_sample(tokens, TOKENIZER, np.random.default_rng(5), questions=4)
     text = TOKENIZER.decode(sample)
     needle = re.search(r"\n\nThe pass key is (\d+)\. Remember it\. \1 is the pass key\.\n\n", text)
-    key, asked = needle.group(1), QUESTION + ANSWER.format(key=needle.group(1))
+    asked = QUESTION + ANSWER.format(key=needle.group(1))
     assert len(sample) == 2049 and text.endswith(asked) and text.count(asked) == 4
     assert text.index(asked) > needle.end()  # every question comes after the needle
     # without the intro, needle and questions, what is left is the window's own text, in order
