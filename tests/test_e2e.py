@@ -123,3 +123,18 @@ def test_density_pins_mtraining_caps_only():
             base["mtraining"]["sparse"]
     assert e2e.launch_config(base, "qwen2.5-3b", "mtraining", 524288, 2, None)["mtraining"]["sparse"] == \
         base["mtraining"]["sparse"]
+
+
+def test_modes_launch_only_those_and_keep_the_others_numbers(tmp_path):
+    """--modes mtraining (a long full-depth run): only MTraining launches, in both parts; the row's
+    Ulysses and dense numbers from an earlier invocation stay, and the speedups use the new step."""
+    argv = ["--cpu", "--models", "qwen2.5-3b", "--seq_lens", "1024", "--depth", "2", "--single_depth", "2",
+            "--out", str(tmp_path), "--tag", "t"]
+    first = e2e.Bench(e2e.parse_args(argv), fake_launcher([])).run()["rows"][0]
+    calls = []
+    row = e2e.Bench(e2e.parse_args(argv + ["--modes", "mtraining", "--steps", "5"]), fake_launcher(calls)).run()["rows"][0]
+    assert [call[0] for call in calls] == ["mtraining", "mtraining"]
+    assert row["ulysses"] == first["ulysses"] and row["single_gpu"]["dense"] == first["single_gpu"]["dense"]
+    for result in (row["mtraining"], row["single_gpu"]["mtraining"]):
+        assert [len(run["step_times_s"]) for run in result["runs"]] == [5]
+    assert row["speedup"] == pytest.approx(row["ulysses"]["step_s"] / row["mtraining"]["step_s"])

@@ -47,7 +47,7 @@ integer N times N layers and reports them as measured (no extrapolation). Every 
 
 Writes ``OUT/e2e_<tag>.json`` after every measurement, so a run cut off keeps what it measured;
 rows of other (model, seq_len, world) already in the file are kept and a row measured again is
-updated part by part, so several short invocations fill one file. The launches' configs and logs
+updated mode by mode (``--modes``), so several short invocations fill one file. The launches' configs and logs
 go to ``OUT/e2e_<tag>/``. A table is printed last.
 """
 from __future__ import annotations
@@ -291,20 +291,25 @@ class Bench:
                                            {"model": model, "seq_len": seq_len, "world": args.world})
                 if "sp" in args.parts:
                     for mode in ("mtraining", "ulysses"):
-                        row[mode] = self.measure(model, mode, seq_len, args.world, args.depth)
-                        self.save()
+                        if mode in args.modes:
+                            row[mode] = self.measure(model, mode, seq_len, args.world, args.depth)
+                            self.save()
                 if "single" in args.parts:
-                    single = row["single_gpu"] = {}
+                    single = row.setdefault("single_gpu", {})
                     for mode in ("mtraining", "dense"):
-                        single[mode] = self.measure(model, mode, seq_len, 1, args.single_depth)
-                        self.save()
+                        if mode in args.modes:
+                            single[mode] = self.measure(model, mode, seq_len, 1, args.single_depth)
+                            self.save()
         return self.save()
 
     def rows_merged(self) -> list:
-        """This invocation's rows over the file's earlier ones (by model, seq_len, world; part by part)."""
+        """This invocation's rows over the file's earlier ones (by model, seq_len, world; mode by mode)."""
         merged = {(r["model"], r["seq_len"], r["world"]): dict(r) for r in self.earlier["rows"]}
         for key, row in self.rows.items():
-            merged[key] = {**merged.get(key, {}), **row}
+            earlier = merged.get(key, {})
+            merged[key] = {**earlier, **row}
+            if "single_gpu" in row:  # mode by mode: --modes may have launched only some
+                merged[key]["single_gpu"] = {**earlier.get("single_gpu", {}), **row["single_gpu"]}
         for row in merged.values():
             row["speedup"] = speedup(row.get("ulysses"), row.get("mtraining"))
             single = row.get("single_gpu")
@@ -418,6 +423,8 @@ def parse_args(argv=None):
     parser.add_argument("--smoke", action="store_true",
                         help=f"CPU end-to-end check at tiny sizes (2 gloo ranks): {SMOKE}, unless given")
     parser.add_argument("--cpu", action="store_true", help="CPU ranks (gloo) even where GPUs exist")
+    parser.add_argument("--modes", nargs="+", choices=tuple(MODES), default=list(MODES),
+                        help="the modes to launch (e.g. mtraining alone for a long full-depth run)")
     parser.add_argument("--density", type=float, default=None,
                         help="MTraining's sparse caps pinned for about this density on random weights "
                              "(default: the config's budgets, which keep nearly everything there)")
