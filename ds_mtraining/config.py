@@ -88,4 +88,3 @@ def slash_cap_for_blocks(blocks: int) -> int:
     runs to the cap (nearly uniform attention, e.g. random weights): the cap counts token
     diagonals, and scattered ones mark one or two block diagonals each."""
     return max(1, blocks // 2)
-
