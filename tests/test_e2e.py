@@ -10,6 +10,7 @@ import pytest
 
 from helpers import REPO, environment
 from ds_mtraining.bench import e2e
+from ds_mtraining.distributed.spawn import free_port
 
 
 def test_extrapolation_hand_computed():
@@ -96,7 +97,8 @@ def test_smoke_end_to_end(tmp_path):
     """``--smoke`` (the W-rank pair here: one launch per mode, ~15 s each on 2 cores) through the real
     deepspeed launcher and ds_mtraining.train: the JSON has per seq_len the keys of both modes and
     the speedup, from logged step times."""
-    command = [sys.executable, "-m", "ds_mtraining.bench.e2e", "--smoke", "--parts", "sp", "--out", str(tmp_path)]
+    command = [sys.executable, "-m", "ds_mtraining.bench.e2e", "--smoke", "--parts", "sp", "--out", str(tmp_path),
+               "--port", str(free_port())]  # not the fixed default: a port left busy by an earlier test
     done = subprocess.run(command, cwd=REPO, env=environment(), capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     record = json.loads((tmp_path / "e2e_smoke.json").read_text())
@@ -104,6 +106,7 @@ def test_smoke_end_to_end(tmp_path):
     row, = record["rows"]
     assert (row["model"], row["seq_len"], row["world"]) == ("tiny-qwen2", 512, 2)
     for mode in ("mtraining", "ulysses"):
+        assert row[mode]["step_s"] is not None, f"{mode}: {row[mode].get('error')}\n{done.stdout[-3000:]}"
         assert row[mode]["step_s"] > 0 and row[mode]["layers"] == 2 and not row[mode]["extrapolated"]
         assert len(row[mode]["runs"][0]["losses"]) == 2 and row[mode]["peak_memory_gib"] is None  # CPU
     assert 0 < row["mtraining"]["density"] <= 1 and row["ulysses"]["density"] is None  # only an index has one
