@@ -54,13 +54,19 @@ def test_run_in_lanes_runs_every_item_and_raises_the_first_error():
     assert done == ["c"]  # lane 0 stopped at its error, lane 1 ran to its end
 
 
-def test_quality_study_refuses_a_folder_holding_a_study(tmp_path):
+def study_inputs(tmp_path, config: dict):
+    """(corpus folder with empty train/held-out files, config file) for a Study that trains nothing."""
     data = tmp_path / "data"
     data.mkdir()
     for name in ("train.parquet", "heldout.parquet"):
         (data / name).write_text("")
-    config = tmp_path / "config.json"
-    config.write_text("{}")
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    return data, path
+
+
+def test_quality_study_refuses_a_folder_holding_a_study(tmp_path):
+    data, config = study_inputs(tmp_path, {})
     out = tmp_path / "study"
     args = argparse.Namespace(out=str(out), config=str(config), data=str(data), passkey_questions=None)
     Study(args)  # an empty or new folder is fine
@@ -70,12 +76,8 @@ def test_quality_study_refuses_a_folder_holding_a_study(tmp_path):
 
 
 def test_quality_study_passkey_questions_reach_every_run_config(tmp_path):
-    data = tmp_path / "data"
-    data.mkdir()
-    for name in ("train.parquet", "heldout.parquet"):
-        (data / name).write_text("")
-    config = tmp_path / "config.json"
-    config.write_text(json.dumps({"mtraining": {"sparse": {}, "data": {"source": "stdlib", "passkey_questions": 8}}}))
+    data, config = study_inputs(tmp_path, {"mtraining": {"sparse": {}, "data": {"source": "stdlib",
+                                                                                 "passkey_questions": 8}}})
     for given, expected in ((None, 8), (1, 1)):
         args = argparse.Namespace(out=str(tmp_path / f"study{given}"), config=str(config), data=str(data),
                                   passkey_questions=given)
