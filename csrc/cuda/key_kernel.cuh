@@ -47,11 +47,10 @@ struct SlashStepSource {
     int group;
     int key_block;
     int key_first;  // the CTA's first key row (local): earlier diagonal queries are all masked
-    int key_last;   // the CTA's last key row (local)
+    int query_end;  // the first query whose document starts after the CTA's last key (query_end_after)
     int query_blocks;
     int seq_q;
     bool same_rank;
-    DocumentLimits<BS> limits;
 
     int head_index = 0;
     int offset_index = 0;
@@ -79,7 +78,7 @@ struct SlashStepSource {
                 ++offset_index;
             }
             if (first >= seq_q || (causal && first + kQueryStep <= key_first)) continue;  // nothing visible
-            if (limits.key_limit(first) > key_last) {  // so are the later queries' documents: this head is done
+            if (first >= query_end) {  // so are the later queries' documents: this head is done
                 ++head_index;
                 offset_index = 0;
                 sub_step = 0;
@@ -93,7 +92,8 @@ struct SlashStepSource {
 };
 
 // Vertical pass: every query block in [query_block, end_block) that reads at least one of the
-// tile's keys as a column (a CTA-wide vote per block).
+// tile's keys as a column (a CTA-wide vote per block). end_block is clipped to the end of the
+// tile's last key's document.
 template <int BS>
 struct VerticalStepSource {
     const int* tile_keys;  // shared memory, ascending
@@ -104,16 +104,13 @@ struct VerticalStepSource {
     int seq_q;
     bool query_rank_after;
     int query_block;
-    DocumentLimits<BS> limits;
 
     int sub_step = 0;
 
     __device__ __forceinline__ bool next(QueryStep& step) {
         while (true) {
             if (sub_step == 0) {
-                // the block's documents, and all later ones, start after the tile's last key: done
-                if (query_block >= end_block || limits.key_limit(query_block * BS) > tile_keys[key_count - 1])
-                    return false;
+                if (query_block >= end_block) return false;
                 const bool reads = threadIdx.x < key_count &&
                                    reads_as_column(query_block, tile_keys[threadIdx.x] / BS, query_rank_after, bits);
                 if (!__syncthreads_or(reads)) {
@@ -149,8 +146,8 @@ __global__ void __launch_bounds__(KeyKernelConfig<Arch, T, D, BS, kVertical>::kT
     float* delta_tiles = lse_tiles + 2 * kQueryStep;
     uint64_t* step_barriers = reinterpret_cast<uint64_t*>(delta_tiles + 2 * kQueryStep);
     int* tile_keys = reinterpret_cast<int*>(step_barriers + 2);
-    int* step_limit_tiles = tile_keys + kKeyTile;  // document masking: the first key each step query sees
-    uint32_t* bits = reinterpret_cast<uint32_t*>(step_limit_tiles + 2 * kQueryStep);
+    int* step_start_tiles = tile_keys + kKeyTile;  // document masking: each step query's document start
+    uint32_t* bits = reinterpret_cast<uint32_t*>(step_start_tiles + 2 * kQueryStep);
 
     const int group = p.heads / p.kv_heads;
     const int query_blocks = (p.seq_q + BS - 1) / BS;
@@ -189,16 +186,33 @@ __global__ void __launch_bounds__(KeyKernelConfig<Arch, T, D, BS, kVertical>::kT
         if (key_count <= 0) return;  // the empty part of a partial last block (uniform)
     }
     const DocumentLimits<BS> limits(p, batch);
+    // Document bounds of the walk, once per CTA so that no step waits on a doc_start load: the
+    // walk ends at query_end; only steps reaching masked_from can hold queries that some key row
+    // must not see (every earlier query's document starts at or before the CTA's first key).
+    const int query_end =
+        limits.query_end_after(kVertical ? tile_keys[key_count - 1] : key_first + key_count - 1);
+    int first_block = 0, end_block = 0;  // vertical pass: the chunk's query blocks the walk may visit
+    if constexpr (kVertical) {
+        const int chunk_first = chunk * kVerticalChunkBlocks;
+        first_block = max(chunk_first, tile_keys[0] / BS);
+        end_block = min(chunk_first + kVerticalChunkBlocks, (min(query_end, p.seq_q) + BS - 1) / BS);
+    }
+    // A vertical CTA without query blocks only stores its zero partials (uniform).
+    const bool idle = kVertical && first_block >= end_block;
     // K/V rows of this CTA's kv head, and the query rows of the batch (heads vary per step).
     const size_t kv_head_start = static_cast<size_t>(batch) * p.seq_k * kv_stride + kv_head * D;
     const size_t batch_start = static_cast<size_t>(batch) * p.seq_q * q_stride;
-    load_rows_async<Arch, kKeyRows, D, kThreads, true>(
-        key_tile, value_tile, static_cast<const T*>(p.k) + kv_head_start, static_cast<const T*>(p.v) + kv_head_start,
-        [&](int row) -> long long {
-            if (row >= key_count) return -1;
-            return static_cast<long long>(kVertical ? tile_keys[row] : key_first + row) * kv_stride;
-        });
+    if (!idle) {
+        load_rows_async<Arch, kKeyRows, D, kThreads, true>(
+            key_tile, value_tile, static_cast<const T*>(p.k) + kv_head_start, static_cast<const T*>(p.v) + kv_head_start,
+            [&](int row) -> long long {
+                if (row >= key_count) return -1;
+                return static_cast<long long>(kVertical ? tile_keys[row] : key_first + row) * kv_stride;
+            });
+    }
     cp_async_commit();
+    const int masked_from = idle ? INT_MAX : limits.query_end_after(kVertical ? tile_keys[0] : key_first);
+    auto straddles = [&](const QueryStep& step) { return step.first + kQueryStep > masked_from; };
 
     auto issue = [&](const QueryStep& step, int buffer) {
         const size_t head_start = batch_start + step.head * D;
@@ -219,8 +233,11 @@ __global__ void __launch_bounds__(KeyKernelConfig<Arch, T, D, BS, kVertical>::kT
             const size_t at = bh * p.seq_q + (valid ? step.first + threadIdx.x : 0);
             cp_async_4(lse_tiles + buffer * kQueryStep + threadIdx.x, p.lse_in + at, valid);
             cp_async_4(delta_tiles + buffer * kQueryStep + threadIdx.x, p.delta + at, valid);
-            if (limits.doc_start != nullptr)
-                step_limit_tiles[buffer * kQueryStep + threadIdx.x] = valid ? limits.key_limit(step.first + threadIdx.x) : INT_MAX;
+            if (straddles(step)) {
+                const int query = valid ? step.first + threadIdx.x : 0;
+                cp_async_4(step_start_tiles + buffer * kQueryStep + threadIdx.x,
+                           limits.doc_start + limits.query_global(query), valid);
+            }
         }
     };
 
@@ -237,28 +254,27 @@ __global__ void __launch_bounds__(KeyKernelConfig<Arch, T, D, BS, kVertical>::kT
         const float* lse = lse_tiles + buffer * kQueryStep;
         const float* delta = delta_tiles + buffer * kQueryStep;
         if (by_tma(step)) tma.wait(buffer);
-        const QueryStepMask<BS, kVertical> mask(step, row0, key_first, key_count, tile_keys, query_rank_after, bits);
+        const QueryStepMask<BS, kVertical> mask(step, row0, key_first, key_count, tile_keys, query_rank_after, bits,
+                                                limits);
         float s[1][8][4];
         float dp[1][8][4];
         // S^T = K Q^T and dP^T = V dO^T
         Arch::template scores_pair<1, D>(s, key_tile, query_tile, dp, value_tile, dout_tile, row0);
         orient_scores(s, p.scale < 0.f);
-        mask.apply(s, step, key_first, row0, p.seq_q,
-                   limits.doc_start != nullptr ? step_limit_tiles + buffer * kQueryStep : nullptr);
+        mask.apply(s, step, key_first, row0, p.seq_q, straddles(step) ? step_start_tiles + buffer * kQueryStep : nullptr);
         softmax.dscores(s, dp, lse, delta);
         Arch::template accumulate_pair<1, D>(dv, s, dout_tile, dk, dp, query_tile);  // dV += P^T dO, dK += dS^T Q
     };
 
     if constexpr (kVertical) {
-        const int head = bh_vertical % p.heads;
-        build_offset_bits<kThreads>(bits, bit_words,
-                                    p.local_offsets + static_cast<size_t>(bh_vertical) * p.slash_len,
-                                    p.num_offsets[bh_vertical]);
-        const int chunk_first = chunk * kVerticalChunkBlocks;
-        VerticalStepSource<BS> source{tile_keys, key_count, bits, head,
-                                      min(query_blocks, chunk_first + kVerticalChunkBlocks), p.seq_q,
-                                      query_rank_after, max(chunk_first, tile_keys[0] / BS), limits};
-        run_two_stage_pipeline<QueryStep, Arch::kAsyncProxy>([&](QueryStep& step) { return source.next(step); }, issue, compute);  // no step: the partials are 0
+        if (!idle) {  // else no step: the partials are 0
+            const int head = bh_vertical % p.heads;
+            build_offset_bits<kThreads>(bits, bit_words,
+                                        p.local_offsets + static_cast<size_t>(bh_vertical) * p.slash_len,
+                                        p.num_offsets[bh_vertical]);
+            VerticalStepSource<BS> source{tile_keys, key_count, bits, head, end_block, p.seq_q, query_rank_after, first_block};
+            run_two_stage_pipeline<QueryStep, Arch::kAsyncProxy>([&](QueryStep& step) { return source.next(step); }, issue, compute);
+        }
         const size_t entry0 =
             (static_cast<size_t>(chunk) * p.batch * p.heads + bh_vertical) * p.vertical_len + first_entry;
         auto scratch_row = [&](float* base, int row) -> float* {
@@ -270,7 +286,7 @@ __global__ void __launch_bounds__(KeyKernelConfig<Arch, T, D, BS, kVertical>::kT
         const size_t batch_heads = static_cast<size_t>(batch) * p.heads;
         SlashStepSource<BS> source{p.local_offsets + batch_heads * p.slash_len, p.num_offsets + batch_heads,
                                    p.slash_len, kv_head * group, group, key_first / BS, key_first,
-                                   key_first + key_count - 1, query_blocks, p.seq_q, p.q_rank == p.k_rank, limits};
+                                   query_end, query_blocks, p.seq_q, p.q_rank == p.k_rank};
         run_two_stage_pipeline<QueryStep, Arch::kAsyncProxy>([&](QueryStep& step) { return source.next(step); }, issue, compute);
         auto key_out_row = [&](float* base, int row) -> float* {
             return row < key_count ? base + ((static_cast<size_t>(batch) * p.seq_k + key_first + row) * p.kv_heads + kv_head) * D

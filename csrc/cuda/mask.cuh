@@ -23,16 +23,35 @@ template <int BS>
 struct DocumentLimits {
     const int* doc_start;  // this batch's row [seq_q * world] (global positions), or nullptr: no masking
     int world, q_rank, k_rank;
+    int tokens;  // seq_q * world: the row's length
 
     __device__ __forceinline__ DocumentLimits(const AttentionParams& p, int batch)
         : doc_start(p.doc_start == nullptr ? nullptr : p.doc_start + static_cast<size_t>(batch) * p.seq_q * p.world),
-          world(p.world), q_rank(p.q_rank), k_rank(p.k_rank) {}
+          world(p.world), q_rank(p.q_rank), k_rank(p.k_rank), tokens(p.seq_q * p.world) {}
 
     // First local key of the call's key rank that local query `query` may see (0 without masking).
     __device__ __forceinline__ int key_limit(int query) const {
         if (doc_start == nullptr) return 0;
-        const int start = doc_start[mtraining::stripe_global_token(query, BS, world, q_rank)];
+        const int start = doc_start[query_global(query)];
         return mtraining::stripe_first_local_at(start, BS, world, k_rank);
+    }
+
+    __device__ __forceinline__ int query_global(int query) const {
+        return mtraining::stripe_global_token(query, BS, world, q_rank);
+    }
+    __device__ __forceinline__ int key_global(int key) const {
+        return mtraining::stripe_global_token(key, BS, world, k_rank);
+    }
+
+    // First local query whose document starts after local key `key` (INT_MAX: none, or no
+    // masking): key_limit(query) > key iff query >= query_end_after(key). The key side computes it
+    // once per CTA instead of loading limits per step. A packing makes {t : doc_start[t] > key's
+    // global position} a suffix of the row: a binary search, alike in every thread (broadcast loads;
+    // a CTA-wide search measured more registers and spills in the step loop).
+    __device__ __forceinline__ int query_end_after(int key) const {
+        if (doc_start == nullptr) return INT_MAX;
+        const int end = static_cast<int>(mtraining::sorted_lower_bound(doc_start, tokens, key_global(key) + 1));
+        return end == tokens ? INT_MAX : mtraining::stripe_first_local_at(end, BS, world, q_rank);
     }
 };
 
@@ -105,36 +124,35 @@ struct KeyTileMask {
 // queries). Query column col of a key row is visible iff low <= col < high: high is the queries
 // left in the sequence (0 for a vertical key row that does not read the step's block), low the
 // row's own key on the diagonal; with document masking also iff the row's key is at or after
-// the column's first visible key.
+// the column's document start.
 template <int BS, bool kVertical>
 struct QueryStepMask {
     bool row_reads[2] = {true, true};  // vertical pass: does each of this thread's key rows read step.block?
-    int row_key[2];                    // the local key of each of this thread's key rows
-    int lowest_key;                    // the CTA's first key
+    int row_key[2];                    // the global position of each of this thread's key rows
 
     // Read before the step's scores are computed (the rows' keys are in shared memory).
     __device__ __forceinline__ QueryStepMask(const QueryStep& step, int row0, int key_first, int key_count,
-                                             const int* tile_keys, bool query_rank_after, const uint32_t* bits)
-        : lowest_key(kVertical ? tile_keys[0] : key_first) {
+                                             const int* tile_keys, bool query_rank_after, const uint32_t* bits,
+                                             const DocumentLimits<BS>& limits) {
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             const int row = row0 + fragment_row(2 * half);
             if constexpr (kVertical) {
-                row_key[half] = row < key_count ? tile_keys[row] : 0;
+                row_key[half] = limits.key_global(row < key_count ? tile_keys[row] : 0);
                 row_reads[half] = row < key_count &&
                                   reads_as_column(step.block, tile_keys[row] / BS, query_rank_after, bits);
             } else {
-                row_key[half] = key_first + row;
+                row_key[half] = limits.key_global(key_first + row);
             }
         }
     }
 
-    // step_limits: the first key each of the step's queries sees (INT_MAX past the sequence), in
-    // shared memory; nullptr without document masking.
+    // step_starts: the document start (global) of each of the step's queries (0 past the
+    // sequence), in shared memory, on a step where some query's document starts after the CTA's
+    // first key; nullptr on any other step (every row then sees all of the step's documents).
     __device__ __forceinline__ void apply(float (&s)[1][8][4], const QueryStep& step, int key_first, int row0,
-                                          int seq_q, const int* step_limits) const {
-        // the step's last query's document starts after the CTA's first key (uniform)
-        const bool lower = step_limits != nullptr && lowest_key < step_limits[kQueryStep - 1];
+                                          int seq_q, const int* step_starts) const {
+        const bool lower = step_starts != nullptr;  // uniform
         if (!(kVertical || step.causal || step.first + kQueryStep > seq_q || lower)) return;
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
@@ -146,7 +164,7 @@ struct QueryStepMask {
 #pragma unroll
                 for (int odd = 0; odd < 2; ++odd) {
                     const int col = nt * 8 + odd;
-                    const bool before_document = lower && row_key[half] < step_limits[col + fragment_col(0, 0)];
+                    const bool before_document = lower && row_key[half] < step_starts[col + fragment_col(0, 0)];
                     if (col < low || col >= high || before_document) s[0][nt][2 * half + odd] = -INFINITY;
                 }
         }
