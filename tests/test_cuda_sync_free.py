@@ -153,3 +153,40 @@ def test_two_gpu_ring_does_not_synchronise():
         assert result["differing"] <= max(2, result["total"] // 100), (
             f"rank {rank}: the distributed fused index differs from the single-device one in "
             f"{result['differing']} of {result['total']} entries")
+
+
+def _graph_worker(rank, world):
+    """The fused distributed estimator from its CUDA graph against the eager path, on inputs that
+    change every call (the replay must read the new ones)."""
+    from ds_mtraining.attention import resolve_softmax_scale
+    from ds_mtraining.ring import estimate_graph
+    from ds_mtraining.ring.comm import ring_comm
+    from ds_mtraining.ring.estimate import estimate_vertical_slash_cuda_distributed
+    device = torch.device("cuda", rank)
+    layout = StripedLayout(world, CONFIG.block_size)
+    comm = ring_comm(None)
+    scale = resolve_softmax_scale(HEAD_DIM, None)
+    estimate_graph.release()
+    q, k, _ = _qkv(4096, device)
+    same = []
+    for call in range(4):
+        g = torch.Generator().manual_seed(call)
+        noisy = [t + 0.5 * torch.randn(t.shape, generator=g).to(device, t.dtype) for t in (q, k)]
+        qs, ks = (layout.shard(t, rank).contiguous() for t in noisy)
+        eager = estimate_vertical_slash_cuda_distributed(qs, ks, CONFIG, comm)
+        context = sync_is_an_error() if call >= 1 else contextlib.nullcontext()  # call 0 runs eagerly
+        with context:
+            replayed = estimate_graph.captured_estimate(qs, ks, CONFIG, comm, scale)
+        fields = ("slash", "slash_count", "vertical", "vertical_count")
+        same.append(all(torch.equal(getattr(eager, f), getattr(replayed, f)) for f in fields))
+    torch.cuda.synchronize()
+    return dict(same=same, captures=estimate_graph.captures())
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_two_gpu_estimator_graph_equals_the_eager_path():
+    from ds_mtraining.distributed.spawn import run_on_ranks
+    results = run_on_ranks(_graph_worker, 2, timeout=240, backend="nccl")
+    for rank, result in enumerate(results):
+        assert result["same"] == [True] * 4, f"rank {rank}: graph vs eager index per call: {result['same']}"
+        assert result["captures"] == 1, f"rank {rank}: {result['captures']} graphs for one shape"

@@ -58,28 +58,45 @@ def _tail_runs(seq_len: int, world: int, block: int, count: int) -> list[tuple[i
     return runs
 
 
-def _last_queries(q: torch.Tensor, layout: StripedLayout, comm: RingComm, count: int,
-                  dtype=torch.float32) -> torch.Tensor:
-    """[B, count, H, D] in ``dtype``: the queries at global positions S - count .. S - 1, on every
-    rank, broadcast by the ranks that hold them (one rank when count <= block_size). Only slices:
-    no host synchronisation."""
+def held_last_queries(q: torch.Tensor, comm: RingComm, block_size: int, count: int,
+                      dtype=torch.float32) -> torch.Tensor:
+    """[B, n, H, D] in ``dtype``: the rows of the last ``count`` global queries that this rank's
+    shard ``q`` holds (n = 0 on ranks holding none), in global order. Only slices."""
     b, local, h, d = q.shape
-    seq_len = local * comm.world
-    last_queries = torch.empty(b, count, h, d, dtype=dtype, device=q.device)
-    runs = _tail_runs(seq_len, comm.world, layout.block_size, count)
+    runs = _tail_runs(local * comm.world, comm.world, block_size, count)
+    mine = [q[:, start:end] for owner, start, end, _ in runs if owner == comm.rank]
+    if not mine:
+        return q.new_empty(b, 0, h, d, dtype=dtype)
+    return torch.cat(mine, 1).to(dtype).contiguous()
+
+
+def broadcast_last_queries(held: torch.Tensor, comm: RingComm, seq_len: int, block_size: int,
+                           count: int) -> torch.Tensor:
+    """[B, count, H, D]: the queries at global positions S - count .. S - 1 on every rank, from
+    each rank's :func:`held_last_queries` (one broadcast per holding rank: one when count <=
+    block_size). No host synchronisation."""
+    b, _, h, d = held.shape
+    last_queries = torch.empty(b, count, h, d, dtype=held.dtype, device=held.device)
+    runs = _tail_runs(seq_len, comm.world, block_size, count)
     for owner in range(comm.world):
-        mine = [r for r in runs if r[0] == owner]
-        if not mine:
+        theirs = [r for r in runs if r[0] == owner]
+        if not theirs:
             continue
-        size = sum(end - start for _, start, end, _ in mine)
-        part = (torch.cat([q[:, start:end] for _, start, end, _ in mine], 1).to(dtype).contiguous()
-                if owner == comm.rank else torch.empty(b, size, h, d, dtype=dtype, device=q.device))
+        size = sum(end - start for _, start, end, _ in theirs)
+        part = held if owner == comm.rank else held.new_empty(b, size, h, d)
         dist.broadcast(part, dist.get_global_rank(comm.group, owner), group=comm.group)
         at = 0
-        for _, start, end, offset in mine:
+        for _, start, end, offset in theirs:
             last_queries[:, offset:offset + end - start] = part[:, at:at + end - start]
             at += end - start
     return last_queries
+
+
+def _last_queries(q: torch.Tensor, layout: StripedLayout, comm: RingComm, count: int,
+                  dtype=torch.float32) -> torch.Tensor:
+    """[B, count, H, D] in ``dtype``: the last ``count`` global queries, on every rank."""
+    held = held_last_queries(q, comm, layout.block_size, count, dtype)
+    return broadcast_last_queries(held, comm, q.shape[1] * comm.world, layout.block_size, count)
 
 
 def _all_gather(tensor: torch.Tensor, comm: RingComm) -> torch.Tensor:
@@ -314,21 +331,29 @@ def estimate_vertical_slash_cuda_distributed(q: torch.Tensor, k: torch.Tensor, c
 
     ``passes``: an object with the functions ``row_stats``, ``masses`` and ``build_index`` of
     :mod:`ds_mtraining.estimate_cuda` (the default); tests pass torch versions to run this on CPU."""
+    check_qk(q, k)
+    held = held_last_queries(q, comm, config.block_size, min(config.last_q, q.shape[1] * comm.world), k.dtype)
+    return estimate_from_held_queries(held, k, config, comm, resolve_softmax_scale(q.shape[-1], softmax_scale),
+                                      passes)
+
+
+def estimate_from_held_queries(held: torch.Tensor, k: torch.Tensor, config: SparseConfig, comm: RingComm,
+                               scale: float, passes=None) -> SparseIndex:
+    """:func:`estimate_vertical_slash_cuda_distributed` from this rank's
+    :func:`held_last_queries` and keys: every launch of the path, with fixed shapes and no host
+    synchronisation (what :mod:`ds_mtraining.ring.estimate_graph` captures)."""
     from .. import estimate_cuda
     passes = passes if passes is not None else estimate_cuda
-    check_qk(q, k)
-    b, local, h, d = q.shape
-    seq_len = local * comm.world
+    seq_len = k.shape[1] * comm.world
     world, rank, block = comm.world, comm.rank, config.block_size
     layout = StripedLayout(world, block)
-    scale = resolve_softmax_scale(d, softmax_scale)
     count = min(config.last_q, seq_len)
     first = seq_len - count
-    q_last = _last_queries(q, layout, comm, count, dtype=k.dtype)
+    q_last = broadcast_last_queries(held, comm, seq_len, block, count)
     stats = passes.row_stats(q_last, k, first, seq_len, scale, world, rank, block)
     row_max, row_sum = merge_row_stats(*stats, group=comm.group)
     columns, shares = passes.masses(q_last, k, row_max, row_sum, first, seq_len, scale, world, rank, block)
-    k_pos = layout.positions(seq_len, rank, device=q.device)
+    k_pos = layout.positions(seq_len, rank, device=k.device)
     diagonals = owned_diagonals_from_shares(shares, layout, comm, count).flip(-1)
     diagonal_pos = (seq_len - 1 - k_pos).flip(0)  # t = S - 1 - last key, ascending
     (slash, slash_count), (vertical, vertical_count) = select_top_p_fixed(
@@ -384,8 +409,9 @@ def estimate_on_comm(q, k, config: SparseConfig, comm: RingComm | None,
                      softmax_scale: float | None = None, doc_start=None) -> SparseIndex:
     """The global index of the shards ``q``/``k`` over ``comm``'s ring (None: one device): the
     fused CUDA estimator (no host synchronisation, its index built trusted) when it takes the
-    inputs, else the torch rule (CPU; on CUDA it synchronises). With ``doc_start`` (document
-    masking) the torch rule's document-aware form."""
+    inputs (on a ring, replayed from a CUDA graph: :mod:`ds_mtraining.ring.estimate_graph`), else
+    the torch rule (CPU; on CUDA it synchronises). With ``doc_start`` (document masking) the
+    torch rule's document-aware form."""
     if doc_start is not None:
         if comm is None:
             return estimate_vertical_slash(q, k, config, softmax_scale, doc_start=doc_start)
@@ -395,6 +421,11 @@ def estimate_on_comm(q, k, config: SparseConfig, comm: RingComm | None,
         if comm is None:
             from ..estimate_cuda import estimate_vertical_slash_cuda
             return estimate_vertical_slash_cuda(q, k, config, softmax_scale)
+        from . import estimate_graph
+        if estimate_graph.graphs_enabled():
+            check_qk(q, k)
+            return estimate_graph.captured_estimate(q, k, config, comm,
+                                                    resolve_softmax_scale(q.shape[-1], softmax_scale))
         return estimate_vertical_slash_cuda_distributed(q, k, config, comm, softmax_scale)
     if comm is None:
         return estimate_vertical_slash(q, k, config, softmax_scale)
