@@ -7,7 +7,9 @@ calibrated to ``--density`` (random q/k spread the last rows' mass evenly, so to
 the caps: ``max_slash_diagonals`` sets the density). Then, per mode and ring:
 
 * ``given_index``: the ring with that index; ``per_call_estimation``: the ring estimating the
-  index from the shards in every call (index=None, same budgets);
+  index from the shards in every call (index=None, same budgets; on GPUs the fused estimator
+  replayed from its CUDA graph); ``per_call_estimation_eager``: the same without the graph
+  (``DS_MTRAINING_ESTIMATOR_GRAPHS=0``: every launch from the host);
 * ``flat`` ring, and the ``hierarchical`` one when the launcher started more than one node
   (two fake nodes on one machine through a hostfile, below);
 * one-device baseline: rank 0 alone (the others wait) runs ``sparse_attention`` on the whole
@@ -58,13 +60,13 @@ from .. import ops
 from ..attention import resolve_softmax_scale, sparse_attention
 from ..config import SparseConfig, slash_cap_for_blocks
 from ..index import Stripe
-from ..ring import RingComm, StripedLayout, estimate_vertical_slash_distributed, ring_sparse_attention
+from ..ring import RingComm, StripedLayout, estimate_graph, estimate_vertical_slash_distributed, ring_sparse_attention
 from ..ring.estimate import estimate_on_comm
 from ..ring import comm as ring_comm
 from ..ring.topology import Topology, create_hierarchical_groups
 from ..ring.work import imbalance, pair_work, step_work
 
-MODES = ("given_index", "per_call_estimation")
+MODES = ("given_index", "per_call_estimation", "per_call_estimation_eager")
 RINGS = ("flat", "hierarchical")
 SMOKE = dict(seq_lens=[1024, 2048], heads=4, kv_heads=2, head_dim=32, block_size=64, warmup=1,
              repeats=2, max_vertical=16)
@@ -165,7 +167,7 @@ def parse_args(argv=None):
     parser.add_argument("--density", type=float, default=0.05, help="target density of the index")
     parser.add_argument("--max-vertical", type=int, default=256, help="vertical column budget per head")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
-                        help="index given to each call, or estimated in each call")
+                        help="index given to each call, or estimated in each call (from a CUDA graph, or eagerly)")
     parser.add_argument("--rings", nargs="+", choices=RINGS + ("auto",), default=["auto"],
                         help="auto: flat, plus hierarchical when the launcher started several nodes")
     parser.add_argument("--warmup", type=int, default=2, help="untimed calls before each timing")
@@ -325,6 +327,7 @@ def run_case(seq_len, args, device, dtype, topology, rings, hierarchy, clock, la
     cases = []
     for mode in args.modes:
         given = index if mode == "given_index" else None
+        os.environ[estimate_graph.ENV] = "0" if mode == "per_call_estimation_eager" else "1"
         # one-device baseline, rank 0 alone, the others waiting
         baseline = {}
         if rank == 0:
