@@ -65,7 +65,7 @@ from ds_mtraining.distributed.shm import release_shm_buffer
 from ds_mtraining.training import MTRAINING_KEY, ConfigError
 from ds_mtraining.training.export import export_hf
 from ds_mtraining.training.checkpoint import continue_metrics, resume_checkpoint, save_checkpoint
-from ds_mtraining.training.model import MTrainingCausalLM, build_model, model_config
+from ds_mtraining.training.model import MTrainingCausalLM, build_model, model_config, use_fused_kernels
 from ds_mtraining.training.progress import Progress, describe_run, monitor_dir, with_default_monitor
 from ds_mtraining.training.run_config import ULYSSES, load_run_config
 from ds_mtraining.training.watchdog import Watchdog
@@ -154,6 +154,9 @@ def train(args, watchdog: Watchdog | None = None) -> dict:
 
     torch.manual_seed(args.seed)
     model = build_model(run.model)
+    fused_off = use_fused_kernels(model, run.liger)
+    if launcher_rank() == 0:
+        print("ds_mtraining: liger-kernel RMSNorm/RoPE/SwiGLU: " + (f"off ({fused_off})" if fused_off else "on"))
     stats = AttentionStats(enabled=False)
     ulysses = run.attention == ULYSSES
     if not ulysses:  # (Ulysses is registered below, once the micro-batch size is known)

@@ -141,3 +141,18 @@ def test_modes_launch_only_those_and_keep_the_others_numbers(tmp_path):
     for result in (row["mtraining"], row["single_gpu"]["mtraining"]):
         assert [len(run["step_times_s"]) for run in result["runs"]] == [5]
     assert row["speedup"] == pytest.approx(row["ulysses"]["step_s"] / row["mtraining"]["step_s"])
+
+
+def test_liger_setting_reaches_every_launch(tmp_path):
+    """--liger sets mtraining.liger in every launch, MTraining and the baselines alike; without it
+    the config's own setting stays."""
+    for flag, expected in ((["--liger", "off"], False), (["--liger", "on"], True), ([], None)):
+        seen = []
+
+        def launch(config, gpus, world, folder, port, args, inner=fake_launcher([])):
+            seen.append(config["mtraining"].get("liger"))
+            return inner(config, gpus, world, folder, port, args)
+        argv = ["--cpu", "--models", "qwen2.5-3b", "--seq_lens", "1024", "--depth", "2", "--single_depth", "2",
+                "--out", str(tmp_path / str(flag)), "--tag", "t", *flag]
+        e2e.Bench(e2e.parse_args(argv), launch).run()
+        assert len(seen) == 4 and set(seen) == {expected}, (flag, seen)

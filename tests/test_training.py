@@ -260,3 +260,22 @@ def test_ulysses_mode_equals_the_single_process_dense_model(tmp_path):
 def test_bad_ulysses_or_random_data_config_is_one_clear_error(change, world, message):
     with pytest.raises(ConfigError, match=message):
         load_run_config(ulysses_config(**change), world)
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_bad_liger_setting_is_one_clear_error(value):
+    with pytest.raises(ConfigError, match=rf"mtraining.liger={value!r} must be 'auto' .*, true or false"):
+        load_run_config(ulysses_config(liger=value), 2)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU side: liger-kernel needs CUDA")
+def test_liger_is_off_on_cpu_with_its_reason_and_true_is_an_error():
+    from ds_mtraining.training.model import build_model, use_fused_kernels
+    model = build_model({"name_or_path": "tiny-qwen2", "config_overrides": {}})
+    norm = type(model.model.norm)
+    assert "need a CUDA GPU" in use_fused_kernels(model, "auto")
+    assert use_fused_kernels(model, False) == "mtraining.liger is false"
+    with pytest.raises(ConfigError, match=r"mtraining.liger=true: liger-kernel's Triton kernels need a CUDA GPU; "
+                                          r"set it to 'auto' or false"):
+        use_fused_kernels(model, True)
+    assert type(model.model.norm) is norm  # nothing patched

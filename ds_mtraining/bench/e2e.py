@@ -197,6 +197,8 @@ class Bench:
     def __init__(self, args, launcher=launch):
         self.args, self.launcher = args, launcher
         self.base = json.loads(Path(args.config).read_text())
+        if args.liger is not None:  # every launch, MTraining and the baselines alike
+            self.base["mtraining"]["liger"] = {"auto": "auto", "on": True, "off": False}[args.liger]
         self.out = Path(args.out)
         self.path = self.out / f"e2e_{args.tag}.json"
         self.logs = self.out / f"e2e_{args.tag}"
@@ -429,6 +431,9 @@ def parse_args(argv=None):
                         help="MTraining's sparse caps pinned for about this density on random weights "
                              "(default: the config's budgets, which keep nearly everything there)")
     parser.add_argument("--max_vertical", type=int, default=256, help="vertical cap with --density")
+    parser.add_argument("--liger", choices=("auto", "on", "off"), default=None,
+                        help="mtraining.liger of every launch (liger-kernel's RMSNorm/RoPE/SwiGLU; default: "
+                             "the config's); run once with each, under two --tag, to measure them")
     given = set()
     for item in argv if argv is not None else sys.argv[1:]:
         if item.startswith("--"):

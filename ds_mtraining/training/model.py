@@ -123,3 +123,46 @@ def build_model(spec: dict):
         return AutoModelForCausalLM.from_pretrained(spec["name_or_path"], config=config, local_files_only=True,
                                                     dtype=torch.float32)
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+# ----------------------------------------------------------------------------- fused kernels
+_LIGER_PATCHES = {"qwen2": "apply_liger_kernel_to_qwen2", "llama": "apply_liger_kernel_to_llama"}
+
+
+def check_liger_setting(value) -> None:
+    if not (isinstance(value, bool) or value == "auto"):
+        raise ConfigError(f"{MTRAINING_KEY}.liger={value!r} must be 'auto' (on GPUs with liger-kernel), "
+                          f"true or false")
+
+
+def use_fused_kernels(model, setting="auto") -> str | None:
+    """liger-kernel's fused RMSNorm, RoPE and SwiGLU in place of the HF model's eager ones
+    (``mtraining.liger``), applied to this model instance; the loss stays the project's chunked
+    sequence-parallel cross-entropy (liger's fused loss does not know the sequence shards).
+    Liger's RoPE works in the [B, S, H, D] layout the attention takes, so no copy comes between.
+
+    ``setting``: ``"auto"`` (on where CUDA and liger-kernel are available, else off with the
+    reason), ``True`` (raises ConfigError where it cannot run) or ``False``. Returns why it is
+    off (None: applied)."""
+    check_liger_setting(setting)
+    if setting is False:
+        return "mtraining.liger is false"
+    reason = None
+    patch = _LIGER_PATCHES.get(model.config.model_type)
+    if patch is None:
+        reason = f"liger-kernel is applied to {sorted(_LIGER_PATCHES)} models, not {model.config.model_type!r}"
+    elif not torch.cuda.is_available():
+        reason = "liger-kernel's Triton kernels need a CUDA GPU"
+    else:
+        try:
+            import liger_kernel.transformers as liger
+        except ImportError as error:
+            reason = f"liger-kernel is not importable ({error}); pip install liger-kernel"
+    if reason is not None:
+        if setting is True:
+            raise ConfigError(f"{MTRAINING_KEY}.liger=true: {reason}; set it to 'auto' or false")
+        return reason
+    getattr(liger, patch)(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+                          fused_linear_cross_entropy=False, model=model)
+    return None
+

@@ -11,7 +11,7 @@ from ..data import DataConfigError, check_data_spec, folder_spec, load_tokenizer
 from ..distributed import RING_KINDS, ParallelConfigError, check_parallel_sizes
 from ..ring.layout import check_divisible
 from . import MTRAINING_KEY, ConfigError
-from .model import PRESETS, model_config
+from .model import PRESETS, check_liger_setting, model_config
 
 ULYSSES = "ulysses"  # dense HF attention (torch SDPA) under DeepSpeed-Ulysses sequence parallelism
 
@@ -32,6 +32,7 @@ class RunConfig:
     attention: str = "sparse"  # sparse (MTraining) | dense | static: ds_mtraining.static | ulysses
     static: dict | None = None  # the static pattern's settings when attention is "static"
     document_masking: bool = False  # packed documents attend only within themselves (ds_mtraining.documents)
+    liger: str | bool = "auto"  # liger-kernel's RMSNorm/RoPE/SwiGLU (training.model.use_fused_kernels)
 
     def to_dict(self) -> dict:
         values = asdict(self)
@@ -81,7 +82,8 @@ def parse_run_config(section: dict, world_size: int) -> RunConfig:
     if not isinstance(section, dict):
         raise ConfigError(f"the DeepSpeed JSON needs a \"{MTRAINING_KEY}\" object, got {section!r}")
     known = {"seq_len", "sequence_parallel_size", "ring", "stripe_block", "sparse", "model", "tokenizer",
-             "data", "loss_chunk_tokens", "gradient_checkpointing", "attention", "static", "document_masking"}
+             "data", "loss_chunk_tokens", "gradient_checkpointing", "attention", "static", "document_masking",
+             "liger"}
     unknown = sorted(set(section) - known)
     if unknown:
         raise ConfigError(f"unknown key(s) {unknown} in '{MTRAINING_KEY}'; valid keys are {sorted(known)}")
@@ -119,6 +121,8 @@ def parse_run_config(section: dict, world_size: int) -> RunConfig:
     for name, value in (("gradient_checkpointing", checkpointing), ("document_masking", documents)):
         if not isinstance(value, bool):
             raise ConfigError(f"{MTRAINING_KEY}.{name}={value!r} must be true or false")
+    liger = section.get("liger", "auto")
+    check_liger_setting(liger)
     attention, static = _attention_mode(section, seq_len, sparse.block_size)
     if attention == ULYSSES:
         _check_ulysses(section, documents, ring)
@@ -133,7 +137,7 @@ def parse_run_config(section: dict, world_size: int) -> RunConfig:
                      tokenizer=tokenizer, data=dict(section.get("data", {"source": "stdlib"})),
                      loss_chunk_tokens=_positive_int(section, "loss_chunk_tokens", 1024),
                      gradient_checkpointing=checkpointing, attention=attention, static=static,
-                     document_masking=documents)
+                     document_masking=documents, liger=liger)
 
 
 def _attention_mode(section: dict, seq_len: int, block: int) -> tuple[str, dict | None]:
