@@ -130,7 +130,7 @@ DOCUMENT_WEIGHTS = {
 }
 
 
-def _document_windows(doc_start: torch.Tensor):
+def document_windows(doc_start: torch.Tensor):
     """Every document of every row: (start, end, row, length, window) [docs] each, window the key
     window of rules 1'-2' (the next power of two >= its length, at most S)."""
     starts, ends, rows = [], [], []
@@ -148,7 +148,7 @@ def _document_windows(doc_start: torch.Tensor):
 def document_query_positions(doc_start: torch.Tensor, last_q: int) -> torch.Tensor:
     """Ascending global positions of the query rows that rules 1'-2' read in any batch row: each
     window's last min(last_q, window) rows (rows before a document's start are read, then masked)."""
-    _, end, _, _, window = _document_windows(doc_start)
+    _, end, _, _, window = document_windows(doc_start)
     count = window.clamp(max=last_q)
     offsets = torch.arange(int(count.max()), device=end.device)
     rows = end[:, None] - count[:, None] + offsets
@@ -172,7 +172,7 @@ def document_column_and_diagonal_mass(q: torch.Tensor, k: torch.Tensor, doc_star
     group shares the causal mask of :func:`last_query_scores` and the diagonal view of
     :func:`column_and_diagonal_mass`; keys before the document's start are masked."""
     b, s, h = k.shape[0], k.shape[1], q.shape[2]
-    start, end, row, length, window = _document_windows(doc_start)
+    start, end, row, length, window = document_windows(doc_start)
     query_slot = None
     if q_positions is not None:  # global position -> row of q
         query_slot = torch.zeros(s, dtype=torch.long, device=q.device)
@@ -211,7 +211,7 @@ def sink_columns(batch: int, heads: int, config: SparseConfig, seq_len: int, dev
 def document_sink_columns(doc_start: torch.Tensor, heads: int, config: SparseConfig) -> torch.Tensor:
     """[B, H, n] the first ``sink_tokens`` tokens of every document of each row (inside the
     document), -1-padded: step 4's sinks under document masking."""
-    start, end, row, _, _ = _document_windows(doc_start)
+    start, end, row, _, _ = document_windows(doc_start)
     sinks = start[:, None] + torch.arange(config.sink_tokens, device=doc_start.device)
     inside = sinks < end[:, None]
     rows = [sinks[row == r][inside[row == r]] for r in range(doc_start.shape[0])]

@@ -17,6 +17,9 @@ spilled to the next rank(s) instead of all-reduced, the selection over fixed-wid
 * :func:`build_index` : token diagonals and columns to the compact :class:`SparseIndex`
   (:meth:`SparseIndex.from_vertical_slash`), in fixed widths.
 
+With document masking, :func:`document_masses` runs passes A and B on each document's slice of
+q and k (the document-aware rule's masses; its selection stays the torch rule's).
+
 Every list has a width fixed by the shapes and caps (never by the data), so nothing waits for the
 GPU; the index is built through :func:`trusted_index`, which skips ``SparseIndex.__init__``'s
 validation (that reads values back to the host). Reductions are in a fixed order: results are
@@ -28,7 +31,7 @@ import torch
 
 from .attention import resolve_softmax_scale
 from .config import SUPPORTED_BLOCK_SIZES, SparseConfig
-from .estimate import check_qk
+from .estimate import DOCUMENT_WEIGHTS, check_qk, document_windows
 from .index import PAD, SparseIndex
 
 MAX_LAST_Q = 256  # query rows the kernels keep in shared memory (4 chunks of 64)
@@ -36,7 +39,7 @@ SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 SUPPORTED_HEAD_DIMS = (64, 128)
 
 __all__ = ["estimate_vertical_slash_cuda", "row_stats", "masses", "select_top_p", "select_top_p_pair",
-           "build_index", "trusted_index", "supports"]
+           "build_index", "trusted_index", "supports", "document_masses"]
 
 
 def _op():
@@ -44,13 +47,9 @@ def _op():
     return op_module("cuda")
 
 
-def supports(q: torch.Tensor, k: torch.Tensor, config: SparseConfig, seq_len: int,
-             doc_start: torch.Tensor | None = None) -> str | None:
+def supports(q: torch.Tensor, k: torch.Tensor, config: SparseConfig, seq_len: int) -> str | None:
     """Why the fused estimator cannot take q/k of a ``seq_len``-token sequence (``None`` when it
     can): the one statement of what it takes, for one device and for the ring alike."""
-    if doc_start is not None:  # the kernels score only the sequence's last queries
-        return ("document masking (doc_start) is not supported by the fused estimator; the torch rule "
-                "scores each document")
     if q.device.type != "cuda":
         return f"q is on {q.device}, not a CUDA device"
     if q.dtype not in SUPPORTED_DTYPES or k.dtype != q.dtype:
@@ -179,3 +178,39 @@ def trimmed(index: SparseIndex) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 assert PAD == 1 << 30, "the kernels pad with 2^30 (estimate_api.cuh kPad)"
+
+
+# ---------------------------------------------------------------------- documents
+@torch.no_grad()
+def document_masses(q: torch.Tensor, k: torch.Tensor, doc_start: torch.Tensor, last_q: int, scale: float,
+                    q_positions: torch.Tensor | None = None, weight: str = "tokens", passes=None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`ds_mtraining.estimate.document_column_and_diagonal_mass` from the fused passes: column
+    and token-diagonal masses [B, H, S] float32 of every document's last ``min(last_q, n)`` queries
+    against its own keys, row means weighted by ``DOCUMENT_WEIGHTS[weight]``, summed per batch
+    row. A document is a contiguous slice of q and k, so each pass sees an ordinary causal
+    sequence of n tokens (no masking, no copy); two passes per document, after one host read of
+    the document list (and of ``q_positions``).
+
+    ``q``: [B, S, H, D], or with ``q_positions`` [B, len(q_positions), H, D], the rows at those
+    global positions (at least :func:`~ds_mtraining.estimate.document_query_positions`).
+    ``passes``: an object with ``row_stats`` and ``masses`` (default: this module's kernels;
+    tests pass torch versions)."""
+    import sys
+    passes = passes if passes is not None else sys.modules[__name__]
+    b, s, h = k.shape[0], k.shape[1], q.shape[2]
+    start, end, row, length, _ = document_windows(doc_start)
+    scored = length.clamp(max=last_q)
+    weights = DOCUMENT_WEIGHTS[weight](length.double(), scored.double(), s).tolist()
+    slots = None if q_positions is None else {p: i for i, p in enumerate(q_positions.tolist())}
+    columns = torch.zeros(b, h, s, dtype=torch.float32, device=q.device)
+    diagonals = torch.zeros(b, h, s, dtype=torch.float32, device=q.device)
+    for first, n, r, lq, w in zip(start.tolist(), length.tolist(), row.tolist(), scored.tolist(), weights):
+        at = first + n - lq if slots is None else slots[first + n - lq]  # the rows are consecutive
+        q_last, keys = q[r:r + 1, at:at + lq], k[r:r + 1, first:first + n]
+        stats = passes.row_stats(q_last, keys, n - lq, n, scale)
+        doc_columns, doc_diagonals = passes.masses(q_last, keys, *stats, n - lq, n, scale)
+        columns[r, :, first:first + n].add_(doc_columns[0], alpha=w)
+        diagonals[r, :, :n].add_(doc_diagonals[0], alpha=w)
+    return columns, diagonals
+

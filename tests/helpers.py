@@ -15,6 +15,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from ds_mtraining import SparseConfig, SparseIndex
 from ds_mtraining.data import ByteTokenizer, stdlib_documents
+from ds_mtraining.ring.layout import StripedLayout
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -114,3 +115,44 @@ def finish(process: subprocess.Popen, log: Path, timeout: float):
         process.wait()
         pytest.fail(f"still running after {timeout}s (killed):\n{log.read_text()[-3000:]}")
     assert code == 0, f"exited with {code}:\n{log.read_text()[-3000:]}"
+
+
+class TorchPasses:
+    """Torch versions of ds_mtraining.estimate_cuda's row_stats, masses and build_index."""
+
+    @staticmethod
+    def _logits(q_last, k, q_start, seq_len, scale, world, rank, block):
+        from ds_mtraining.estimate import last_query_scores
+        q_pos = torch.arange(q_start, seq_len, device=q_last.device)
+        k_pos = (torch.arange(seq_len, device=q_last.device) if world == 1  # one device: any length
+                 else StripedLayout(world, block).positions(seq_len, rank, device=q_last.device))
+        return last_query_scores(q_last, k, q_pos, k_pos, scale), q_pos, k_pos
+
+    @staticmethod
+    def row_stats(q_last, k, q_start, seq_len, scale, world=1, rank=0, block=64):
+        logits = TorchPasses._logits(q_last, k, q_start, seq_len, scale, world, rank, block)[0]
+        row_max = logits.amax(-1)
+        finite = torch.where(torch.isfinite(row_max), row_max, 0.0)
+        return row_max, torch.exp(logits - finite[..., None]).sum(-1)
+
+    @staticmethod
+    def masses(q_last, k, row_max, row_sum, q_start, seq_len, scale, world=1, rank=0, block=64):
+        logits, q_pos, k_pos = TorchPasses._logits(q_last, k, q_start, seq_len, scale, world, rank, block)
+        probs = torch.exp(logits - row_max[..., None]) / row_sum[..., None]
+        lq = q_pos.numel()
+        t = q_pos[:, None] - k_pos[None, :]
+        flat = torch.where(t >= 0, probs, 0.0).flatten(-2)
+        shares = torch.zeros(*probs.shape[:2], seq_len, device=probs.device).scatter_add_(
+            -1, t.clamp(min=0).flatten().expand_as(flat), flat)
+        return probs.sum(-2) / lq, shares / lq
+
+    @staticmethod
+    def build_index(slash, slash_count, vertical, vertical_count, seq_len, config):
+        from ds_mtraining.estimate import sink_columns
+        from ds_mtraining.index import PAD
+        b, h = slash.shape[:2]
+        slash = torch.where(slash == PAD, -1, slash).long()
+        vertical = torch.where(vertical == PAD, -1, vertical).long()
+        vertical = torch.cat([vertical, sink_columns(b, h, config, seq_len, slash.device)], -1)
+        return SparseIndex.from_vertical_slash(vertical, slash, seq_len, config.block_size,
+                                               config.local_blocks)

@@ -373,3 +373,21 @@ def test_rejects_what_it_cannot_take():
     # last_q above the kernels' 256 rows but S below it: only S rows are scored, which it takes
     short_q, short_k = q[:, :200], k[:, :200]
     ec.estimate_vertical_slash_cuda(short_q, short_k, SparseConfig(last_q=300))
+
+
+@pytest.mark.parametrize("lengths", [(1000, 24, 1, 700, 325), (2048,)], ids=["five documents", "one document"])
+def test_document_masses_match_float64(lengths):
+    """estimate_cuda.document_masses (the fused passes one document at a time) against the torch
+    document rule in float64 on the same rounded q, k: documents shorter than last_q and than a
+    tile, of one token, and not multiples of 64; two batch rows packed differently."""
+    from ds_mtraining.documents import doc_start_from_cu_seqlens
+    from ds_mtraining.estimate import document_column_and_diagonal_mass
+    seq, last_q, scale = sum(lengths), 64, 1.0 / math.sqrt(128)
+    q, k = random_qk(2, seq, 8, 2, 128, torch.bfloat16, seed=seq, sharp=1.5)
+    cu = [torch.tensor([0, *torch.tensor(order).cumsum(0).tolist()]) for order in (lengths, lengths[::-1])]
+    doc_start = torch.cat([doc_start_from_cu_seqlens(c, seq) for c in cu]).cuda()
+    got = ec.document_masses(q, k, doc_start, last_q, scale)
+    expected = document_column_and_diagonal_mass(q.double(), k.double(), doc_start, last_q, scale)
+    for name, actual, ref in zip(("columns", "diagonals"), got, expected):
+        error = relative_error(actual, ref.double())
+        assert error <= MASS_TOLERANCE, f"{name}: relative error {error:.3g} > {MASS_TOLERANCE}"

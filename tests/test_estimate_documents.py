@@ -8,7 +8,7 @@ import torch
 from ds_mtraining import SparseConfig, SparseIndex, estimate_vertical_slash, estimate_cuda, synthetic
 from ds_mtraining.documents import doc_start_from_cu_seqlens, document_causal_mask
 from ds_mtraining.estimate import (column_and_diagonal_mass, document_column_and_diagonal_mass,
-                                   last_query_scores, select_top_p)
+                                   document_query_positions, index_from_masses, last_query_scores, select_top_p)
 from ds_mtraining.recall import attention_recall, recall
 from ds_mtraining.reference import dense_attention_with_lse, dense_mask
 
@@ -187,10 +187,31 @@ def test_recall_with_documents_equals_dense_attention(random_index, dtype, tol):
     torch.testing.assert_close(recall(q, k, indices[0], doc_start=doc_start), result.recall[0], rtol=0, atol=tol)
 
 
-def test_fused_estimator_refuses_documents():
-    q = torch.zeros(1, 128, 2, 64, dtype=torch.bfloat16)
-    reason = estimate_cuda.supports(q, q, SparseConfig(), 128, doc_start=torch.zeros(1, 128, dtype=torch.int32))
-    assert reason is not None and "doc_start" in reason
+@pytest.mark.parametrize("lengths", [(300,), (5, 60, 1, 200, 94), (130, 126, 100)])
+def test_fused_document_masses_equal_the_torch_rule(lengths):
+    """estimate_cuda.document_masses (the fused passes one document at a time; here their torch
+    versions) against the torch rule's batched windows: the same masses (float32 rounding) and
+    the same index, for documents shorter than last_q, of one token, and longer than last_q; two
+    batch rows packed differently; also from only the read query rows (q_positions)."""
+    from helpers import TorchPasses
+    s, last_q = sum(lengths), 64
+    cu = [torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()]),
+          torch.tensor([0, *torch.tensor(lengths[::-1]).cumsum(0).tolist()])]
+    doc_start = torch.cat([doc_start_from_cu_seqlens(c, s) for c in cu])  # two rows packed differently
+    q, k = synthetic.planted_qk(s, 4, 2, 32, offsets=(3, 40), columns=((2, 77), (150,)), batch=2)
+    scale = 32 ** -0.5
+    expected = document_column_and_diagonal_mass(q, k, doc_start, last_q, scale)
+    got = estimate_cuda.document_masses(q, k, doc_start, last_q, scale, passes=TorchPasses)
+    for name, a, b in zip(("columns", "diagonals"), got, expected):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7, msg=name)
+    positions = document_query_positions(doc_start, last_q)
+    rows = estimate_cuda.document_masses(q[:, positions], k, doc_start, last_q, scale, q_positions=positions,
+                                         passes=TorchPasses)
+    for a, b in zip(rows, got):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    config = SparseConfig(block_size=64, last_q=last_q, p_vertical=0.8, p_slash=0.8)
+    mine, theirs = index_from_masses(*got, config, doc_start), index_from_masses(*expected, config, doc_start)
+    assert torch.equal(mine.slash, theirs.slash) and torch.equal(mine.vertical, theirs.vertical)
 
 
 def distributed_documents_equal_single_device(rank, world):

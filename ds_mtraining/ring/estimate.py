@@ -399,10 +399,19 @@ def estimate_documents_gathered(q, k, config: SparseConfig, comm: RingComm, soft
     doc_start = check_doc_start(doc_start, b, local * comm.world, q.device)
     k_all = layout.unshard(list(_all_gather(k, comm).unbind(0)))
     positions = document_query_positions(doc_start, config.last_q)
-    columns, diagonals = document_column_and_diagonal_mass(
-        _rows_at(q, layout, comm, positions), k_all, doc_start, config.last_q,
-        resolve_softmax_scale(d, softmax_scale), q_positions=positions)
+    columns, diagonals = document_masses_on_device(
+        _rows_at(q, layout, comm, positions), k_all, doc_start, config, resolve_softmax_scale(d, softmax_scale),
+        positions)
     return index_from_masses(columns, diagonals, config, doc_start)
+
+
+def document_masses_on_device(q, k, doc_start, config: SparseConfig, scale: float, q_positions=None):
+    """The document-aware rule's masses of whole-sequence keys ``k``: the fused passes per
+    document where they take the inputs (CUDA), else the torch rule's batched windows."""
+    if fused_estimator_takes(q, k, config, k.shape[1]):
+        from ..estimate_cuda import document_masses
+        return document_masses(q, k, doc_start, config.last_q, scale, q_positions)
+    return document_column_and_diagonal_mass(q, k, doc_start, config.last_q, scale, q_positions=q_positions)
 
 
 def estimate_on_comm(q, k, config: SparseConfig, comm: RingComm | None,
@@ -411,10 +420,15 @@ def estimate_on_comm(q, k, config: SparseConfig, comm: RingComm | None,
     fused CUDA estimator (no host synchronisation, its index built trusted) when it takes the
     inputs (on a ring, replayed from a CUDA graph: :mod:`ds_mtraining.ring.estimate_graph`), else
     the torch rule (CPU; on CUDA it synchronises). With ``doc_start`` (document masking) the
-    torch rule's document-aware form."""
+    document-aware rule: its masses from the fused passes one document at a time where they take
+    the inputs (:func:`document_masses_on_device`; one host read of the document list), its
+    selection the torch rule's."""
     if doc_start is not None:
         if comm is None:
-            return estimate_vertical_slash(q, k, config, softmax_scale, doc_start=doc_start)
+            check_qk(q, k)
+            doc_start = check_doc_start(doc_start, q.shape[0], q.shape[1], q.device)
+            masses = document_masses_on_device(q, k, doc_start, config, resolve_softmax_scale(q.shape[-1], softmax_scale))
+            return index_from_masses(*masses, config, doc_start)
         return estimate_documents_gathered(q, k, config, comm, softmax_scale, doc_start)
     world = 1 if comm is None else comm.world
     if fused_estimator_takes(q, k, config, q.shape[1] * world):
