@@ -172,13 +172,14 @@ def _graph_worker(rank, world):
     for call in range(4):
         g = torch.Generator().manual_seed(call)
         noisy = [t + 0.5 * torch.randn(t.shape, generator=g).to(device, t.dtype) for t in (q, k)]
-        qs, ks = (layout.shard(t, rank).contiguous() for t in noisy)
+        qs, ks = (layout.shard(t, rank).contiguous().requires_grad_() for t in noisy)  # as in training
         eager = estimate_vertical_slash_cuda_distributed(qs, ks, CONFIG, comm)
         context = sync_is_an_error() if call >= 1 else contextlib.nullcontext()  # call 0 runs eagerly
         with context:
             replayed = estimate_graph.captured_estimate(qs, ks, CONFIG, comm, scale)
         fields = ("slash", "slash_count", "vertical", "vertical_count")
-        same.append(all(torch.equal(getattr(eager, f), getattr(replayed, f)) for f in fields))
+        same.append(all(torch.equal(getattr(eager, f), getattr(replayed, f)) for f in fields)
+                    and not any(getattr(replayed, f).requires_grad for f in fields))
     torch.cuda.synchronize()
     return dict(same=same, captures=estimate_graph.captures())
 

@@ -337,6 +337,7 @@ def estimate_vertical_slash_cuda_distributed(q: torch.Tensor, k: torch.Tensor, c
                                       passes)
 
 
+@torch.no_grad()
 def estimate_from_held_queries(held: torch.Tensor, k: torch.Tensor, config: SparseConfig, comm: RingComm,
                                scale: float, passes=None) -> SparseIndex:
     """:func:`estimate_vertical_slash_cuda_distributed` from this rank's

@@ -65,6 +65,7 @@ _seen: set = set()
 _graphs: OrderedDict = OrderedDict()
 
 
+@torch.no_grad()  # q, k require grad in training: the static buffers and the graph must not
 def captured_estimate(q: torch.Tensor, k: torch.Tensor, config: SparseConfig, comm: RingComm,
                       scale: float) -> SparseIndex:
     """The fused distributed estimation of the shards ``q``/``k``, from this shape's graph
