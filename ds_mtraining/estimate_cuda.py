@@ -183,7 +183,7 @@ assert PAD == 1 << 30, "the kernels pad with 2^30 (estimate_api.cuh kPad)"
 # ---------------------------------------------------------------------- documents
 @torch.no_grad()
 def document_masses(q: torch.Tensor, k: torch.Tensor, doc_start: torch.Tensor, last_q: int, scale: float,
-                    q_positions: torch.Tensor | None = None, weight: str = "tokens", passes=None
+                    q_positions: torch.Tensor | None = None, weight: str = "tokens", passes=None, windows=None
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`ds_mtraining.estimate.document_column_and_diagonal_mass` from the fused passes: column
     and token-diagonal masses [B, H, S] float32 of every document's last ``min(last_q, n)`` queries
@@ -195,11 +195,12 @@ def document_masses(q: torch.Tensor, k: torch.Tensor, doc_start: torch.Tensor, l
     ``q``: [B, S, H, D], or with ``q_positions`` [B, len(q_positions), H, D], the rows at those
     global positions (at least :func:`~ds_mtraining.estimate.document_query_positions`).
     ``passes``: an object with ``row_stats`` and ``masses`` (default: this module's kernels;
-    tests pass torch versions)."""
+    tests pass torch versions). ``windows``: :func:`~ds_mtraining.estimate.document_windows` of
+    ``doc_start`` when the caller has it."""
     import sys
     passes = passes if passes is not None else sys.modules[__name__]
     b, s, h = k.shape[0], k.shape[1], q.shape[2]
-    start, end, row, length, _ = document_windows(doc_start)
+    start, end, row, length, _ = windows if windows is not None else document_windows(doc_start)
     scored = length.clamp(max=last_q)
     weights = DOCUMENT_WEIGHTS[weight](length.double(), scored.double(), s).tolist()
     slots = None if q_positions is None else {p: i for i, p in enumerate(q_positions.tolist())}

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from ..attention import resolve_softmax_scale
 from ..config import SparseConfig
 from ..documents import check_doc_start
-from ..estimate import (check_qk, document_column_and_diagonal_mass, document_query_positions,
+from ..estimate import (check_qk, document_column_and_diagonal_mass, document_query_positions, document_windows,
                         estimate_vertical_slash, index_from_masses, last_key_mass, last_query_scores,
                         sink_columns, top_p_count)
 from ..index import PAD, SparseIndex
@@ -406,12 +406,18 @@ def estimate_documents_gathered(q, k, config: SparseConfig, comm: RingComm, soft
     return index_from_masses(columns, diagonals, config, doc_start)
 
 
+MAX_FUSED_DOCUMENTS = 64  # beyond, the torch rule's few batched windows beat two launches per document
+
+
 def document_masses_on_device(q, k, doc_start, config: SparseConfig, scale: float, q_positions=None):
     """The document-aware rule's masses of whole-sequence keys ``k``: the fused passes per
-    document where they take the inputs (CUDA), else the torch rule's batched windows."""
+    document where they take the inputs (CUDA) and the documents are at most
+    ``MAX_FUSED_DOCUMENTS``, else the torch rule's batched windows."""
     if fused_estimator_takes(q, k, config, k.shape[1]):
-        from ..estimate_cuda import document_masses
-        return document_masses(q, k, doc_start, config.last_q, scale, q_positions)
+        windows = document_windows(doc_start)
+        if len(windows[0]) <= MAX_FUSED_DOCUMENTS:
+            from ..estimate_cuda import document_masses
+            return document_masses(q, k, doc_start, config.last_q, scale, q_positions, windows=windows)
     return document_column_and_diagonal_mass(q, k, doc_start, config.last_q, scale, q_positions=q_positions)
 
 
