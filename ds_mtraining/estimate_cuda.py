@@ -214,4 +214,3 @@ def document_masses(q: torch.Tensor, k: torch.Tensor, doc_start: torch.Tensor, l
         columns[r, :, first:first + n].add_(doc_columns[0], alpha=w)
         diagonals[r, :, :n].add_(doc_diagonals[0], alpha=w)
     return columns, diagonals
-

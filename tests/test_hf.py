@@ -179,4 +179,3 @@ def test_training_forward_hands_attention_keys_and_values_without_a_copy(kind, m
     input_ids, labels = sequence(batch=1)
     MTrainingCausalLM(model, None, loss_chunk_tokens=SEQ)(input_ids, labels, torch.arange(SEQ)[None])
     assert seen and all(all(layouts) for layouts in seen), f"q/k/v already [B, S, H, D] per layer: {seen}"
-

@@ -165,4 +165,3 @@ def use_fused_kernels(model, setting="auto") -> str | None:
     getattr(liger, patch)(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
                           fused_linear_cross_entropy=False, model=model)
     return None
-
