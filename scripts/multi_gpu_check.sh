@@ -135,7 +135,7 @@ record = json.load(open(sys.argv[1]))
 print(f"scaling ({record['device']}): efficiency = T_1gpu / (W x T_ring)")
 for c in record["cases"]:
     m = c["imbalance"].get("measured", {})
-    print(f"  {c['seq_len'] // 1024:>4}K {c['mode']:<19} {c['ring']:<12} {c['launch']:<22} "
+    print(f"  {c['seq_len'] // 1024:>4}K {c['mode']:<26} {c['ring']:<12} {c['launch']:<22} "
           f"eff {c['efficiency']:.3f}  T1 {c['times']['one_gpu_ms']:8.2f} ms  ring {c['times']['ring_ms']:8.2f} ms  "
           f"worker imb {m.get('worker_level', float('nan')):.3f}")
 PY
