@@ -60,7 +60,7 @@ import torch
 import torch.distributed as dist
 
 from ds_mtraining.data import DataConfigError, RankBatches, datasets_offline, load_tokenizer, training_samples
-from ds_mtraining.distributed import ParallelConfigError, initialize_groups
+from ds_mtraining.distributed import ParallelConfigError, initialize_groups, shutdown
 from ds_mtraining.distributed.shm import release_shm_buffer
 from ds_mtraining.training import MTRAINING_KEY, ConfigError
 from ds_mtraining.training.export import export_hf
@@ -249,6 +249,7 @@ def main(argv=None):
     watchdog = Watchdog(args.save_dir, rank).start()
     try:
         train(args, watchdog)
+        shutdown()  # the estimator's CUDA graphs first: a live one makes the NCCL teardown hang
     except (ConfigError, DataConfigError, ParallelConfigError) as error:
         if rank == 0:  # every rank finds the same problem: one copy
             print(f"ds_mtraining.train: configuration error: {error}", file=sys.stderr)

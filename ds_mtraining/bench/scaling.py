@@ -59,6 +59,7 @@ import torch.distributed as dist
 from .. import ops
 from ..attention import resolve_softmax_scale, sparse_attention
 from ..config import SparseConfig, slash_cap_for_blocks
+from ..distributed import shutdown
 from ..index import Stripe
 from ..ring import RingComm, StripedLayout, estimate_graph, estimate_vertical_slash_distributed, ring_sparse_attention
 from ..ring.estimate import estimate_on_comm
@@ -554,8 +555,7 @@ def main(argv=None):
         print(f"scaling: rank {rank} FAILED:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         raise
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        shutdown()
 
 
 if __name__ == "__main__":

@@ -22,6 +22,15 @@ import torch.multiprocessing as mp
 START_METHOD = "spawn"
 
 
+def shutdown() -> None:
+    """Destroys the default process group, after resetting the estimator's CUDA graphs (a live
+    graph with NCCL collectives makes ``destroy_process_group`` hang). No-op when none exists."""
+    from ..ring import estimate_graph
+    estimate_graph.release()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def free_port() -> int:
     """An unused TCP port on localhost (for MASTER_PORT)."""
     with socket.socket() as sock:
@@ -42,7 +51,7 @@ def _rank_main(rank, world_size, port, fn, args, result_dir, timeout, backend):
         result = fn(rank, world_size, *args)
         torch.save(result, os.path.join(result_dir, f"rank{rank}.pt"))
     finally:
-        dist.destroy_process_group()
+        shutdown()
 
 
 def run_on_ranks(fn, world_size: int, *args, timeout: float = 120.0, backend: str = "gloo") -> list:

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from ..attention import sparse_attention
 from ..config import SparseConfig
+from ..distributed import shutdown
 from ..index import SparseIndex
 from ..reference import outputs_and_grads
 from .layout import StripedLayout
@@ -112,7 +113,7 @@ def main(argv=None):
           f"vs one device {error_single:.1e} (tolerance {tolerance:.0e}): "
           f"{'ok' if report['ok'] else 'FAILED'}", flush=True)
     dist.barrier()
-    dist.destroy_process_group()
+    shutdown()
     raise SystemExit(0 if report["ok"] else 1)
 
 

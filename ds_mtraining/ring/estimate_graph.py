@@ -12,6 +12,10 @@ communicators, which a capture cannot), the second captures and replays, later c
 Every rank of the group makes the same calls in the same order (the estimator is collective), so
 the ranks capture and replay in step. Capture and replay never synchronise with the host.
 ``DS_MTRAINING_ESTIMATOR_GRAPHS=0`` turns the graphs off (every call eager).
+
+A captured NCCL collective keeps its communicator busy: ``destroy_process_group`` hangs while
+such a graph lives (pytorch/pytorch#115388). :func:`release` resets the graphs first;
+:func:`ds_mtraining.distributed.shutdown` does both, in that order.
 """
 from __future__ import annotations
 
@@ -91,6 +95,9 @@ def captures() -> int:
 
 
 def release() -> None:
-    """Drop every graph and its buffers (tests; a process that changes shapes for good)."""
+    """Reset and drop every graph and its buffers: before the process group is destroyed, or when
+    a process changes shapes for good."""
+    for graph in _graphs.values():
+        graph.graph.reset()
     _graphs.clear()
     _seen.clear()
