@@ -118,7 +118,8 @@ def finish(process: subprocess.Popen, log: Path, timeout: float):
 
 
 class TorchPasses:
-    """Torch versions of ds_mtraining.estimate_cuda's row_stats, masses and build_index."""
+    """Torch versions of ds_mtraining.estimate_cuda's row_stats, masses, select_top_p_pair and
+    build_index."""
 
     @staticmethod
     def _logits(q_last, k, q_start, seq_len, scale, world, rank, block):
@@ -145,6 +146,24 @@ class TorchPasses:
         shares = torch.zeros(*probs.shape[:2], seq_len, device=probs.device).scatter_add_(
             -1, t.clamp(min=0).flatten().expand_as(flat), flat)
         return probs.sum(-2) / lq, shares / lq
+
+    @staticmethod
+    def select_top_p_pair(mass_a, p_a, cap_a, mass_b, p_b, cap_b):
+        return TorchPasses._select(mass_a, p_a, cap_a), TorchPasses._select(mass_b, p_b, cap_b)
+
+    @staticmethod
+    def _select(mass, p, cap):
+        """select_top_p's entries as the CUDA select returns them: ascending, PAD padded to
+        min(cap, n), with counts (int32)."""
+        from ds_mtraining.estimate import select_top_p
+        from ds_mtraining.index import PAD
+        chosen = select_top_p(mass, p, cap)
+        width = min(cap, mass.shape[-1])
+        count = (chosen >= 0).sum(-1)
+        chosen = torch.where(chosen >= 0, chosen, PAD).sort(-1).values
+        padded = torch.full((*chosen.shape[:-1], width), PAD, dtype=chosen.dtype, device=chosen.device)
+        padded[..., :chosen.shape[-1]] = chosen
+        return padded.int(), count.int()
 
     @staticmethod
     def build_index(slash, slash_count, vertical, vertical_count, seq_len, config):

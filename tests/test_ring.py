@@ -277,3 +277,9 @@ def test_layout_shards_and_unshards():
     assert torch.equal(layout.unshard(shards), x)
     with pytest.raises(ValueError, match="divisible by world x block_size"):
         layout.shard(x[:, :100], 0)
+    # shards along the last dim, stacked rank-major (an all-gather's output), several leading dims
+    y = torch.randn(2, 4, 3 * BLOCK * 2)
+    stacked = torch.stack([layout.shard(y, r, dim=-1) for r in range(3)])
+    assert torch.equal(layout.unshard_stacked(stacked), y)
+    with pytest.raises(ValueError, match="expected"):
+        layout.unshard_stacked(stacked[:2])

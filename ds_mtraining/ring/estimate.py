@@ -27,9 +27,12 @@ future work).
 
 On CUDA inputs the fused estimator takes (:func:`fused_estimator_takes`),
 :func:`estimate_vertical_slash_cuda_distributed` computes the same index from the fused passes
-with fixed-size collectives only, so that nothing waits for the GPU on the host (the candidate
-rounds above need the host to decide on a second round; here every rank offers ``min(cap, S/W)``
-candidates at once). :func:`estimate_index` picks the path.
+with fixed-size collectives only, so that nothing waits for the GPU on the host: after the
+diagonal spill every rank all-gathers both complete local mass lists (``W x 2 x B x H x S/W``
+floats, 16 MB per rank at 1M tokens and 16 heads) and runs the single-device top-p selection
+kernel on the global lists, so the index equals the single-device one. Sorting the local lists
+for candidates (the torch path above) costs more GPU time than these bytes. :func:`estimate_index`
+picks the path.
 """
 from __future__ import annotations
 
@@ -42,7 +45,7 @@ from ..documents import check_doc_start
 from ..estimate import (check_qk, document_column_and_diagonal_mass, document_query_positions, document_windows,
                         estimate_vertical_slash, index_from_masses, last_key_mass, last_query_scores,
                         sink_columns, top_p_count)
-from ..index import PAD, SparseIndex
+from ..index import SparseIndex
 from .comm import RingComm, ring_comm
 from .layout import StripedLayout
 
@@ -266,56 +269,6 @@ def owned_diagonals_from_shares(shares: torch.Tensor, layout: StripedLayout, com
     return owned
 
 
-def select_top_p_fixed(lists, comm: RingComm) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """:func:`select_top_p_across_ranks` for several lists at once, in fixed widths (no host
-    synchronisation). ``lists``: (local_mass [B, H, n], its global positions [n] ascending, p, cap)
-    per list. Each rank offers, per list, its leading ``min(cap, n)`` entries, which always hold its
-    part of the global top ``cap`` (ties broken by position as in
-    :func:`~ds_mtraining.estimate.select_top_p`), and its total mass: one all-gather of
-    ``W x B x H x (lists + 2 sum(min(cap, n)))`` int32 (masses bit-cast) for every list; the totals
-    are summed in rank order.
-
-    Returns, per list, (global positions int32 [B, H, min(cap, W n)] ascending, PAD padded;
-    counts int32 [B, H]), identical on every rank."""
-    widths, pieces = [], []
-    for local_mass, local_positions, _, cap in lists:
-        width = min(cap, local_mass.shape[-1])
-        values, order = local_mass.float().sort(dim=-1, descending=True, stable=True)
-        pieces += [values[..., :width].contiguous().view(torch.int32),
-                   local_positions.to(torch.int32)[order[..., :width]]]
-        widths.append(width)
-    totals = torch.stack([mass.float().sum(-1) for mass, *_ in lists], -1).view(torch.int32)
-    packed = torch.cat([totals, *pieces], -1).contiguous()
-    b, h, packed_len = packed.shape
-    gathered = torch.empty((comm.world * b, h, packed_len), dtype=torch.int32, device=packed.device)
-    dist.all_gather_into_tensor(gathered, packed, group=comm.group)
-    gathered = gathered.view(comm.world, b, h, packed_len)
-    totals = gathered[..., :len(lists)].contiguous().view(torch.float32).sum(0)  # [B, H, lists]
-    chosen, at = [], len(lists)
-    for i, ((_, _, p, cap), width) in enumerate(zip(lists, widths)):
-        mass = gathered[..., at:at + width].contiguous().view(torch.float32).movedim(0, -2).flatten(-2)
-        pos = gathered[..., at + width:at + 2 * width].movedim(0, -2).flatten(-2)  # [B, H, W * width]
-        at += 2 * width
-        chosen.append(_top_p_of_candidates(mass, pos, totals[..., i], p, cap))
-    return chosen
-
-
-def _top_p_of_candidates(mass: torch.Tensor, pos: torch.Tensor, total: torch.Tensor, p: float, cap: int
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The top-p selection over the gathered candidates ``mass``/``pos`` [B, H, n] (distinct
-    positions) of a list whose mass sums to ``total``: (positions ascending, PAD padded, to
-    ``min(cap, n)``; counts int32)."""
-    by_pos = pos.argsort(dim=-1)                                      # positions are distinct
-    mass, pos = mass.gather(-1, by_pos), pos.gather(-1, by_pos)
-    mass, order = mass.sort(dim=-1, descending=True, stable=True)
-    pos = pos.gather(-1, order)
-    count = top_p_count(mass, p, cap, total=total)
-    keep_width = min(cap, pos.shape[-1])
-    keep = torch.arange(keep_width, device=pos.device) < count[..., None]
-    chosen = torch.where(keep, pos[..., :keep_width], PAD).sort(dim=-1).values
-    return chosen, count.to(torch.int32)
-
-
 @torch.no_grad()
 def estimate_vertical_slash_cuda_distributed(q: torch.Tensor, k: torch.Tensor, config: SparseConfig,
                                              comm: RingComm, softmax_scale: float | None = None,
@@ -325,11 +278,12 @@ def estimate_vertical_slash_cuda_distributed(q: torch.Tensor, k: torch.Tensor, c
     (elements): broadcast of the last L queries (``L x H x D``), an all-gather of the row
     statistics (``W x 2 x B x H x L``, :func:`merge_row_stats`), the diagonal spill to the next
     rank(s) (:func:`owned_diagonals_from_shares`, about ``(L - 1) / block`` of a local mass list)
-    and one all-gather of both lists' candidates and totals (:func:`select_top_p_fixed`): four
-    collectives, each launched from the host (which bounds this path's speed, not its bytes).
-    The result is exact (the rule on the global masses) and identical on every rank.
+    and one all-gather of both complete mass lists (``W x 2 x B x H x S/W``), which every rank
+    then selects from as on one device: four collectives. The result is exact (the rule on the
+    global masses) and identical on every rank.
 
-    ``passes``: an object with the functions ``row_stats``, ``masses`` and ``build_index`` of
+    ``passes``: an object with the functions ``row_stats``, ``masses``, ``select_top_p_pair`` and
+    ``build_index`` of
     :mod:`ds_mtraining.estimate_cuda` (the default); tests pass torch versions to run this on CPU."""
     check_qk(q, k)
     held = held_last_queries(q, comm, config.block_size, min(config.last_q, q.shape[1] * comm.world), k.dtype)
@@ -354,12 +308,14 @@ def estimate_from_held_queries(held: torch.Tensor, k: torch.Tensor, config: Spar
     stats = passes.row_stats(q_last, k, first, seq_len, scale, world, rank, block)
     row_max, row_sum = merge_row_stats(*stats, group=comm.group)
     columns, shares = passes.masses(q_last, k, row_max, row_sum, first, seq_len, scale, world, rank, block)
-    k_pos = layout.positions(seq_len, rank, device=k.device)
-    diagonals = owned_diagonals_from_shares(shares, layout, comm, count).flip(-1)
-    diagonal_pos = (seq_len - 1 - k_pos).flip(0)  # t = S - 1 - last key, ascending
-    (slash, slash_count), (vertical, vertical_count) = select_top_p_fixed(
-        [(diagonals, diagonal_pos, config.p_slash, config.max_slash_diagonals),
-         (columns, k_pos, config.p_vertical, config.max_vertical)], comm)
+    diagonals = owned_diagonals_from_shares(shares, layout, comm, count)  # by last key
+    local = torch.stack([columns.float(), diagonals.float()])            # [2, B, H, S/W]
+    gathered = local.new_empty(world * 2, *local.shape[1:])
+    dist.all_gather_into_tensor(gathered, local.contiguous(), group=comm.group)
+    columns, by_last_key = layout.unshard_stacked(gathered.view(world, *local.shape))
+    (vertical, vertical_count), (slash, slash_count) = passes.select_top_p_pair(
+        columns, config.p_vertical, config.max_vertical,
+        by_last_key.flip(-1), config.p_slash, config.max_slash_diagonals)  # by t = S - 1 - last key
     return passes.build_index(slash, slash_count, vertical, vertical_count, seq_len, config)
 
 

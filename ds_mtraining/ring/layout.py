@@ -107,6 +107,17 @@ class StripedLayout(Layout):
         block, offset = local // self.block_size, local % self.block_size
         return (block * self.world + rank) * self.block_size + offset
 
+    def unshard_stacked(self, stacked: torch.Tensor) -> torch.Tensor:
+        """[..., S] from every rank's shard along the last dim, stacked rank-major as
+        [W, ..., S/W] (an all-gather's output): one permuting copy, no index tensors (local block
+        j of rank r is global block j W + r)."""
+        world, *lead, local = stacked.shape
+        if world != self.world or local % self.block_size:
+            raise ValueError(f"expected [W={self.world}, ..., S/W] with S/W a multiple of {self.block_size}, "
+                             f"got {tuple(stacked.shape)}")
+        blocks = stacked.reshape(world, *lead, local // self.block_size, self.block_size)
+        return blocks.movedim(0, -2).reshape(*lead, world * local)
+
 
 @dataclass(frozen=True)
 class ZigzagLayout(Layout):
