@@ -2,6 +2,7 @@
 so that its forward returns the sequence-parallel loss."""
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -162,6 +163,9 @@ def use_fused_kernels(model, setting="auto") -> str | None:
         if setting is True:
             raise ConfigError(f"{MTRAINING_KEY}.liger=true: {reason}; set it to 'auto' or false")
         return reason
+    # liger's optional backends (CuTe DSL, Ascend) log a warning per op and rank when they cannot
+    # be imported; its Triton kernels, the ones used here, are unaffected
+    logging.getLogger("liger_kernel.backends.registry").setLevel(logging.ERROR)
     getattr(liger, patch)(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
                           fused_linear_cross_entropy=False, model=model)
     return None
