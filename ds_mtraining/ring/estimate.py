@@ -29,7 +29,7 @@ On CUDA inputs the fused estimator takes (:func:`fused_estimator_takes`),
 :func:`estimate_vertical_slash_cuda_distributed` computes the same index from the fused passes
 with fixed-size collectives only, so that nothing waits for the GPU on the host: after the
 diagonal spill every rank all-gathers both complete local mass lists (``W x 2 x B x H x S/W``
-floats, 16 MB per rank at 1M tokens and 16 heads) and runs the single-device top-p selection
+floats: 128 MB received per rank at 1M tokens and 16 heads) and runs the single-device top-p selection
 kernel on the global lists, so the index equals the single-device one. Sorting the local lists
 for candidates (the torch path above) costs more GPU time than these bytes. :func:`estimate_index`
 picks the path.
