@@ -80,9 +80,35 @@ def document_causal_mask(doc_start: torch.Tensor) -> torch.Tensor:
     return (j[None] <= i) & (j[None, None, :] >= doc_start.long()[:, :, None])
 
 
+def remember_last(fn):
+    """``fn(tensor, *args)`` remembered for the last ``tensor`` object it saw (and the same args),
+    until that tensor is modified in place (its version counter moves). The layers of a training
+    step pass the step's one ``doc_start``, so what is read from it on the host is read once per
+    step, not once per layer. The tensor is held, so its identity cannot pass to another object.
+    Inference tensors (no version counter) are not remembered."""
+    last = []  # [(tensor, version, args, result)]
+
+    def remembered(tensor: torch.Tensor, *args):
+        try:
+            version = tensor._version
+        except RuntimeError:  # an inference tensor
+            return fn(tensor, *args)
+        if last and last[0][0] is tensor and last[0][1] == version and last[0][2] == args:
+            return last[0][3]
+        result = fn(tensor, *args)
+        last[:] = [(tensor, version, args, result)]
+        return result
+
+    remembered.__doc__, remembered.__name__, remembered.__wrapped__ = fn.__doc__, fn.__name__, fn
+    return remembered
+
+
+@remember_last
 def check_doc_start(doc_start: torch.Tensor, batch: int, seq_len: int, device) -> torch.Tensor:
     """``doc_start`` as a contiguous int32 tensor on ``device`` after checking its shape and that
-    each row is a valid packing (doc_start[0] = 0, doc_start[t] in {doc_start[t-1], t})."""
+    each row is a valid packing (doc_start[0] = 0, doc_start[t] in {doc_start[t-1], t}).
+    Remembered for the last tensor checked (:func:`remember_last`): the same object returns the
+    same checked tensor without another host read."""
     if doc_start.dim() != 2 or tuple(doc_start.shape) != (batch, seq_len):
         raise ValueError(f"doc_start must be [B, S] = [{batch}, {seq_len}] (global positions), "
                          f"got {tuple(doc_start.shape)}")

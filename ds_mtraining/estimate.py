@@ -44,7 +44,7 @@ import torch.nn.functional as F
 
 from .attention import resolve_softmax_scale
 from .config import SparseConfig
-from .documents import check_doc_start, cu_seqlens_from_doc_start
+from .documents import check_doc_start, cu_seqlens_from_doc_start, remember_last
 from .index import SparseIndex
 
 
@@ -130,9 +130,11 @@ DOCUMENT_WEIGHTS = {
 }
 
 
+@remember_last
 def document_windows(doc_start: torch.Tensor):
     """Every document of every row: (start, end, row, length, window) [docs] each, window the key
-    window of rules 1'-2' (the next power of two >= its length, at most S)."""
+    window of rules 1'-2' (the next power of two >= its length, at most S). Remembered for the
+    last ``doc_start`` (:func:`~ds_mtraining.documents.remember_last`)."""
     starts, ends, rows = [], [], []
     for row in range(doc_start.shape[0]):  # a loop over the batch rows only
         cu = cu_seqlens_from_doc_start(doc_start[row])
@@ -208,9 +210,18 @@ def sink_columns(batch: int, heads: int, config: SparseConfig, seq_len: int, dev
     return sinks.expand(batch, heads, -1)
 
 
+@remember_last
+def document_spans(doc_start: torch.Tensor) -> list[tuple[int, int, int]]:
+    """(start, length, row) of every document of every row, as host integers (remembered: one
+    host read per ``doc_start``)."""
+    start, _, row, length, _ = document_windows(doc_start)
+    return list(zip(start.tolist(), length.tolist(), row.tolist()))
+
+
+@remember_last
 def document_sink_columns(doc_start: torch.Tensor, heads: int, config: SparseConfig) -> torch.Tensor:
     """[B, H, n] the first ``sink_tokens`` tokens of every document of each row (inside the
-    document), -1-padded: step 4's sinks under document masking."""
+    document), -1-padded, ascending: step 4's sinks under document masking (remembered)."""
     start, end, row, _, _ = document_windows(doc_start)
     sinks = start[:, None] + torch.arange(config.sink_tokens, device=doc_start.device)
     inside = sinks < end[:, None]

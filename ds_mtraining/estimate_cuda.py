@@ -31,7 +31,7 @@ import torch
 
 from .attention import resolve_softmax_scale
 from .config import SUPPORTED_BLOCK_SIZES, SparseConfig
-from .estimate import DOCUMENT_WEIGHTS, check_qk, document_windows
+from .estimate import DOCUMENT_WEIGHTS, check_qk, document_spans
 from .index import PAD, SparseIndex
 
 MAX_LAST_Q = 256  # query rows the kernels keep in shared memory (4 chunks of 64)
@@ -183,30 +183,31 @@ assert PAD == 1 << 30, "the kernels pad with 2^30 (estimate_api.cuh kPad)"
 # ---------------------------------------------------------------------- documents
 @torch.no_grad()
 def document_masses(q: torch.Tensor, k: torch.Tensor, doc_start: torch.Tensor, last_q: int, scale: float,
-                    q_positions: torch.Tensor | None = None, weight: str = "tokens", passes=None, windows=None
+                    q_positions: torch.Tensor | None = None, weight: str = "tokens", passes=None
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`ds_mtraining.estimate.document_column_and_diagonal_mass` from the fused passes: column
     and token-diagonal masses [B, H, S] float32 of every document's last ``min(last_q, n)`` queries
     against its own keys, row means weighted by ``DOCUMENT_WEIGHTS[weight]``, summed per batch
     row. A document is a contiguous slice of q and k, so each pass sees an ordinary causal
-    sequence of n tokens (no masking, no copy); two passes per document, after one host read of
-    the document list (and of ``q_positions``).
+    sequence of n tokens (no masking, no copy); two passes per document. The document list is
+    read on the host once per ``doc_start`` (:func:`~ds_mtraining.estimate.document_spans`;
+    ``q_positions`` every call).
 
     ``q``: [B, S, H, D], or with ``q_positions`` [B, len(q_positions), H, D], the rows at those
     global positions (at least :func:`~ds_mtraining.estimate.document_query_positions`).
     ``passes``: an object with ``row_stats`` and ``masses`` (default: this module's kernels;
-    tests pass torch versions). ``windows``: :func:`~ds_mtraining.estimate.document_windows` of
-    ``doc_start`` when the caller has it."""
+    tests pass torch versions)."""
     import sys
     passes = passes if passes is not None else sys.modules[__name__]
     b, s, h = k.shape[0], k.shape[1], q.shape[2]
-    start, end, row, length, _ = windows if windows is not None else document_windows(doc_start)
+    start, length, row = zip(*document_spans(doc_start))
+    length = torch.tensor(length, dtype=torch.float64)  # host: the weights need no device
     scored = length.clamp(max=last_q)
-    weights = DOCUMENT_WEIGHTS[weight](length.double(), scored.double(), s).tolist()
+    weights = DOCUMENT_WEIGHTS[weight](length, scored, s).tolist()
     slots = None if q_positions is None else {p: i for i, p in enumerate(q_positions.tolist())}
     columns = torch.zeros(b, h, s, dtype=torch.float32, device=q.device)
     diagonals = torch.zeros(b, h, s, dtype=torch.float32, device=q.device)
-    for first, n, r, lq, w in zip(start.tolist(), length.tolist(), row.tolist(), scored.tolist(), weights):
+    for first, n, r, lq, w in zip(start, length.long().tolist(), row, scored.long().tolist(), weights):
         at = first + n - lq if slots is None else slots[first + n - lq]  # the rows are consecutive
         q_last, keys = q[r:r + 1, at:at + lq], k[r:r + 1, first:first + n]
         stats = passes.row_stats(q_last, keys, n - lq, n, scale)

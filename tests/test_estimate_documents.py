@@ -242,3 +242,28 @@ def distributed_documents_equal_single_device(rank, world):
 def test_distributed_documents_equal_single_device(world):
     from ds_mtraining.distributed.spawn import run_on_ranks
     run_on_ranks(distributed_documents_equal_single_device, world, timeout=120)
+
+
+def test_doc_start_checks_and_document_lists_are_read_once_per_tensor(monkeypatch):
+    """check_doc_start and the document lists derived from it are remembered for the last
+    doc_start object (the layers of a step share it) until it is modified in place; an invalid
+    modification is still caught."""
+    from ds_mtraining import documents
+    from ds_mtraining.estimate import document_spans
+    doc_start = doc_start_from_cu_seqlens(torch.tensor([0, 3, 8, 20]), 20, batch=2)
+    reads = []
+    original = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: reads.append(1) or original(self))
+    checked = documents.check_doc_start(doc_start, 2, 20, "cpu")
+    assert documents.check_doc_start(doc_start, 2, 20, "cpu") is checked
+    assert document_spans(checked) == [(0, 3, 0), (3, 5, 0), (8, 12, 0), (0, 3, 1), (3, 5, 1), (8, 12, 1)]
+    before = len(reads)
+    assert document_spans(checked) == document_spans(checked)
+    assert len(reads) == before, "the document list was read again"
+    doc_start[1, 5:8] = 5  # in place: a new packing of row 1, [0, 3, 5, 8, 20]
+    assert len(document_spans(documents.check_doc_start(doc_start, 2, 20, "cpu"))) == 7
+    doc_start[0, 4] = 2  # not a packing
+    with pytest.raises(ValueError, match="not a packing"):
+        documents.check_doc_start(doc_start, 2, 20, "cpu")
+    with pytest.raises(ValueError, match=r"must be \[B, S\]"):
+        documents.check_doc_start(doc_start_from_cu_seqlens(torch.tensor([0, 20]), 20), 2, 20, "cpu")

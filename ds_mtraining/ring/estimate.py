@@ -42,7 +42,7 @@ import torch.distributed as dist
 from ..attention import resolve_softmax_scale
 from ..config import SparseConfig
 from ..documents import check_doc_start
-from ..estimate import (check_qk, document_column_and_diagonal_mass, document_query_positions, document_windows,
+from ..estimate import (check_qk, document_column_and_diagonal_mass, document_query_positions, document_spans,
                         estimate_vertical_slash, index_from_masses, last_key_mass, last_query_scores,
                         sink_columns, top_p_count)
 from ..index import SparseIndex
@@ -370,10 +370,9 @@ def document_masses_on_device(q, k, doc_start, config: SparseConfig, scale: floa
     document where they take the inputs (CUDA) and the documents are at most
     ``MAX_FUSED_DOCUMENTS``, else the torch rule's batched windows."""
     if fused_estimator_takes(q, k, config, k.shape[1]):
-        windows = document_windows(doc_start)
-        if len(windows[0]) <= MAX_FUSED_DOCUMENTS:
+        if len(document_spans(doc_start)) <= MAX_FUSED_DOCUMENTS:
             from ..estimate_cuda import document_masses
-            return document_masses(q, k, doc_start, config.last_q, scale, q_positions, windows=windows)
+            return document_masses(q, k, doc_start, config.last_q, scale, q_positions)
     return document_column_and_diagonal_mass(q, k, doc_start, config.last_q, scale, q_positions=q_positions)
 
 
@@ -384,8 +383,8 @@ def estimate_on_comm(q, k, config: SparseConfig, comm: RingComm | None,
     inputs (on a ring, replayed from a CUDA graph: :mod:`ds_mtraining.ring.estimate_graph`), else
     the torch rule (CPU; on CUDA it synchronises). With ``doc_start`` (document masking) the
     document-aware rule: its masses from the fused passes one document at a time where they take
-    the inputs (:func:`document_masses_on_device`; one host read of the document list), its
-    selection the torch rule's."""
+    the inputs (:func:`document_masses_on_device`; the document list read on the host once per
+    ``doc_start``), its selection the torch rule's."""
     if doc_start is not None:
         if comm is None:
             check_qk(q, k)
