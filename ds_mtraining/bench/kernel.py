@@ -269,7 +269,9 @@ def run(args):
                 rows.extend(documents_rows(row, index, doc_start, flex_documents if flex is not None else None))
             save()
             print(json.dumps(row), flush=True)
-        del q, k, v, dout
+        # free this length's tensors before the next: the closures above (time_both's defaults
+        # among them) hold them too
+        q = k = v = dout = time_both = documents_rows = None
         torch.cuda.empty_cache()
 
     table = Table(title=f"sparse attention, H={heads} HKV={kv_heads} D={dim} bf16, {result['device']}")
