@@ -117,6 +117,20 @@ def finish(process: subprocess.Popen, log: Path, timeout: float):
     assert code == 0, f"exited with {code}:\n{log.read_text()[-3000:]}"
 
 
+def differing_entries(mine: SparseIndex, theirs: SparseIndex) -> tuple[int, int]:
+    """(entries selected by one index and not the other, entries of ``theirs``) over the slash
+    and vertical lists of every head, padding ignored: how far a fused estimator's index is from
+    the one it is compared with."""
+    from ds_mtraining.index import PAD
+    differing = total = 0
+    for a_list, b_list in ((mine.slash, theirs.slash), (mine.vertical, theirs.vertical)):
+        for a, b in zip(a_list.reshape(-1, a_list.shape[-1]).tolist(), b_list.reshape(-1, b_list.shape[-1]).tolist()):
+            a, b = {x for x in a if x != PAD}, {x for x in b if x != PAD}
+            differing += len(a ^ b)
+            total += len(b)
+    return differing, total
+
+
 class TorchPasses:
     """Torch versions of ds_mtraining.estimate_cuda's row_stats, masses, select_top_p_pair and
     build_index."""

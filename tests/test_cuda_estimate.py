@@ -23,6 +23,7 @@ from ds_mtraining import SparseConfig, synthetic
 from ds_mtraining.estimate import (column_and_diagonal_mass, estimate_vertical_slash, select_top_p,
                                    top_p_count)
 from ds_mtraining.index import PAD, SparseIndex
+from helpers import differing_entries
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -247,18 +248,6 @@ def test_finalize_equals_from_vertical_slash():
 
 
 # ---------------------------------------------------------------------------- the index
-def compare_indexes(fused: SparseIndex, expected: SparseIndex):
-    """(differing entries, selected entries) over both lists of every head."""
-    slash, vertical = ec.trimmed(fused)
-    differing = total = 0
-    for mine, theirs in ((slash, expected.slash), (vertical, expected.vertical)):
-        for a, b in zip(mine.reshape(-1, mine.shape[-1]).tolist(), theirs.reshape(-1, theirs.shape[-1]).tolist()):
-            a, b = {v for v in a if v != PAD}, {v for v in b if v != PAD}
-            differing += len(a ^ b)
-            total += len(b)
-    return differing, total
-
-
 PLANTED = [
     # seq, heads, kv_heads, dim, dtype, block, slash offsets per kv head, columns per kv head
     (2048, 4, 2, 64, torch.bfloat16, 64, (100, 450), ((7, 40, 1500), (333, 900, 1000))),
@@ -327,7 +316,7 @@ def test_index_on_noise_differs_at_most_one_percent(shape):
     q, k = random_qk(batch, seq, heads, kv_heads, dim, dtype, seed=seq, sharp=1.5)
     for config in (SparseConfig(block_size=64), SparseConfig(block_size=128, p_vertical=0.5, p_slash=0.8,
                                                              max_vertical=300, max_slash_diagonals=100)):
-        differing, total = compare_indexes(ec.estimate_vertical_slash_cuda(q, k, config),
+        differing, total = differing_entries(ec.estimate_vertical_slash_cuda(q, k, config),
                                            estimate_vertical_slash(q, k, config))
         assert differing <= max(2, total // 100), f"{differing} of {total} selected entries differ"
 

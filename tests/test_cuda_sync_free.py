@@ -20,9 +20,9 @@ import pytest
 import torch
 
 from ds_mtraining import SparseConfig, synthetic
-from ds_mtraining.index import PAD
 from ds_mtraining.layer import AttentionStats, IndexCache, MTrainingAttentionSettings, striped_sparse_attention
 from ds_mtraining.ring.layout import StripedLayout
+from helpers import differing_entries
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -136,20 +136,9 @@ def _ring_worker(rank, world):
         distributed = estimate_index(shards[0], shards[1], CONFIG)
     torch.cuda.synchronize()
     same = all(torch.equal(a, b) for a, b in zip(first, second))
-    differing, total = _differing_entries(distributed, estimate_vertical_slash_cuda(q, k, CONFIG))
+    differing, total = differing_entries(distributed, estimate_vertical_slash_cuda(q, k, CONFIG))
     return dict(same=same, differing=differing, total=total)
 
-
-def _differing_entries(mine, theirs) -> tuple[int, int]:
-    """(entries selected by one index and not the other, entries of ``theirs``), over the slash
-    and vertical lists of every head."""
-    differing = total = 0
-    for a_list, b_list in ((mine.slash, theirs.slash), (mine.vertical, theirs.vertical)):
-        for a, b in zip(a_list.reshape(-1, a_list.shape[-1]).tolist(), b_list.reshape(-1, b_list.shape[-1]).tolist()):
-            a, b = {x for x in a if x != PAD}, {x for x in b if x != PAD}
-            differing += len(a ^ b)
-            total += len(b)
-    return differing, total
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
@@ -192,7 +181,7 @@ def _graph_worker(rank, world):
         same.append(all(torch.equal(getattr(eager, f), getattr(replayed, f)) for f in fields)
                     and not any(getattr(replayed, f).requires_grad for f in fields))
         if world == 1:
-            vs_single.append(_differing_entries(eager, estimate_vertical_slash_cuda(*noisy, CONFIG)))
+            vs_single.append(differing_entries(eager, estimate_vertical_slash_cuda(*noisy, CONFIG)))
     torch.cuda.synchronize()
     return dict(same=same, captures=estimate_graph.captures(), vs_single=vs_single)
 
