@@ -31,7 +31,7 @@ import torch
 
 from .attention import resolve_softmax_scale
 from .config import SUPPORTED_BLOCK_SIZES, SparseConfig
-from .estimate import DOCUMENT_WEIGHTS, check_qk, document_spans
+from .estimate import DOCUMENT_WEIGHTS, check_qk, document_sink_columns, document_spans
 from .index import PAD, SparseIndex
 
 MAX_LAST_Q = 256  # query rows the kernels keep in shared memory (4 chunks of 64)
@@ -167,6 +167,36 @@ def estimate_vertical_slash_cuda(q: torch.Tensor, k: torch.Tensor, config: Spars
     (vertical, v_count), (slash, s_count) = select_top_p_pair(
         columns, config.p_vertical, config.max_vertical, diagonals, config.p_slash, config.max_slash_diagonals)
     return build_index(slash, s_count, vertical, v_count, s, config)
+
+
+def merge_columns(selected: torch.Tensor, extra: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The union of ``selected`` [B, H, a] (int32, ascending, ``PAD`` padded) and ``extra``
+    [B, H, e] (any order, -1 or ``PAD`` padded), ascending without repeats and ``PAD`` padded to
+    a + e, with counts int32 [B, H]: two sorts, no host synchronisation."""
+    extra = torch.where(extra < 0, PAD, extra).to(torch.int32)
+    both = torch.cat([selected.to(torch.int32), extra], -1).sort(-1).values
+    repeat = torch.zeros_like(both, dtype=torch.bool)
+    repeat[..., 1:] = both[..., 1:] == both[..., :-1]
+    both = torch.where(repeat, PAD, both).sort(-1).values
+    return both, (both != PAD).sum(-1, dtype=torch.int32)
+
+
+def index_from_document_masses(columns: torch.Tensor, diagonals: torch.Tensor, config: SparseConfig,
+                               doc_start: torch.Tensor, passes=None) -> SparseIndex:
+    """:func:`ds_mtraining.estimate.index_from_masses` with ``doc_start`` from the fused kernels:
+    the top-p selection of both lists, every document's sinks merged into the selected columns
+    (:func:`merge_columns`), the finalize kernel (its sequence sinks, tokens 0 .. sink_tokens - 1,
+    are always among the documents' sinks). No host synchronisation once the step's documents
+    are known (:func:`~ds_mtraining.estimate.document_sink_columns` is remembered). The selected
+    entries equal the torch rule's up to float summation order, as in
+    :func:`estimate_vertical_slash_cuda`. ``passes``: ``select_top_p_pair`` and ``build_index``
+    (default: this module's kernels; tests pass torch versions)."""
+    import sys
+    passes = passes if passes is not None else sys.modules[__name__]
+    (vertical, vertical_count), (slash, slash_count) = passes.select_top_p_pair(
+        columns, config.p_vertical, config.max_vertical, diagonals, config.p_slash, config.max_slash_diagonals)
+    vertical, vertical_count = merge_columns(vertical, document_sink_columns(doc_start, columns.shape[1], config))
+    return passes.build_index(slash, slash_count, vertical, vertical_count, columns.shape[-1], config)
 
 
 def trimmed(index: SparseIndex) -> tuple[torch.Tensor, torch.Tensor]:

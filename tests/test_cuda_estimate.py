@@ -380,3 +380,29 @@ def test_document_masses_match_float64(lengths):
     for name, actual, ref in zip(("columns", "diagonals"), got, expected):
         error = relative_error(actual, ref.double())
         assert error <= MASS_TOLERANCE, f"{name}: relative error {error:.3g} > {MASS_TOLERANCE}"
+
+
+def test_document_index_on_gpu_matches_the_torch_rule_without_host_syncs():
+    """The document-aware estimate on one GPU (ring.estimate.estimate_on_comm with doc_start: the
+    fused passes per document, fused selection and finalize): its index against the torch rule's
+    on the same inputs (the 1% rule of the noise test), and a second call with the same doc_start
+    (as the next layer of a step makes) under set_sync_debug_mode("error")."""
+    from ds_mtraining.documents import doc_start_from_cu_seqlens
+    from ds_mtraining.ring.estimate import estimate_on_comm
+    lengths = (1000, 2, 24, 1, 700, 325)
+    seq = sum(lengths)
+    q, k = random_qk(2, seq, 8, 2, 128, torch.bfloat16, seed=seq, sharp=1.5)
+    cu = [torch.tensor([0, *torch.tensor(order).cumsum(0).tolist()]) for order in (lengths, lengths[::-1])]
+    doc_start = torch.cat([doc_start_from_cu_seqlens(c, seq) for c in cu]).cuda()
+    config = SparseConfig(block_size=64, max_vertical=200, max_slash_diagonals=60)
+    first = estimate_on_comm(q, k, config, None, doc_start=doc_start)  # reads the documents once
+    differing, total = compare_indexes(first, estimate_vertical_slash(q, k, config, doc_start=doc_start))
+    assert differing <= max(2, total // 100), f"{differing} of {total} selected entries differ"
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        second = estimate_on_comm(q, k, config, None, doc_start=doc_start)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for name in ("slash", "slash_count", "vertical", "vertical_count"):
+        assert torch.equal(getattr(first, name), getattr(second, name)), name

@@ -244,6 +244,44 @@ def test_distributed_documents_equal_single_device(world):
     run_on_ranks(distributed_documents_equal_single_device, world, timeout=120)
 
 
+@pytest.mark.parametrize("lengths", [(300,), (2, 1, 60, 1, 200, 120), (130, 126, 128)])
+def test_fused_document_index_equals_the_torch_rule(lengths):
+    """estimate_cuda.index_from_document_masses (fused selection, the documents' sinks merged into
+    the selected columns, fused finalize; here the torch versions of the two kernels) builds
+    index_from_masses's index from the same masses: documents shorter than sink_tokens (so the
+    finalize's sequence sinks fall in later documents), two batch rows packed differently."""
+    from helpers import TorchPasses
+    s = sum(lengths)
+    cu = [torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()]),
+          torch.tensor([0, *torch.tensor(lengths[::-1]).cumsum(0).tolist()])]
+    doc_start = torch.cat([doc_start_from_cu_seqlens(c, s) for c in cu])
+    q, k = synthetic.planted_qk(s, 4, 2, 32, offsets=(3, 40), columns=((2, 77), (150,)), batch=2)
+    config = SparseConfig(block_size=64, last_q=64, p_vertical=0.8, p_slash=0.8, max_vertical=20,
+                          max_slash_diagonals=30)
+    masses = document_column_and_diagonal_mass(q, k, doc_start, config.last_q, 32 ** -0.5)
+    expected = index_from_masses(*masses, config, doc_start)
+    got = estimate_cuda.index_from_document_masses(*masses, config, doc_start, passes=TorchPasses)
+    for name in ("slash", "slash_count", "vertical", "vertical_count"):
+        assert torch.equal(getattr(got, name), getattr(expected, name)), name
+
+
+def test_merge_columns_is_the_sorted_union():
+    from ds_mtraining.index import PAD
+    g = torch.Generator().manual_seed(0)
+    selected = [sorted(torch.randperm(50, generator=g)[:n].tolist()) for n in (0, 3, 7, 10)]
+    extra = [torch.randint(0, 50, (4,), generator=g).tolist() for _ in selected]
+    extra[1][2] = -1
+    sel = torch.full((1, 4, 10), PAD, dtype=torch.int32)
+    for h, cols in enumerate(selected):
+        sel[0, h, :len(cols)] = torch.tensor(cols, dtype=torch.int32)
+    merged, count = estimate_cuda.merge_columns(sel, torch.tensor([extra]))
+    assert merged.shape == (1, 4, 14)
+    for h in range(4):
+        union = sorted(set(selected[h]) | {x for x in extra[h] if x >= 0})
+        assert int(count[0, h]) == len(union)
+        assert merged[0, h].tolist() == union + [PAD] * (14 - len(union))
+
+
 def test_doc_start_checks_and_document_lists_are_read_once_per_tensor(monkeypatch):
     """check_doc_start and the document lists derived from it are remembered for the last
     doc_start object (the layers of a step share it) until it is modified in place; an invalid

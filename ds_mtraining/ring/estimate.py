@@ -359,6 +359,16 @@ def estimate_documents_gathered(q, k, config: SparseConfig, comm: RingComm, soft
     columns, diagonals = document_masses_on_device(
         _rows_at(q, layout, comm, positions), k_all, doc_start, config, resolve_softmax_scale(d, softmax_scale),
         positions)
+    return document_index(columns, diagonals, config, doc_start, fused_estimator_takes(q, k_all, config, k_all.shape[1]))
+
+
+def document_index(columns, diagonals, config: SparseConfig, doc_start, fused: bool) -> SparseIndex:
+    """The document-aware index of the masses [B, H, S]: the fused selection and finalize where
+    ``fused`` (CUDA inputs the fused estimator takes; no host synchronisation), else the torch
+    rule's (:func:`~ds_mtraining.estimate.index_from_masses`)."""
+    if fused:
+        from ..estimate_cuda import index_from_document_masses
+        return index_from_document_masses(columns, diagonals, config, doc_start)
     return index_from_masses(columns, diagonals, config, doc_start)
 
 
@@ -384,13 +394,13 @@ def estimate_on_comm(q, k, config: SparseConfig, comm: RingComm | None,
     the torch rule (CPU; on CUDA it synchronises). With ``doc_start`` (document masking) the
     document-aware rule: its masses from the fused passes one document at a time where they take
     the inputs (:func:`document_masses_on_device`; the document list read on the host once per
-    ``doc_start``), its selection the torch rule's."""
+    ``doc_start``), its selection fused there too (:func:`document_index`)."""
     if doc_start is not None:
         if comm is None:
             check_qk(q, k)
             doc_start = check_doc_start(doc_start, q.shape[0], q.shape[1], q.device)
             masses = document_masses_on_device(q, k, doc_start, config, resolve_softmax_scale(q.shape[-1], softmax_scale))
-            return index_from_masses(*masses, config, doc_start)
+            return document_index(*masses, config, doc_start, fused_estimator_takes(q, k, config, q.shape[1]))
         return estimate_documents_gathered(q, k, config, comm, softmax_scale, doc_start)
     world = 1 if comm is None else comm.world
     if fused_estimator_takes(q, k, config, q.shape[1] * world):
