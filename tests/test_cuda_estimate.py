@@ -396,7 +396,7 @@ def test_document_index_on_gpu_matches_the_torch_rule_without_host_syncs():
     doc_start = torch.cat([doc_start_from_cu_seqlens(c, seq) for c in cu]).cuda()
     config = SparseConfig(block_size=64, max_vertical=200, max_slash_diagonals=60)
     first = estimate_on_comm(q, k, config, None, doc_start=doc_start)  # reads the documents once
-    differing, total = compare_indexes(first, estimate_vertical_slash(q, k, config, doc_start=doc_start))
+    differing, total = differing_entries(first, estimate_vertical_slash(q, k, config, doc_start=doc_start))
     assert differing <= max(2, total // 100), f"{differing} of {total} selected entries differ"
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
