@@ -20,7 +20,10 @@ precision, monitors), an ``"mtraining"`` section, removed before the JSON reache
       "gradient_checkpointing": false,  # recompute each decoder layer in backward (long sequences)
       "attention": "sparse",            # sparse (MTraining) | dense | static (baselines, same path)
                                         # | ulysses (dense HF SDPA under DeepSpeed-Ulysses)
-      "static": {"density": 0.1, "sink_tokens": 4}  # attention "static" only (or "window_tokens")
+      "static": {"density": 0.1, "sink_tokens": 4},  # attention "static" only (or "window_tokens")
+      "document_masking": true,         # default: on where the data packs documents (not "random",
+                                        # not ulysses); RoPE positions restart per document
+      "liger": "auto"                   # liger-kernel RMSNorm/RoPE/SwiGLU on CUDA where installed
     }
 
 ``"attention": "ulysses"`` is the baseline users run today: the model's own dense attention (torch

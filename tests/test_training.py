@@ -262,6 +262,24 @@ def test_bad_ulysses_or_random_data_config_is_one_clear_error(change, world, mes
         load_run_config(ulysses_config(**change), world)
 
 
+@pytest.mark.parametrize("change, expected", [
+    (dict(attention="sparse", data={"source": "stdlib"}), True),  # the loader packs documents
+    (dict(attention="dense", data={"source": "stdlib"}), True),
+    (dict(attention="sparse"), False),  # random token ids: no documents
+    (dict(data={"source": "stdlib"}), False),  # ulysses cannot mask them
+    (dict(attention="sparse", data={"source": "stdlib"}, document_masking=False), False),
+    (dict(attention="sparse", document_masking=True), True),
+])
+def test_document_masking_defaults_to_on_where_the_loader_packs_documents(change, expected):
+    run, _ = load_run_config(ulysses_config(**change), 2)
+    assert run.document_masking is expected
+
+
+def test_bad_document_masking_setting_is_one_clear_error():
+    with pytest.raises(ConfigError, match=r"mtraining.document_masking='yes' must be true or false \(or left out"):
+        load_run_config(ulysses_config(attention="sparse", document_masking="yes"), 2)
+
+
 @pytest.mark.parametrize("value", ["yes", 1, None])
 def test_bad_liger_setting_is_one_clear_error(value):
     with pytest.raises(ConfigError, match=rf"mtraining.liger={value!r} must be 'auto' .*, true or false"):

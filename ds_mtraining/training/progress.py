@@ -57,13 +57,14 @@ def describe_run(run: RunConfig, groups) -> str:
     if run.attention == "ulysses":
         return (f"DeepSpeed-Ulysses: {dist.get_world_size()} ranks = {dp} data-parallel x {sp} sequence-parallel, "
                 f"seq_len {run.seq_len} ({run.seq_len // sp} contiguous tokens per rank), dense SDPA attention "
-                f"(heads split over the {sp} ranks)")
+                f"(heads split over the {sp} ranks), documents not masked")
     ring = groups.ring
     if groups.hierarchy is not None:
         ring += f" ({groups.hierarchy.nodes} nodes x {groups.hierarchy.per_node})"
     return (f"MTraining: {dist.get_world_size()} ranks = {dp} data-parallel x {sp} sequence-parallel, "
             f"{ring} ring, seq_len {run.seq_len} ({run.seq_len // sp} tokens per rank, stripe block "
-            f"{run.sparse.block_size}), " + _attention_text(run))
+            f"{run.sparse.block_size}), " + _attention_text(run)
+            + (", documents masked" if run.document_masking else ", documents not masked"))
 
 
 def _attention_text(run: RunConfig) -> str:

@@ -117,13 +117,12 @@ def parse_run_config(section: dict, world_size: int) -> RunConfig:
     except ValueError as error:
         raise ConfigError(str(error)) from None
     checkpointing = section.get("gradient_checkpointing", False)
-    documents = section.get("document_masking", False)
-    for name, value in (("gradient_checkpointing", checkpointing), ("document_masking", documents)):
-        if not isinstance(value, bool):
-            raise ConfigError(f"{MTRAINING_KEY}.{name}={value!r} must be true or false")
+    if not isinstance(checkpointing, bool):
+        raise ConfigError(f"{MTRAINING_KEY}.gradient_checkpointing={checkpointing!r} must be true or false")
     liger = section.get("liger", "auto")
     check_liger_setting(liger)
     attention, static = _attention_mode(section, seq_len, sparse.block_size)
+    documents = _document_masking(section, attention)
     if attention == ULYSSES:
         _check_ulysses(section, documents, ring)
     model = _model_spec(section.get("model", "tiny-qwen2"))
@@ -163,6 +162,19 @@ def _attention_mode(section: dict, seq_len: int, block: int) -> tuple[str, dict 
     except (ValueError, TypeError) as error:
         raise ConfigError(f"{MTRAINING_KEY}.static: {error}") from None
     return mode, pattern.to_dict()
+
+
+def _document_masking(section: dict, attention: str) -> bool:
+    """``document_masking``: true or false as given; left out, on wherever the loader packs
+    documents (every data source but ``"random"``, whose samples have none) and the attention can
+    mask them (not ``"ulysses"``)."""
+    value = section.get("document_masking")
+    if value is None:
+        return attention != ULYSSES and dict(section.get("data", {})).get("source") != "random"
+    if not isinstance(value, bool):
+        raise ConfigError(f"{MTRAINING_KEY}.document_masking={value!r} must be true or false (or left out: "
+                          f"on where the loader packs documents)")
+    return value
 
 
 def _check_ulysses(section: dict, document_masking: bool, ring: str):
