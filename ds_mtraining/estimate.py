@@ -147,9 +147,11 @@ def document_windows(doc_start: torch.Tensor):
     return start, end, row, length, window
 
 
+@remember_last
 def document_query_positions(doc_start: torch.Tensor, last_q: int) -> torch.Tensor:
     """Ascending global positions of the query rows that rules 1'-2' read in any batch row: each
-    window's last min(last_q, window) rows (rows before a document's start are read, then masked)."""
+    window's last min(last_q, window) rows (rows before a document's start are read, then masked).
+    Remembered for the last ``doc_start`` (one host read per step)."""
     _, end, _, _, window = document_windows(doc_start)
     count = window.clamp(max=last_q)
     offsets = torch.arange(int(count.max()), device=end.device)

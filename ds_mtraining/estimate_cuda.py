@@ -31,6 +31,7 @@ import torch
 
 from .attention import resolve_softmax_scale
 from .config import SUPPORTED_BLOCK_SIZES, SparseConfig
+from .documents import remember_last
 from .estimate import DOCUMENT_WEIGHTS, check_qk, document_sink_columns, document_spans
 from .index import PAD, SparseIndex
 
@@ -212,6 +213,13 @@ assert PAD == 1 << 30, "the kernels pad with 2^30 (estimate_api.cuh kPad)"
 
 # ---------------------------------------------------------------------- documents
 @torch.no_grad()
+@remember_last
+def position_slots(q_positions: torch.Tensor) -> dict[int, int]:
+    """{global position: row} of ``q_positions`` (remembered: the ring passes the same
+    positions object to every layer of a step)."""
+    return {p: i for i, p in enumerate(q_positions.tolist())}
+
+
 def document_masses(q: torch.Tensor, k: torch.Tensor, doc_start: torch.Tensor, last_q: int, scale: float,
                     q_positions: torch.Tensor | None = None, weight: str = "tokens", passes=None
                     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -220,8 +228,8 @@ def document_masses(q: torch.Tensor, k: torch.Tensor, doc_start: torch.Tensor, l
     against its own keys, row means weighted by ``DOCUMENT_WEIGHTS[weight]``, summed per batch
     row. A document is a contiguous slice of q and k, so each pass sees an ordinary causal
     sequence of n tokens (no masking, no copy); two passes per document. The document list is
-    read on the host once per ``doc_start`` (:func:`~ds_mtraining.estimate.document_spans`;
-    ``q_positions`` every call).
+    read on the host once per ``doc_start`` (:func:`~ds_mtraining.estimate.document_spans`), and
+    ``q_positions`` once per object (:func:`position_slots`).
 
     ``q``: [B, S, H, D], or with ``q_positions`` [B, len(q_positions), H, D], the rows at those
     global positions (at least :func:`~ds_mtraining.estimate.document_query_positions`).
@@ -234,7 +242,7 @@ def document_masses(q: torch.Tensor, k: torch.Tensor, doc_start: torch.Tensor, l
     length = torch.tensor(length, dtype=torch.float64)  # host: the weights need no device
     scored = length.clamp(max=last_q)
     weights = DOCUMENT_WEIGHTS[weight](length, scored, s).tolist()
-    slots = None if q_positions is None else {p: i for i, p in enumerate(q_positions.tolist())}
+    slots = None if q_positions is None else position_slots(q_positions)
     columns = torch.zeros(b, h, s, dtype=torch.float32, device=q.device)
     diagonals = torch.zeros(b, h, s, dtype=torch.float32, device=q.device)
     for first, n, r, lq, w in zip(start, length.long().tolist(), row, scored.long().tolist(), weights):

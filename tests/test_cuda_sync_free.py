@@ -7,6 +7,8 @@ apart from the once-per-step checks (ds_mtraining.ring.agreement), which a warm-
   the embedding backward, may synchronise);
 * two GPUs (NCCL, two spawned processes): the ring with the fused distributed estimator under
   the same mode, its index against the single-device fused estimator's on the whole sequence;
+  with documents, a step's second document-aware estimate (what its later layers run) under
+  the mode, against the torch rule on the whole sequence;
 * the fused distributed estimator replayed from its CUDA graph against the eager path, on a
   group of one rank (one GPU, also against the single-device estimator) and of two.
 
@@ -20,6 +22,8 @@ import pytest
 import torch
 
 from ds_mtraining import SparseConfig, synthetic
+from ds_mtraining.documents import doc_start_from_cu_seqlens
+from ds_mtraining.estimate import estimate_vertical_slash
 from ds_mtraining.layer import AttentionStats, IndexCache, MTrainingAttentionSettings, striped_sparse_attention
 from ds_mtraining.ring.layout import StripedLayout
 from helpers import differing_entries
@@ -137,7 +141,19 @@ def _ring_worker(rank, world):
     torch.cuda.synchronize()
     same = all(torch.equal(a, b) for a, b in zip(first, second))
     differing, total = differing_entries(distributed, estimate_vertical_slash_cuda(q, k, CONFIG))
-    return dict(same=same, differing=differing, total=total)
+    # with documents: the first estimate of a step reads the document list, the next layers' none
+    doc_start = doc_start_from_cu_seqlens(torch.tensor([0, 700, 2100, 2104, seq]), seq).to(device)
+    documents_first = estimate_index(shards[0], shards[1], CONFIG, doc_start=doc_start)
+    torch.cuda.synchronize()
+    with sync_is_an_error():
+        documents_second = estimate_index(shards[0], shards[1], CONFIG, doc_start=doc_start)
+    torch.cuda.synchronize()
+    documents_same = all(torch.equal(getattr(documents_first, n), getattr(documents_second, n))
+                         for n in ("slash", "slash_count", "vertical", "vertical_count"))
+    documents_differing, documents_total = differing_entries(
+        documents_second, estimate_vertical_slash(q, k, CONFIG, doc_start=doc_start))
+    return dict(same=same, differing=differing, total=total, documents_same=documents_same,
+                documents_differing=documents_differing, documents_total=documents_total)
 
 
 
@@ -150,6 +166,10 @@ def test_two_gpu_ring_does_not_synchronise():
         assert result["differing"] <= max(2, result["total"] // 100), (
             f"rank {rank}: the distributed fused index differs from the single-device one in "
             f"{result['differing']} of {result['total']} entries")
+        assert result["documents_same"], f"rank {rank}: the document-aware index changed between layers"
+        assert result["documents_differing"] <= max(2, result["documents_total"] // 100), (
+            f"rank {rank}: the gathered document-aware index differs from the single-device torch rule in "
+            f"{result['documents_differing']} of {result['documents_total']} entries")
 
 
 def _graph_worker(rank, world):

@@ -283,11 +283,12 @@ def test_merge_columns_is_the_sorted_union():
 
 
 def test_doc_start_checks_and_document_lists_are_read_once_per_tensor(monkeypatch):
-    """check_doc_start and the document lists derived from it are remembered for the last
-    doc_start object (the layers of a step share it) until it is modified in place; an invalid
-    modification is still caught."""
+    """check_doc_start and the document lists derived from it (also the query rows a ring
+    gathers, and their slots) are remembered for the last doc_start object (the layers of a step
+    share it) until it is modified in place; an invalid modification is still caught."""
     from ds_mtraining import documents
-    from ds_mtraining.estimate import document_spans
+    from ds_mtraining.estimate import document_query_positions, document_spans
+    from ds_mtraining.estimate_cuda import position_slots
     doc_start = doc_start_from_cu_seqlens(torch.tensor([0, 3, 8, 20]), 20, batch=2)
     reads = []
     original = torch.Tensor.tolist
@@ -295,8 +296,12 @@ def test_doc_start_checks_and_document_lists_are_read_once_per_tensor(monkeypatc
     checked = documents.check_doc_start(doc_start, 2, 20, "cpu")
     assert documents.check_doc_start(doc_start, 2, 20, "cpu") is checked
     assert document_spans(checked) == [(0, 3, 0), (3, 5, 0), (8, 12, 0), (0, 3, 1), (3, 5, 1), (8, 12, 1)]
+    positions = document_query_positions(checked, 4)
+    assert position_slots(positions)[positions[-1].item()] == len(positions) - 1
     before = len(reads)
     assert document_spans(checked) == document_spans(checked)
+    # what a ring's later layers ask again: the query rows it gathers and their slots
+    assert document_query_positions(checked, 4) is positions and position_slots(positions) is position_slots(positions)
     assert len(reads) == before, "the document list was read again"
     doc_start[1, 5:8] = 5  # in place: a new packing of row 1, [0, 3, 5, 8, 20]
     assert len(document_spans(documents.check_doc_start(doc_start, 2, 20, "cpu"))) == 7

@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from ..attention import resolve_softmax_scale
 from ..config import SparseConfig
-from ..documents import check_doc_start
+from ..documents import check_doc_start, remember_last
 from ..estimate import (check_qk, document_column_and_diagonal_mass, document_query_positions, document_spans,
                         estimate_vertical_slash, index_from_masses, last_key_mass, last_query_scores,
                         sink_columns, top_p_count)
@@ -327,21 +327,32 @@ def fused_estimator_takes(q: torch.Tensor, k: torch.Tensor, config: SparseConfig
     return estimate_cuda.supports(q, k, config, seq_len) is None
 
 
+@remember_last
+def _gather_plan(positions: torch.Tensor, seq_len: int, world: int, rank: int, block_size: int):
+    """How :func:`_rows_at` gathers the rows at ``positions``: per rank, the slots of
+    ``positions`` it holds (device indices; their count, a host int), and this rank's local rows
+    of its own. Remembered for the last ``positions`` object, which
+    :func:`~ds_mtraining.estimate.document_query_positions` remembers per ``doc_start``: a step's
+    later layers read nothing on the host here."""
+    layout = StripedLayout(world, block_size)
+    held = [layout.positions(seq_len, r, device=positions.device) for r in range(world)]
+    slots = [torch.isin(positions, rows).nonzero().squeeze(1) for rows in held]
+    counts = [len(s) for s in slots]
+    return slots, counts, torch.searchsorted(held[rank], positions[slots[rank]])
+
+
 def _rows_at(x: torch.Tensor, layout: StripedLayout, comm: RingComm, positions: torch.Tensor) -> torch.Tensor:
     """[B, len(positions), ...] on every rank: the rows of the sharded ``x`` [B, S/W, ...] at the
     global ``positions`` (ascending, the same on every rank), each rank sending the ones it holds
     (one all-gather, padded to the largest share)."""
-    seq_len = x.shape[1] * comm.world
-    held = [layout.positions(seq_len, r, device=x.device) for r in range(comm.world)]
-    owned = [torch.isin(positions, rows) for rows in held]
-    counts = [int(mask.sum()) for mask in owned]
+    slots, counts, mine = _gather_plan(positions, x.shape[1] * comm.world, comm.world, comm.rank,
+                                       layout.block_size)
     part = x.new_zeros(x.shape[0], max(counts), *x.shape[2:])
-    mine = torch.searchsorted(held[comm.rank], positions[owned[comm.rank]])
-    part[:, :counts[comm.rank]] = x[:, mine]
+    part[:, :counts[comm.rank]] = x.index_select(1, mine)  # index_select/index_copy_: no host sync on GPUs
     parts = _all_gather(part, comm)
     rows = x.new_empty(x.shape[0], len(positions), *x.shape[2:])
     for rank in range(comm.world):
-        rows[:, owned[rank]] = parts[rank][:, :counts[rank]]
+        rows.index_copy_(1, slots[rank], parts[rank][:, :counts[rank]])
     return rows
 
 
