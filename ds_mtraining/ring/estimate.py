@@ -286,9 +286,14 @@ def estimate_vertical_slash_cuda_distributed(q: torch.Tensor, k: torch.Tensor, c
     ``build_index`` of
     :mod:`ds_mtraining.estimate_cuda` (the default); tests pass torch versions to run this on CPU."""
     check_qk(q, k)
-    held = held_last_queries(q, comm, config.block_size, min(config.last_q, q.shape[1] * comm.world), k.dtype)
-    return estimate_from_held_queries(held, k, config, comm, resolve_softmax_scale(q.shape[-1], softmax_scale),
-                                      passes)
+    return estimate_from_held_queries(held_estimator_queries(q, k, config, comm), k, config, comm,
+                                      resolve_softmax_scale(q.shape[-1], softmax_scale), passes)
+
+
+def held_estimator_queries(q: torch.Tensor, k: torch.Tensor, config: SparseConfig, comm: RingComm) -> torch.Tensor:
+    """This rank's share of the last ``last_q`` queries that the fused estimator scores
+    (:func:`held_last_queries`, in the keys' dtype)."""
+    return held_last_queries(q, comm, config.block_size, min(config.last_q, q.shape[1] * comm.world), k.dtype)
 
 
 @torch.no_grad()

@@ -28,7 +28,7 @@ from ..config import SparseConfig
 from ..estimate_cuda import trusted_index
 from ..index import SparseIndex
 from .comm import RingComm
-from .estimate import estimate_from_held_queries, held_last_queries
+from .estimate import estimate_from_held_queries, held_estimator_queries
 
 MAX_GRAPHS = 8  # shapes kept (training uses one per sequence length; each holds its buffers)
 ENV = "DS_MTRAINING_ESTIMATOR_GRAPHS"
@@ -74,8 +74,7 @@ def captured_estimate(q: torch.Tensor, k: torch.Tensor, config: SparseConfig, co
                       scale: float) -> SparseIndex:
     """The fused distributed estimation of the shards ``q``/``k``, from this shape's graph
     (eager on a shape's first call). Collective, like the eager path."""
-    count = min(config.last_q, q.shape[1] * comm.world)
-    held = held_last_queries(q, comm, config.block_size, count, k.dtype)
+    held = held_estimator_queries(q, k, config, comm)
     key = (tuple(held.shape), tuple(k.shape), k.dtype, k.device, config, id(comm.group), comm.rank, scale)
     graph = _graphs.get(key)
     if graph is None:
