@@ -84,6 +84,7 @@ def test_depth_choice_and_results_file(tmp_path):
     assert ("ulysses", 2, 4096, 36, None) not in calls and ("mtraining", 1, 4096, 36, None) in calls  # CPU: no ids
     saved = json.loads((tmp_path / "e2e_t.json").read_text())
     assert saved["rows"] == json.loads(json.dumps(record["rows"])) and {"date", "device", "command"} <= set(saved)
+    assert (tmp_path / "e2e_t.png").stat().st_size > 10_000  # the plot of step time against length
 
     again = e2e.Bench(e2e.parse_args(argv[:-4] + ["--seq_lens", "1024", "--parts", "single", "--single_depth", "4",
                                                   "--out", str(tmp_path), "--tag", "t"]), fake_launcher([])).run()

@@ -45,7 +45,8 @@ integer N times N layers and reports them as measured (no extrapolation). Every 
         --out benchmarks/results --tag h200x2
     python -m ds_mtraining.bench.e2e --smoke      # CPU: a tiny model, 2 gloo ranks, end to end
 
-Writes ``OUT/e2e_<tag>.json`` after every measurement, so a run cut off keeps what it measured;
+Writes ``OUT/e2e_<tag>.json`` after every measurement, so a run cut off keeps what it measured
+(and ``OUT/e2e_<tag>.png``, step time against length per mode, at the end);
 rows of other (model, seq_len, world) already in the file are kept and a row measured again is
 updated mode by mode (``--modes``), so several short invocations fill one file. The launches' configs and logs
 go to ``OUT/e2e_<tag>/``. A table is printed last.
@@ -302,7 +303,9 @@ class Bench:
                         if mode in args.modes:
                             single[mode] = self.measure(model, mode, seq_len, 1, args.single_depth)
                             self.save()
-        return self.save()
+        record = self.save()
+        plot(record, self.path.with_suffix(".png"))
+        return record
 
     def rows_merged(self) -> list:
         """This invocation's rows over the file's earlier ones (by model, seq_len, world; mode by mode)."""
@@ -375,6 +378,48 @@ def table(record: dict):
                      ratio(row.get("speedup")), cell(single.get("mtraining")), cell(single.get("dense")),
                      ratio(single.get("speedup")))
     return grid
+
+
+PLOTTED = (("mtraining", None, "MTraining, W GPUs", "tab:blue", "-"), ("ulysses", None, "Ulysses, W GPUs", "black", "-"),
+           ("single_gpu", "mtraining", "MTraining, 1 GPU", "tab:blue", ":"),
+           ("single_gpu", "dense", "dense, 1 GPU", "black", ":"))
+
+
+def plot(record: dict, path: Path):
+    """Step seconds against seq_len (log-log), one panel per model: every mode measured, hollow
+    markers where extrapolated per layer, each W-GPU speedup written above MTraining's point."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+    models = sorted({row["model"] for row in record["rows"]})
+    if not models:
+        return
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        rows = [row for row in record["rows"] if row["model"] == model]
+        for key, sub, label, color, style in PLOTTED:
+            points = [(row["seq_len"] / 1024, (row.get(key) or {}).get(sub) if sub else row.get(key)) for row in rows]
+            points = [(x, r) for x, r in points if isinstance(r, dict) and r.get("step_s")]
+            if not points:
+                continue
+            ax.plot([x for x, _ in points], [r["step_s"] for _, r in points], style, color=color, label=label)
+            for x, r in points:
+                ax.plot(x, r["step_s"], "o", color=color, mfc="white" if r.get("extrapolated") else color)
+        for row in rows:  # the W-GPU speedup, halfway (on the log scale) between the two steps
+            if row.get("speedup") and (row.get("mtraining") or {}).get("step_s"):
+                middle = row["mtraining"]["step_s"] * row["speedup"] ** 0.5
+                ax.annotate(f"{row['speedup']:.1f}x", (row["seq_len"] / 1024, middle), ha="center", fontsize=9)
+        lengths = sorted({row["seq_len"] for row in rows})
+        ax.set(xscale="log", yscale="log", xlabel="sequence length (tokens)", ylabel="training step (s)",
+               title=f"{model} ({record['device']}; hollow: extrapolated per layer)")
+        ax.set_xticks([n / 1024 for n in lengths], [f"{n // 1024}K" for n in lengths])
+        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def device_name(cpu: bool) -> str:
