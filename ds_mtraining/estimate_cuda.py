@@ -212,7 +212,6 @@ assert PAD == 1 << 30, "the kernels pad with 2^30 (estimate_api.cuh kPad)"
 
 
 # ---------------------------------------------------------------------- documents
-@torch.no_grad()
 @remember_last
 def position_slots(q_positions: torch.Tensor) -> dict[int, int]:
     """{global position: row} of ``q_positions`` (remembered: the ring passes the same
@@ -220,6 +219,7 @@ def position_slots(q_positions: torch.Tensor) -> dict[int, int]:
     return {p: i for i, p in enumerate(q_positions.tolist())}
 
 
+@torch.no_grad()
 def document_masses(q: torch.Tensor, k: torch.Tensor, doc_start: torch.Tensor, last_q: int, scale: float,
                     q_positions: torch.Tensor | None = None, weight: str = "tokens", passes=None
                     ) -> tuple[torch.Tensor, torch.Tensor]:

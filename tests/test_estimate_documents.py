@@ -192,7 +192,8 @@ def test_fused_document_masses_equal_the_torch_rule(lengths):
     """estimate_cuda.document_masses (the fused passes one document at a time; here their torch
     versions) against the torch rule's batched windows: the same masses (float32 rounding) and
     the same index, for documents shorter than last_q, of one token, and longer than last_q; two
-    batch rows packed differently; also from only the read query rows (q_positions)."""
+    batch rows packed differently; also from only the read query rows (q_positions); no autograd
+    graph from a q that requires grad."""
     from helpers import TorchPasses
     s, last_q = sum(lengths), 64
     cu = [torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()]),
@@ -201,7 +202,8 @@ def test_fused_document_masses_equal_the_torch_rule(lengths):
     q, k = synthetic.planted_qk(s, 4, 2, 32, offsets=(3, 40), columns=((2, 77), (150,)), batch=2)
     scale = 32 ** -0.5
     expected = document_column_and_diagonal_mass(q, k, doc_start, last_q, scale)
-    got = estimate_cuda.document_masses(q, k, doc_start, last_q, scale, passes=TorchPasses)
+    got = estimate_cuda.document_masses(q.requires_grad_(), k, doc_start, last_q, scale, passes=TorchPasses)
+    assert not any(t.requires_grad for t in got), "the estimate builds no autograd graph from training's q"
     for name, a, b in zip(("columns", "diagonals"), got, expected):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7, msg=name)
     positions = document_query_positions(doc_start, last_q)
