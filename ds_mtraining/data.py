@@ -396,7 +396,8 @@ class RankBatches:
     run, all epochs) as a dict of [B, S/W] int64 tensors: input_ids, labels, position_ids. With
     ``document_masking`` it also holds ``doc_start``, int32 [B, S] for the *whole* sequence
     (:mod:`ds_mtraining.documents`; every rank needs all of it), and the position ids restart at
-    0 in each document (RoPE of packed documents). ``layout`` ``"contiguous"`` gives contiguous
+    0 in each document (RoPE of packed documents); a batch whose samples are each one document
+    (e.g. passkey samples) has nothing to mask and carries no ``doc_start``. ``layout`` ``"contiguous"`` gives contiguous
     shards instead of stripes (:class:`ContiguousLayout`, for DeepSpeed-Ulysses).
     """
 
@@ -437,12 +438,13 @@ class RankBatches:
         seq_len = input_ids.shape[1]
         batch = {"input_ids": self.layout.shard(input_ids, self.sequence_rank),
                  "labels": self.layout.shard(labels, self.sequence_rank)}
-        if self.document_masking:
+        cu_seqlens = [self.samples.cu_seqlens(i) for i in ids] if self.document_masking else []
+        if any(len(cu) > 2 for cu in cu_seqlens):  # a sample packs several documents: mask them
             from .documents import doc_start_from_cu_seqlens, document_positions
-            doc_start = doc_start_from_cu_seqlens([self.samples.cu_seqlens(i) for i in ids], seq_len, len(ids))
+            doc_start = doc_start_from_cu_seqlens(cu_seqlens, seq_len, len(ids))
             batch["position_ids"] = self.layout.shard(document_positions(doc_start), self.sequence_rank)
             batch["doc_start"] = doc_start
-        else:
+        else:  # no masking, or one document per sample (nothing to mask: the faster paths run)
             positions = self.layout.positions(seq_len, self.sequence_rank)
             batch["position_ids"] = positions.expand(input_ids.shape[0], -1).contiguous()
         return batch

@@ -147,16 +147,39 @@ def test_document_masking_batches_carry_each_documents_start(world):
     for rank in range(world):
         batches = RankBatches(samples, 2, sequence_rank=rank, sequence_world=world, block_size=32,
                               document_masking=True)
+        masked = 0
         for position in range(batches.per_epoch):
             batch = batches.batch(position)
-            for row, i in enumerate(batches.sample_ids(position)):
+            ids = batches.sample_ids(position)
+            starts = [[t for t in range(128) if t == 0 or int(samples[i][0][t - 1]) == EOS] for i in ids]
+            # a batch of single-document samples has nothing to mask: no doc_start, plain positions
+            assert ("doc_start" in batch) == any(len(s) > 1 for s in starts)
+            masked += "doc_start" in batch
+            for row, i in enumerate(ids):
                 inputs = samples[i][0]
-                starts = [t for t in range(128) if t == 0 or int(inputs[t - 1]) == EOS]
-                expected = torch.tensor([max(s for s in starts if s <= t) for t in range(128)], dtype=torch.int32)
-                assert torch.equal(batch["doc_start"][row], expected)
+                expected = torch.tensor([max(s for s in starts[row] if s <= t) for t in range(128)], dtype=torch.int32)
+                if "doc_start" in batch:
+                    assert torch.equal(batch["doc_start"][row], expected)
                 positions = torch.arange(128) - expected.long()
                 assert torch.equal(batch["position_ids"][row], layout.shard(positions[None], rank)[0])
                 assert torch.equal(batch["input_ids"][row], layout.shard(inputs[None], rank)[0])
+        assert 0 < masked
+
+
+def test_single_document_batches_carry_no_doc_start():
+    """Passkey samples are one document each: with document masking on, their batches carry no
+    doc_start (nothing to mask) and the plain striped positions, exactly as with it off."""
+    from datasets import Dataset
+    texts = [("word " * 200)[:n] for n in (150, 90, 700, 40, 900, 300, 520, 61, 800)]
+    samples = PackedSequences(tokenize_documents(Dataset.from_list([{"text": t} for t in texts]), ByteTokenizer()),
+                              256, passkey_fraction=1.0, tokenizer=ByteTokenizer(), seed=3)
+    for rank in range(2):
+        on, off = (RankBatches(samples, 2, sequence_rank=rank, sequence_world=2, block_size=32, document_masking=flag)
+                   for flag in (True, False))
+        for position in range(on.per_epoch):
+            masked, plain = on.batch(position), off.batch(position)
+            assert "doc_start" not in masked and masked.keys() == plain.keys()
+            assert all(torch.equal(masked[key], plain[key]) for key in plain)
 
 
 def test_a_passkey_sample_is_one_document():
