@@ -18,7 +18,8 @@ spilled to the next rank(s) instead of all-reduced, the selection over fixed-wid
   (:meth:`SparseIndex.from_vertical_slash`), in fixed widths.
 
 With document masking, :func:`document_masses` runs passes A and B on each document's slice of
-q and k (the document-aware rule's masses; its selection stays the torch rule's).
+q and k (the document-aware rule's masses), and :func:`index_from_document_masses` selects from
+them with the same kernels, every document's sinks merged into the columns.
 
 Every list has a width fixed by the shapes and caps (never by the data), so nothing waits for the
 GPU; the index is built through :func:`trusted_index`, which skips ``SparseIndex.__init__``'s

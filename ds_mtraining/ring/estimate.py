@@ -372,34 +372,30 @@ def estimate_documents_gathered(q, k, config: SparseConfig, comm: RingComm, soft
     doc_start = check_doc_start(doc_start, b, local * comm.world, q.device)
     k_all = layout.unshard(list(_all_gather(k, comm).unbind(0)))
     positions = document_query_positions(doc_start, config.last_q)
-    columns, diagonals = document_masses_on_device(
-        _rows_at(q, layout, comm, positions), k_all, doc_start, config, resolve_softmax_scale(d, softmax_scale),
-        positions)
-    return document_index(columns, diagonals, config, doc_start, fused_estimator_takes(q, k_all, config, k_all.shape[1]))
-
-
-def document_index(columns, diagonals, config: SparseConfig, doc_start, fused: bool) -> SparseIndex:
-    """The document-aware index of the masses [B, H, S]: the fused selection and finalize where
-    ``fused`` (CUDA inputs the fused estimator takes; no host synchronisation), else the torch
-    rule's (:func:`~ds_mtraining.estimate.index_from_masses`)."""
-    if fused:
-        from ..estimate_cuda import index_from_document_masses
-        return index_from_document_masses(columns, diagonals, config, doc_start)
-    return index_from_masses(columns, diagonals, config, doc_start)
+    return document_aware_index(_rows_at(q, layout, comm, positions), k_all, doc_start, config,
+                                resolve_softmax_scale(d, softmax_scale), positions)
 
 
 MAX_FUSED_DOCUMENTS = 64  # beyond, the torch rule's few batched windows beat two launches per document
 
 
-def document_masses_on_device(q, k, doc_start, config: SparseConfig, scale: float, q_positions=None):
-    """The document-aware rule's masses of whole-sequence keys ``k``: the fused passes per
-    document where they take the inputs (CUDA) and the documents are at most
-    ``MAX_FUSED_DOCUMENTS``, else the torch rule's batched windows."""
-    if fused_estimator_takes(q, k, config, k.shape[1]):
-        if len(document_spans(doc_start)) <= MAX_FUSED_DOCUMENTS:
-            from ..estimate_cuda import document_masses
-            return document_masses(q, k, doc_start, config.last_q, scale, q_positions)
-    return document_column_and_diagonal_mass(q, k, doc_start, config.last_q, scale, q_positions=q_positions)
+def document_aware_index(q, k, doc_start, config: SparseConfig, scale: float, q_positions=None) -> SparseIndex:
+    """The document-aware index of whole-sequence keys ``k`` (``q``: every query, or only the rows
+    at ``q_positions``). Where the fused estimator takes the inputs (CUDA), its selection and
+    finalize (no host synchronisation) over masses from the fused passes one document at a time
+    (at most ``MAX_FUSED_DOCUMENTS`` documents; beyond, the torch rule's batched windows); else
+    the torch rule's masses and selection (:func:`~ds_mtraining.estimate.index_from_masses`)."""
+    fused = fused_estimator_takes(q, k, config, k.shape[1])
+    if fused and len(document_spans(doc_start)) <= MAX_FUSED_DOCUMENTS:
+        from ..estimate_cuda import document_masses
+        columns, diagonals = document_masses(q, k, doc_start, config.last_q, scale, q_positions)
+    else:
+        columns, diagonals = document_column_and_diagonal_mass(q, k, doc_start, config.last_q, scale,
+                                                               q_positions=q_positions)
+    if fused:
+        from ..estimate_cuda import index_from_document_masses
+        return index_from_document_masses(columns, diagonals, config, doc_start)
+    return index_from_masses(columns, diagonals, config, doc_start)
 
 
 def estimate_on_comm(q, k, config: SparseConfig, comm: RingComm | None,
@@ -409,14 +405,13 @@ def estimate_on_comm(q, k, config: SparseConfig, comm: RingComm | None,
     inputs (on a ring, replayed from a CUDA graph: :mod:`ds_mtraining.ring.estimate_graph`), else
     the torch rule (CPU; on CUDA it synchronises). With ``doc_start`` (document masking) the
     document-aware rule: its masses from the fused passes one document at a time where they take
-    the inputs (:func:`document_masses_on_device`; the document list read on the host once per
-    ``doc_start``), its selection fused there too (:func:`document_index`)."""
+    the inputs (the document list read on the host once per ``doc_start``), its selection fused
+    there too (:func:`document_aware_index`)."""
     if doc_start is not None:
         if comm is None:
             check_qk(q, k)
             doc_start = check_doc_start(doc_start, q.shape[0], q.shape[1], q.device)
-            masses = document_masses_on_device(q, k, doc_start, config, resolve_softmax_scale(q.shape[-1], softmax_scale))
-            return document_index(*masses, config, doc_start, fused_estimator_takes(q, k, config, q.shape[1]))
+            return document_aware_index(q, k, doc_start, config, resolve_softmax_scale(q.shape[-1], softmax_scale))
         return estimate_documents_gathered(q, k, config, comm, softmax_scale, doc_start)
     world = 1 if comm is None else comm.world
     if fused_estimator_takes(q, k, config, q.shape[1] * world):
