@@ -51,20 +51,25 @@ def _call_index(q: torch.Tensor, index: SparseIndex, stripe: Stripe, doc_start) 
 
 
 def attention_forward(q, k, v, index: SparseIndex, scale: float, stripe: Stripe = Stripe(), *,
-                      doc_start: torch.Tensor | None = None):
+                      doc_start: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                      lse: torch.Tensor | None = None):
     """Sparse attention of ``stripe.q_rank``'s queries over ``stripe.k_rank``'s keys, within the
     documents of ``doc_start`` when given.
 
     Returns (out float32 [B, Sq, H, D], lse float32 [B, H, Sq]); rows that see no key in this
-    call get out 0 and lse -inf."""
+    call get out 0 and lse -inf. Given ``out`` and ``lse``, the running result of earlier calls
+    for the same queries over other keys, the call merges its own into them in place (as
+    :func:`ds_mtraining.ring.merge_partial` would) and returns them."""
     module = op_module(q.device.type)
-    return tuple(module.forward(q, k, v, _call_index(q, index, stripe, doc_start), float(scale)))
+    return tuple(module.forward(q, k, v, _call_index(q, index, stripe, doc_start), float(scale), out=out, lse=lse))
 
 
 def attention_backward(dout, q, k, v, out, lse, index: SparseIndex, scale: float,
-                       stripe: Stripe = Stripe(), *, doc_start: torch.Tensor | None = None):
+                       stripe: Stripe = Stripe(), *, doc_start: torch.Tensor | None = None,
+                       dq: torch.Tensor | None = None):
     """Gradients (dq, dk, dv) of one call given the final output ``out``, its ``lse`` and
-    ``dout`` (``doc_start`` as in the forward); on CPU they are float32."""
+    ``dout`` (``doc_start`` as in the forward); float32. Given ``dq`` (float32, a running sum
+    over earlier calls), the call adds its dq into it in place and returns it."""
     module = op_module(q.device.type)
     return tuple(module.backward(dout, q, k, v, out, lse, _call_index(q, index, stripe, doc_start),
-                                 float(scale)))
+                                 float(scale), dq=dq))

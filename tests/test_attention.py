@@ -115,6 +115,61 @@ def test_striped_pairs_match_dense(cpu_op, random_index, world):
     assert empty_rows > 0 and visible_rows > 0, "the pairs must include rows with and without keys"
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_running_out_lse_and_dq_accumulate_over_key_ranks(cpu_op, random_index, world):
+    """One rank's queries over every key rank, as the ring calls them: the first call's (out,
+    lse) passed to the next calls as the running ones, merged in place, equal float64 dense
+    attention over the union of the calls' masks; each call's dq added into the running dq
+    equals the dense dq (fp32: rel 1e-5)."""
+    block, local_blocks, heads, kv_heads, dim = 64, 3, 4, 2, 64
+    local = local_blocks * block
+    index = random_index(2, heads, local * world, block, n_vertical=12, n_slash=4, seed=10 + world)
+    scale = 1.0 / math.sqrt(dim)
+    generator = torch.Generator().manual_seed(world)
+    q_rank, order = 0, [*range(1, world), 0]  # block 0 sees no key of ranks 1.. : -inf in the running lse
+    q = torch.randn(2, local, heads, dim, generator=generator)
+    keys = [(torch.randn(2, local, kv_heads, dim, generator=generator),
+             torch.randn(2, local, kv_heads, dim, generator=generator)) for _ in range(world)]
+    dout = torch.randn(2, local, heads, dim, generator=generator)
+    out = lse = None
+    for k_rank in order:
+        k, v = keys[k_rank]
+        running = out
+        out, lse = ops.attention_forward(q, k, v, index, scale, Stripe(world, q_rank, k_rank), out=out, lse=lse)
+        assert running is None or out is running, "the running out is merged in place"
+    dq = None
+    for k_rank in order:
+        k, v = keys[k_rank]
+        running = dq
+        dq, _, _ = ops.attention_backward(dout, q, k, v, out, lse, index, scale, Stripe(world, q_rank, k_rank),
+                                          dq=dq)
+        assert running is None or dq is running, "the running dq is added into in place"
+
+    k_all, v_all = (torch.cat([pair[i] for pair in keys], dim=1) for i in (0, 1))
+    mask = torch.cat([dense_mask(index, Stripe(world, q_rank, k_rank)) for k_rank in range(world)], dim=-1)
+    ref_out, ref_lse, (ref_dq, _, _) = dense_reference(q, k_all, v_all, mask, dout, scale)
+    assert (~dense_mask(index, Stripe(world, q_rank, order[0])).any(-1)).any()
+    assert_matches(lse, ref_lse, 1e-5, "merged lse")
+    assert_matches(out, ref_out, 1e-5, "merged out")
+    assert_matches(dq, ref_dq, 1e-5, "summed dq")
+
+
+def test_running_accumulators_are_checked(cpu_op, small_problem):
+    q, k, v, index = small_problem
+    out, lse = cpu_op.forward(*_call_args(q, k, v, index))
+    call = _call_args(q, k, v, index)
+    for kwargs, error, message in (
+            (dict(out=out), ValueError, "pass both the running out and lse"),
+            (dict(out=out.double(), lse=lse), TypeError, "the running out must be float32"),
+            (dict(out=out, lse=lse[:, :, :64]), ValueError, r"the running lse must be \[1, 4, 128\]"),
+            (dict(out=out.transpose(1, 2).contiguous().transpose(1, 2), lse=lse), ValueError,
+             "the running out must be contiguous")):
+        with pytest.raises(error, match=message):
+            cpu_op.forward(*call, **kwargs)
+    with pytest.raises(ValueError, match=r"the running dq must be \[1, 128, 4, 32\]"):
+        cpu_op.backward(out, q, k, v, out, lse, *call[3:], dq=out[:, :64].contiguous())
+
+
 def test_deterministic_across_runs_and_thread_counts(cpu_op, random_index):
     """Bit-identical results run to run and for 1 or 2 threads: each output element has one
     owner that sums in a fixed order (no atomics)."""

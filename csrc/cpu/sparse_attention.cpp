@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -694,20 +695,53 @@ Prepared prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
     return p;
 }
 
+// Merges a call's (out, lse) into the running ones, row by row: lse = log(exp(a) + exp(b)), each
+// output weighted by exp(its lse - the merged one). A row no call has seen a key for stays 0/-inf.
+void merge_into_running(const at::Tensor& out, const at::Tensor& lse, at::Tensor& running_out,
+                        at::Tensor& running_lse) {
+    const int64_t seq = out.size(1), heads = out.size(2), dim = out.size(3);
+    const float* step_out = out.data_ptr<float>();
+    const float* step_lse = lse.data_ptr<float>();
+    float* run_out = running_out.data_ptr<float>();
+    float* run_lse = running_lse.data_ptr<float>();
+    at::parallel_for(0, out.size(0) * seq, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t row = begin; row < end; ++row) {
+            const int64_t b = row / seq, t = row % seq;
+            for (int64_t h = 0; h < heads; ++h) {
+                float& merged = run_lse[(b * heads + h) * seq + t];
+                const float a = merged, c = step_lse[(b * heads + h) * seq + t];
+                const float high = std::max(a, c), low = std::min(a, c);
+                if (high == kNegInf) continue;
+                merged = high + std::log1p(std::exp(low - high));
+                const float keep = std::exp(a - merged), add = std::exp(c - merged);
+                float* y = run_out + (row * heads + h) * dim;
+                const float* x = step_out + (row * heads + h) * dim;
+                for (int64_t d = 0; d < dim; ++d) y[d] = y[d] * keep + x[d] * add;
+            }
+        }
+    });
+}
+
 std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                const OpIndex& index, double scale) {
+                                const OpIndex& index, double scale, const std::optional<at::Tensor>& running_out,
+                                const std::optional<at::Tensor>& running_lse) {
     const Prepared p = prepare(q, k, v, index, scale);
+    const bool merge = check_running_output(q, running_out, running_lse, kOpName);
     auto out = at::zeros(q.sizes(), q.options().dtype(at::kFloat));
     auto lse = at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(at::kFloat));
     forward_kernel(p.inputs, out.data_ptr<float>(), lse.data_ptr<float>());
-    return {out, lse};
+    if (!merge) return {out, lse};
+    at::Tensor merged_out = *running_out, merged_lse = *running_lse;
+    merge_into_running(out, lse, merged_out, merged_lse);
+    return {merged_out, merged_lse};
 }
 
 std::vector<at::Tensor> backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
                                  const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
-                                 const OpIndex& index, double scale) {
+                                 const OpIndex& index, double scale, const std::optional<at::Tensor>& running_dq) {
     const Prepared p = prepare(q, k, v, index, scale);
     check_backward_tensors(q, dout, out, lse, kOpName);
+    if (running_dq.has_value()) check_accumulator(q, *running_dq, q.sizes(), "dq", kOpName);
     const auto dout32 = dout.to(at::kFloat).contiguous();
     const auto out32 = out.to(at::kFloat).contiguous();
     const auto lse32 = lse.contiguous();
@@ -716,7 +750,8 @@ std::vector<at::Tensor> backward(const at::Tensor& dout, const at::Tensor& q, co
                  delta.data_ptr<float>());
     const GradInputs grad{dout32.data_ptr<float>(), lse32.data_ptr<float>(),
                           delta.data_ptr<float>()};
-    auto dq = at::zeros(q.sizes(), q.options().dtype(at::kFloat));
+    // dq_kernel adds into its rows: the running dq when given
+    auto dq = running_dq.has_value() ? *running_dq : at::zeros(q.sizes(), q.options().dtype(at::kFloat));
     auto dk = at::zeros(k.sizes(), k.options().dtype(at::kFloat));
     auto dv = at::zeros(v.sizes(), v.options().dtype(at::kFloat));
     dq_kernel(p.inputs, grad, dq.data_ptr<float>());

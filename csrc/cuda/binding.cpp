@@ -193,12 +193,14 @@ void launch(Call& call, bool backward) {
 }
 
 std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const OpIndex& index,
-                                double scale) {
+                                double scale, const std::optional<at::Tensor>& running_out,
+                                const std::optional<at::Tensor>& running_lse) {
     const c10::cuda::OptionalCUDAGuard guard(q.device());
     Call call = prepare_call(q, k, v, index, scale);
+    call.p.merge_out = check_running_output(q, running_out, running_lse, kOpName);
     const auto float_options = call.q.options().dtype(at::kFloat);
-    at::Tensor out = at::empty(call.q.sizes(), float_options);
-    at::Tensor lse = at::empty({q.size(0), q.size(2), q.size(1)}, float_options);
+    at::Tensor out = call.p.merge_out ? *running_out : at::empty(call.q.sizes(), float_options);
+    at::Tensor lse = call.p.merge_out ? *running_lse : at::empty({q.size(0), q.size(2), q.size(1)}, float_options);
     call.p.out = out.data_ptr<float>();
     call.p.lse = lse.data_ptr<float>();
     launch(call, false);
@@ -207,15 +209,16 @@ std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const 
 
 std::vector<at::Tensor> backward(const at::Tensor& dout_in, const at::Tensor& q, const at::Tensor& k,
                                  const at::Tensor& v, const at::Tensor& out_in, const at::Tensor& lse_in,
-                                 const OpIndex& index, double scale) {
+                                 const OpIndex& index, double scale, const std::optional<at::Tensor>& running_dq) {
     const c10::cuda::OptionalCUDAGuard guard(q.device());
     Call call = prepare_call(q, k, v, index, scale);
     check_backward_tensors(call.q, dout_in, out_in, lse_in, kOpName);
+    if (running_dq.has_value()) check_accumulator(q, *running_dq, q.sizes(), "dq", kOpName);
     const at::Tensor dout = contiguous_aligned(dout_in.to(q.scalar_type()));
     const at::Tensor out = out_in.to(at::kFloat).contiguous();
     const at::Tensor lse = lse_in.contiguous();
     const auto float_options = call.q.options().dtype(at::kFloat);
-    at::Tensor dq = at::empty(q.sizes(), float_options);
+    at::Tensor dq = running_dq.has_value() ? *running_dq : at::empty(q.sizes(), float_options);
     at::Tensor dk = at::empty(k.sizes(), float_options);
     at::Tensor dv = at::empty(v.sizes(), float_options);
     at::Tensor delta = at::empty({q.size(0), q.size(2), q.size(1)}, float_options);
@@ -229,6 +232,7 @@ std::vector<at::Tensor> backward(const at::Tensor& dout_in, const at::Tensor& q,
     p.out_in = out.data_ptr<float>();
     p.lse_in = lse.data_ptr<float>();
     p.dq = dq.data_ptr<float>();
+    p.accumulate_dq = running_dq.has_value();
     p.dk = dk.data_ptr<float>();
     p.dv = dv.data_ptr<float>();
     p.delta = delta.data_ptr<float>();

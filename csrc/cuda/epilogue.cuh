@@ -1,7 +1,7 @@
 // Epilogues: what the kernels write after their main loop, from the fp32 accumulators in the
 // mma.sync fragment layout (store_rows in warp_mma.cuh writes them row by row).
-//  * Forward: out normalised by the softmax sum, and lse.
-//  * dQ: store_rows alone (scaled), called from the kernel.
+//  * Forward: out normalised by the softmax sum, and lse (or both merged into running ones).
+//  * dQ: store_rows alone (scaled, or added into a running dQ), called from the kernel.
 //  * dK/dV: the vertical pass's partials, the slash pass's rows plus those partials.
 #pragma once
 
@@ -13,11 +13,15 @@ namespace mtr {
 
 // Normalises acc by each row's softmax sum and writes lse (natural log, scaled logits; -inf for a
 // row without keys, whose out stays 0), then out. lse points at this head's [seq_q] row;
-// out_row(local row) is the row's output pointer (nullptr past the sequence).
+// out_row(local row) is the row's output pointer (nullptr past the sequence). With merge, out and
+// lse hold the running result of earlier calls over other keys: each row's lse becomes
+// log(exp(running) + exp(this call's)) and its out the two outputs weighted by exp(lse - merged),
+// read and written in place (the ring's merge, without a pass of its own).
 template <typename Arch, int MA, int D, typename RowPointer>
 __device__ __forceinline__ void store_forward_output(float (&acc)[MA][D / 8][4], const OnlineSoftmax<MA>& softmax,
                                                      int query_first, int row0, int seq_q, float scale, float* lse,
-                                                     RowPointer out_row) {
+                                                     bool merge, RowPointer out_row) {
+    float keep[MA][2];  // merge: the running output's weight per row
 #pragma unroll
     for (int ma = 0; ma < MA; ++ma)
 #pragma unroll
@@ -25,17 +29,29 @@ __device__ __forceinline__ void store_forward_output(float (&acc)[MA][D / 8][4],
             float sum = softmax.row_sum[ma][half];
             sum += __shfl_xor_sync(0xffffffffu, sum, 1);
             sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-            const float inverse = sum > 0.f ? 1.f / sum : 0.f;
+            const int t = query_first + row0 + ma * Arch::kSliceStride + fragment_row(2 * half);
+            float row_lse = sum > 0.f ? softmax.row_max[ma][half] * fabsf(scale) + logf(sum) : -INFINITY;
+            float weight = sum > 0.f ? 1.f / sum : 0.f;
+            keep[ma][half] = 0.f;
+            if (merge && t < seq_q) {
+                const float running = lse[t];
+                const float high = fmaxf(running, row_lse), low = fminf(running, row_lse);
+                if (high != -INFINITY) {  // else neither saw a key: out stays 0, lse -inf
+                    const float merged = high + log1pf(expf(low - high));
+                    keep[ma][half] = expf(running - merged);
+                    weight *= expf(row_lse - merged);
+                    row_lse = merged;
+                }
+            }
 #pragma unroll
             for (int nt = 0; nt < D / 8; ++nt) {
-                acc[ma][nt][2 * half] *= inverse;
-                acc[ma][nt][2 * half + 1] *= inverse;
+                acc[ma][nt][2 * half] *= weight;
+                acc[ma][nt][2 * half + 1] *= weight;
             }
-            const int t = query_first + row0 + ma * Arch::kSliceStride + fragment_row(2 * half);
-            if ((threadIdx.x & 3) == 0 && t < seq_q)
-                lse[t] = sum > 0.f ? softmax.row_max[ma][half] * fabsf(scale) + logf(sum) : -INFINITY;
+            __syncwarp();  // the row's four lanes have read the running lse before one rewrites it
+            if ((threadIdx.x & 3) == 0 && t < seq_q) lse[t] = row_lse;
         }
-    store_rows<MA, D>(acc, row0, Arch::kSliceStride, 1.f, out_row);
+    store_rows<MA, D>(acc, row0, Arch::kSliceStride, 1.f, out_row, merge ? keep : nullptr);
 }
 
 // Slash pass, after the CTA's own dK/dV rows are written and visible to all its threads: adds the

@@ -22,11 +22,15 @@ struct AttentionParams {
     const float* out_in = nullptr;
     const float* lse_in = nullptr;
 
-    // Forward outputs: out fp32 [B, Sq, H, D], lse fp32 [B, H, Sq].
+    // Forward outputs: out fp32 [B, Sq, H, D], lse fp32 [B, H, Sq]. merge_out: they hold the
+    // running result of earlier calls (other keys, same queries), which the epilogue merges into.
     float* out = nullptr;
     float* lse = nullptr;
-    // Backward outputs (fp32): dq [B, Sq, H, D], dk/dv [B, Sk, Hkv, D].
+    bool merge_out = false;
+    // Backward outputs (fp32): dq [B, Sq, H, D], dk/dv [B, Sk, Hkv, D]. accumulate_dq: dq holds a
+    // running sum that the epilogue adds into.
     float* dq = nullptr;
+    bool accumulate_dq = false;
     float* dk = nullptr;
     float* dv = nullptr;
     // Backward scratch: delta [B, H, Sq]; vertical-column dK/dV per query-block chunk and query

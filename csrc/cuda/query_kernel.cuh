@@ -160,9 +160,13 @@ __global__ void __launch_bounds__(QueryKernelConfig<Arch, T, D, BS, MA, kBackwar
     };
     if constexpr (!kBackward) {
         store_forward_output<Arch, MA, D>(acc, softmax, query_first, row0, p.seq_q, p.scale, p.lse + lse_row,
-                                          [&](int row) { return query_out_row(p.out, row); });
+                                          p.merge_out, [&](int row) { return query_out_row(p.out, row); });
     } else {
-        store_rows<MA, D>(acc, row0, Arch::kSliceStride, p.scale, [&](int row) { return query_out_row(p.dq, row); });
+        float keep_all[MA][2];  // accumulate_dq: the running dQ kept whole on every row
+#pragma unroll
+        for (int ma = 0; ma < MA; ++ma) keep_all[ma][0] = keep_all[ma][1] = 1.f;
+        store_rows<MA, D>(acc, row0, Arch::kSliceStride, p.scale, [&](int row) { return query_out_row(p.dq, row); },
+                          p.accumulate_dq ? keep_all : nullptr);
     }
 }
 

@@ -357,10 +357,11 @@ __device__ __forceinline__ void orient_scores(float (&s)[MA][8][4], bool negate)
 }
 
 // Writes a warp's fp32 accumulator rows (scaled) to global rows row_pointer(local_row) (nullptr: skip);
-// slice ma of the warp starts at row row0 + ma * slice_stride.
+// slice ma of the warp starts at row row0 + ma * slice_stride. With keep (per slice and fragment
+// half: one row each), the row becomes keep * its old value + the scaled accumulator instead.
 template <int MA, int D, typename RowPointer>
 __device__ __forceinline__ void store_rows(const float (&acc)[MA][D / 8][4], int row0, int slice_stride, float scale,
-                                           RowPointer row_pointer) {
+                                           RowPointer row_pointer, const float (*keep)[2] = nullptr) {
 #pragma unroll
     for (int ma = 0; ma < MA; ++ma)
 #pragma unroll
@@ -369,8 +370,14 @@ __device__ __forceinline__ void store_rows(const float (&acc)[MA][D / 8][4], int
             if (dst == nullptr) continue;
 #pragma unroll
             for (int nt = 0; nt < D / 8; ++nt) {
-                const float2 value = make_float2(acc[ma][nt][2 * half] * scale, acc[ma][nt][2 * half + 1] * scale);
-                *reinterpret_cast<float2*>(dst + fragment_col(nt, 0)) = value;
+                float2* cell = reinterpret_cast<float2*>(dst + fragment_col(nt, 0));
+                float2 value = make_float2(acc[ma][nt][2 * half] * scale, acc[ma][nt][2 * half + 1] * scale);
+                if (keep != nullptr) {
+                    const float2 old = *cell;
+                    value.x += keep[ma][half] * old.x;
+                    value.y += keep[ma][half] * old.y;
+                }
+                *cell = value;
             }
         }
 }

@@ -17,9 +17,10 @@ the caps: ``max_slash_diagonals`` sets the density). Then, per mode and ring:
 
 efficiency = T_1 / (W x T_ring), T_ring the median over repeats of the slowest rank's step (CUDA
 events; wall clock on CPU). An instrumented pass then times, per rank and ring step, the sparse
-kernels, the waits on transfers, the merges, the estimation and the ranks' agreement check
-(CUDA events around those calls); ``other`` = wall - all of those (launches, allocations, casts,
-dQ/dK/dV accumulation, host syncs). Each step's kernels are also timed alone (no transfer in
+kernels, the waits on transfers, the estimation and the ranks' agreement check (CUDA events
+around those calls); ``other`` = wall - all of those (launches, allocations, casts, dK/dV
+accumulation, host syncs). The out/LSE merge and the dQ sum run in the kernels' epilogues, so
+their cost is in the kernels' time, where the ring's kernels exceed the same kernels alone. Each step's kernels are also timed alone (no transfer in
 flight), which separates the cost of splitting the work from interference by concurrent NCCL
 traffic. Measured imbalance: worker level = max / mean over ranks of the kernel time; the
 ring-step tables give :func:`ds_mtraining.ring.work.imbalance`'s metrics, next to the index's
@@ -73,7 +74,7 @@ SMOKE = dict(seq_lens=[1024, 2048], heads=4, kv_heads=2, head_dim=32, block_size
              repeats=2, max_vertical=16)
 # spans of the instrumented pass: category -> names of the functions timed, found (by identity)
 # in every loaded ds_mtraining module, so a restructured ring module is still instrumented
-CATEGORIES = ("kernel", "comm_wait", "merge", "estimate", "agreement")
+CATEGORIES = ("kernel", "comm_wait", "estimate", "agreement")
 
 
 # ---------------------------------------------------------------------- clocks and spans
@@ -126,11 +127,10 @@ class Spans:
 @contextlib.contextmanager
 def instrumented(spans: Spans):
     """Wraps, for the duration, the ring's kernels (``ops.attention_forward/backward``), transfer
-    waits (``PendingRotation.wait``), merges, distributed estimation and rank-agreement check
-    wherever a ds_mtraining module holds them."""
+    waits (``PendingRotation.wait``), distributed estimation and rank-agreement check wherever a
+    ds_mtraining module holds them."""
     targets = {"attention_forward": "kernel_fwd", "attention_backward": "kernel_bwd",
-               "merge_partial_": "merge", "estimate_on_comm": "estimate",
-               "check_ranks_agree": "agreement"}
+               "estimate_on_comm": "estimate", "check_ranks_agree": "agreement"}
     originals = {name: {getattr(module, name) for module in _our_modules()
                         if callable(getattr(module, name, None))} for name in targets}
     patched = []
@@ -396,7 +396,7 @@ def breakdown(step, shards, index, scale, clock, device, args, order) -> dict:
             category = "kernel" if category.startswith("kernel") else category
             found.add(category)
             totals[category] += ms / len(passes)
-    parts = {c: (totals[c] if c in found or c in ("kernel", "comm_wait", "merge") else None) for c in CATEGORIES}
+    parts = {c: (totals[c] if c in found or c in ("kernel", "comm_wait") else None) for c in CATEGORIES}
     parts["other"] = wall - sum(v for v in parts.values() if v is not None)
     # each ring step's kernels alone: this rank's queries against the keys of that step's rank
     q, k, v, dout = shards
@@ -450,7 +450,7 @@ def summarise(seq_len, mode, ring, launch, world, density, config, baseline, ran
     gap = dict(total=t_ring - t1 / world,
                kernel_split=statistics.fmean(alone) - t1k / world,
                kernel_interference=mean["kernel"] - statistics.fmean(alone),
-               comm_wait=mean["comm_wait"], merge=mean["merge"],
+               comm_wait=mean["comm_wait"],
                estimate_extra=(mean["estimate"] or 0.0) - t1e / world,
                agreement=mean["agreement"] or 0.0,
                other_extra=mean["other"] - (t1 - t1k - t1e) / world,
@@ -467,7 +467,7 @@ def summarise(seq_len, mode, ring, launch, world, density, config, baseline, ran
 # ---------------------------------------------------------------------- output
 def table(cases) -> str:
     head = (f"{'seq':>7} {'mode':<19} {'ring':<12} {'T1 ms':>8} {'Tring ms':>9} {'eff':>5} {'w-imb':>6} "
-            f"{'s-imb':>6} {'kernel':>7} {'alone':>7} {'wait':>6} {'merge':>6} {'est':>6} {'agree':>6} "
+            f"{'s-imb':>6} {'kernel':>7} {'alone':>7} {'wait':>6} {'est':>6} {'agree':>6} "
             f"{'other':>6}")
     lines = [head, "-" * len(head)]
     for c in cases:
@@ -482,7 +482,7 @@ def table(cases) -> str:
             f"{f(t['ring_ms'], 9)} {f(c['efficiency'], 5)} {f(m.get('worker_level'), 6, 3)} "
             f"{f(m.get('ring_steps', {}).get('step_level_worst'), 6, 3)} {f(b.get('kernel'), 7)} "
             f"{f(statistics.fmean(map(sum, alone)) if alone else None, 7)} {f(b.get('comm_wait'))} "
-            f"{f(b.get('merge'))} {f(b.get('estimate'))} {f(b.get('agreement'))} {f(b.get('other'))}")
+            f"{f(b.get('estimate'))} {f(b.get('agreement'))} {f(b.get('other'))}")
     lines.append("eff = T1 / (W x Tring); w-imb = max/mean of per-rank kernel ms; s-imb = worst per-rank "
                  "max/mean over ring steps; kernel..other: mean per-rank ms of the instrumented step "
                  "(alone = the same kernels with no transfer in flight)")

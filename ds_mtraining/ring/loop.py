@@ -2,13 +2,14 @@
 
 Every step calls the sparse kernel with the *global* compact index and the step's
 :class:`~ds_mtraining.index.Stripe` (query rank, key rank); the kernel derives that pair's blocks
-and columns in O(selected). Forward partial outputs merge exactly in fp32 through their LSEs,
-in place into the first step's output.
+and columns in O(selected). Each step after the first merges its partial output exactly in fp32
+through the LSEs into the running (out, lse) the first step made, in the kernel's epilogue (the
+op's running ``out``/``lse`` arguments): no merge pass of its own.
 
 Backward runs the forward's steps in reverse order (:meth:`RingSchedule.kv_steps`, ``reverse``),
 starting from the K/V this rank held at the forward's last step (saved, so no transfer precedes
-the first kernel) and ending on the local pair. dQ stays home (the first step's dQ, then added
-in place). The dK/dV accumulators (fp32) travel with the K/V, the other way round the ring, each
+the first kernel) and ending on the local pair. dQ stays home (the first step's dQ, into which
+each later step's kernel adds its own: the op's running ``dq``). The dK/dV accumulators (fp32) travel with the K/V, the other way round the ring, each
 rank adding its share for the keys it holds; since the last step is the local pair, every
 accumulator is home after the last step: no dK/dV hop follows the last kernel. In the
 hierarchical ring the same holds per level: a node's share for the keys of its outer step is
@@ -29,7 +30,6 @@ import torch
 from .. import ops
 from ..index import SparseIndex
 from .comm import GRAD_TAG, PendingRotation, RingComm
-from .merge import merge_partial_
 from .schedule import RingSchedule
 
 GRAD_STREAM_ENV = "DS_MTRAINING_RING_GRAD_STREAM"
@@ -42,11 +42,8 @@ def ring_forward(schedule: RingSchedule, q, k, v, index: SparseIndex, scale: flo
     out = lse = None
     held = (k, v)
     for _, _, stripe, step_k, step_v in schedule.kv_steps(k, v):
-        step_out, step_lse = ops.attention_forward(q, step_k, step_v, index, scale, stripe, doc_start=doc_start)
-        if out is None:
-            out, lse = step_out, step_lse
-        else:
-            out, lse = merge_partial_(out, lse, step_out, step_lse)
+        out, lse = ops.attention_forward(q, step_k, step_v, index, scale, stripe, doc_start=doc_start,
+                                         out=out, lse=lse)
         held = (step_k, step_v)
     return out, lse, held
 
@@ -104,9 +101,8 @@ def ring_backward(schedule: RingSchedule, dout, q, k, v, out, lse, index: Sparse
     dq = inner_grads = outer_grads = None
     for outer_step, inner_step, stripe, step_k, step_v in schedule.kv_steps(held_k, held_v,
                                                                              reverse=True):
-        dq_step, dk_step, dv_step = ops.attention_backward(dout, q, step_k, step_v, out, lse, index,
-                                                           scale, stripe, doc_start=doc_start)
-        dq = _float(dq_step) if dq is None else dq.add_(dq_step)
+        dq, dk_step, dv_step = ops.attention_backward(dout, q, step_k, step_v, out, lse, index, scale, stripe,
+                                                      doc_start=doc_start, dq=dq)
         node_done = inner_step == 0  # the inner ring's local step: the node's share is complete
         inner_grads = _accumulate_and_pass(None if node_done else inner_comm, inner_grads,
                                            dk_step, dv_step, stream)

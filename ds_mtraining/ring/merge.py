@@ -1,4 +1,5 @@
-"""Exact fp32 merge of partial attention results (out, LSE) from ring steps."""
+"""Exact fp32 merge of partial attention results (out, LSE) from ring steps: the rule the ops
+apply in place when given a running out/lse (the ring loop), here as a function of tensors."""
 from __future__ import annotations
 
 import torch
@@ -33,13 +34,3 @@ def merge_partial(out: torch.Tensor, lse: torch.Tensor, step_out: torch.Tensor,
     # one full-size temporary fewer: 5 tensor-sized reads/writes instead of 7 (memory-bound on GPUs)
     return torch.addcmul(out * weight, step_out, step_weight), merged
 
-
-def merge_partial_(out: torch.Tensor, lse: torch.Tensor, step_out: torch.Tensor,
-                   step_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`merge_partial` writing the merged output into ``out`` (the ring's running fp32
-    output, which it owns): the same arithmetic without a full-size temporary."""
-    merged = merge_lse(lse, step_lse)
-    anchor = _finite_or_zero(merged)
-    weight = torch.exp(lse - anchor).transpose(1, 2).unsqueeze(-1)
-    step_weight = torch.exp(step_lse - anchor).transpose(1, 2).unsqueeze(-1)
-    return out.mul_(weight).addcmul_(step_out, step_weight), merged

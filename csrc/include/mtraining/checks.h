@@ -10,6 +10,7 @@
 #include <charconv>
 #include <cmath>
 #include <initializer_list>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -173,6 +174,30 @@ inline Geometry check_call(const at::Tensor& q, const at::Tensor& k, const at::T
     geo.q_blocks = (geo.q_len + block - 1) / block;
     geo.k_blocks = (geo.k_len + block - 1) / block;
     return geo;
+}
+
+// Validates a running accumulator the caller passes for a call to add into: float32, contiguous,
+// `shape`, on q's device (`out`/`lse` of forward, `dq` of backward).
+inline void check_accumulator(const at::Tensor& q, const at::Tensor& t, at::IntArrayRef shape, const char* name,
+                              const char* op_name) {
+    TORCH_CHECK_VALUE(t.sizes() == shape, op_name, ": the running ", name, " must be ", text(shape), ", got ",
+                      text(t.sizes()));
+    TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat, op_name, ": the running ", name,
+                     " must be float32 (as the ops return it), got ", text(t.scalar_type()));
+    TORCH_CHECK_VALUE(t.device() == q.device(), op_name, ": the running ", name, " is on ", text(t.device()),
+                      " but q is on ", text(q.device()));
+    TORCH_CHECK_VALUE(t.is_contiguous(), op_name, ": the running ", name, " must be contiguous");
+}
+
+// Forward's optional running (out, lse): both or neither, each an accumulator of its shape.
+inline bool check_running_output(const at::Tensor& q, const std::optional<at::Tensor>& out,
+                                 const std::optional<at::Tensor>& lse, const char* op_name) {
+    TORCH_CHECK_VALUE(out.has_value() == lse.has_value(), op_name,
+                      ": pass both the running out and lse (to merge this call into them) or neither");
+    if (!out.has_value()) return false;
+    check_accumulator(q, *out, q.sizes(), "out", op_name);
+    check_accumulator(q, *lse, {q.size(0), q.size(2), q.size(1)}, "lse", op_name);
+    return true;
 }
 
 // Validates the tensors that only backward takes.

@@ -1,8 +1,11 @@
 // The signature of the compiled op, defined once for the CPU and CUDA modules
 // (docs/KERNEL_CONTRACT.md):
 //
-//   forward(q, k, v, index, scale) -> [out, lse]
-//   backward(dout, q, k, v, out, lse, index, scale) -> [dq, dk, dv]
+//   forward(q, k, v, index, scale, out=None, lse=None) -> [out, lse]
+//   backward(dout, q, k, v, out, lse, index, scale, dq=None) -> [dq, dk, dv]
+//
+// Given a running out and lse (forward) or dq (backward), float32, a call adds its own result into
+// them in place (the ring's steps: one accumulation, no separate merge pass) and returns them.
 //
 // `index` is a dict with one entry per field of OpIndex: the compact index of the call and its ring
 // position (ds_mtraining.ops.op_index builds it). A new field is one line of
@@ -12,6 +15,7 @@
 
 #include <torch/extension.h>
 
+#include <optional>
 #include <string>
 #include <type_traits>
 
@@ -81,30 +85,34 @@ inline OpIndex op_index_from_python(const py::dict& fields, const char* op_name)
 }
 
 // Defines `forward` and `backward` in module m with the signature above. Each reads its index
-// from Python, then runs forward(q, k, v, OpIndex, scale) / backward(dout, q, k, v, out, lse,
-// OpIndex, scale) without the GIL.
+// from Python, then runs forward(q, k, v, OpIndex, scale, running out, running lse) /
+// backward(dout, q, k, v, out, lse, OpIndex, scale, running dq) without the GIL (the running
+// tensors std::nullopt when not given).
 template <typename Forward, typename Backward>
 void define_attention_ops(py::module_& m, const char* op_name, Forward forward, Backward backward) {
     m.def(
         "forward",
         [op_name, forward](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const py::dict& index,
-                           double scale) {
+                           double scale, const std::optional<at::Tensor>& out, const std::optional<at::Tensor>& lse) {
             const OpIndex call_index = op_index_from_python(index, op_name);
             const py::gil_scoped_release no_gil;
-            return forward(q, k, v, call_index, scale);
+            return forward(q, k, v, call_index, scale, out, lse);
         },
-        "sparse attention forward -> (out fp32, lse fp32)", py::arg("q"), py::arg("k"), py::arg("v"),
-        py::arg("index"), py::arg("scale"));
+        "sparse attention forward -> (out fp32, lse fp32), merged into the running out/lse when given",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("index"), py::arg("scale"), py::arg("out") = py::none(),
+        py::arg("lse") = py::none());
     m.def(
         "backward",
         [op_name, backward](const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                            const at::Tensor& out, const at::Tensor& lse, const py::dict& index, double scale) {
+                            const at::Tensor& out, const at::Tensor& lse, const py::dict& index, double scale,
+                            const std::optional<at::Tensor>& dq) {
             const OpIndex call_index = op_index_from_python(index, op_name);
             const py::gil_scoped_release no_gil;
-            return backward(dout, q, k, v, out, lse, call_index, scale);
+            return backward(dout, q, k, v, out, lse, call_index, scale, dq);
         },
-        "sparse attention backward -> (dq, dk, dv)", py::arg("dout"), py::arg("q"), py::arg("k"), py::arg("v"),
-        py::arg("out"), py::arg("lse"), py::arg("index"), py::arg("scale"));
+        "sparse attention backward -> (dq, dk, dv), dq added into the running dq when given", py::arg("dout"),
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("index"), py::arg("scale"),
+        py::arg("dq") = py::none());
 }
 
 }  // namespace mtraining
