@@ -66,10 +66,17 @@ def attention_forward(q, k, v, index: SparseIndex, scale: float, stripe: Stripe 
 
 def attention_backward(dout, q, k, v, out, lse, index: SparseIndex, scale: float,
                        stripe: Stripe = Stripe(), *, doc_start: torch.Tensor | None = None,
-                       dq: torch.Tensor | None = None):
+                       dq: torch.Tensor | None = None, delta: torch.Tensor | None = None):
     """Gradients (dq, dk, dv) of one call given the final output ``out``, its ``lse`` and
     ``dout`` (``doc_start`` as in the forward); float32. Given ``dq`` (float32, a running sum
-    over earlier calls), the call adds its dq into it in place and returns it."""
+    over earlier calls), the call adds its dq into it in place and returns it. Given ``delta``
+    (:func:`attention_delta` of this ``dout`` and ``out``), the call does not compute it again."""
     module = op_module(q.device.type)
     return tuple(module.backward(dout, q, k, v, out, lse, _call_index(q, index, stripe, doc_start),
-                                 float(scale), dq=dq))
+                                 float(scale), dq=dq, delta=delta))
+
+
+def attention_delta(dout, out) -> torch.Tensor:
+    """rowsum(dout * out), float32 [B, H, S]: what every backward call computes first, computed
+    once for several calls with the same ``dout`` and final ``out`` (a ring's steps)."""
+    return op_module(dout.device.type).delta(dout, out)

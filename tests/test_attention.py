@@ -119,8 +119,8 @@ def test_striped_pairs_match_dense(cpu_op, random_index, world):
 def test_running_out_lse_and_dq_accumulate_over_key_ranks(cpu_op, random_index, world):
     """One rank's queries over every key rank, as the ring calls them: the first call's (out,
     lse) passed to the next calls as the running ones, merged in place, equal float64 dense
-    attention over the union of the calls' masks; each call's dq added into the running dq
-    equals the dense dq (fp32: rel 1e-5)."""
+    attention over the union of the calls' masks; each call's dq, from the delta computed once,
+    added into the running dq equals the dense dq (fp32: rel 1e-5)."""
     block, local_blocks, heads, kv_heads, dim = 64, 3, 4, 2, 64
     local = local_blocks * block
     index = random_index(2, heads, local * world, block, n_vertical=12, n_slash=4, seed=10 + world)
@@ -137,12 +137,14 @@ def test_running_out_lse_and_dq_accumulate_over_key_ranks(cpu_op, random_index, 
         running = out
         out, lse = ops.attention_forward(q, k, v, index, scale, Stripe(world, q_rank, k_rank), out=out, lse=lse)
         assert running is None or out is running, "the running out is merged in place"
+    delta = ops.attention_delta(dout, out)  # once for every call, as the ring does
+    assert_matches(delta, (dout.double() * out.double()).sum(-1).transpose(1, 2), 1e-6, "delta")
     dq = None
     for k_rank in order:
         k, v = keys[k_rank]
         running = dq
         dq, _, _ = ops.attention_backward(dout, q, k, v, out, lse, index, scale, Stripe(world, q_rank, k_rank),
-                                          dq=dq)
+                                          dq=dq, delta=delta)
         assert running is None or dq is running, "the running dq is added into in place"
 
     k_all, v_all = (torch.cat([pair[i] for pair in keys], dim=1) for i in (0, 1))
@@ -168,6 +170,10 @@ def test_running_accumulators_are_checked(cpu_op, small_problem):
             cpu_op.forward(*call, **kwargs)
     with pytest.raises(ValueError, match=r"the running dq must be \[1, 128, 4, 32\]"):
         cpu_op.backward(out, q, k, v, out, lse, *call[3:], dq=out[:, :64].contiguous())
+    with pytest.raises(ValueError, match=r"delta must be \[1, 4, 128\]"):
+        cpu_op.backward(out, q, k, v, out, lse, *call[3:], delta=lse[:, :, :64].contiguous())
+    with pytest.raises(ValueError, match=r"out \[1, 64, 4, 32\] must have dout's shape \[1, 128, 4, 32\]"):
+        cpu_op.delta(out, out[:, :64])
 
 
 def test_deterministic_across_runs_and_thread_counts(cpu_op, random_index):

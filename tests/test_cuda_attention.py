@@ -182,8 +182,8 @@ def test_striped_ring_calls_match_dense(world, documents):
     """Every (q_rank, k_rank) call of a striped ring, merged, equals global dense attention (with
     document masking: documents crossing stripes and ranks, the global doc_start on every call).
     The ring's way, each call merging into the running out/lse and adding into the running dq in
-    its epilogue (own rank last, so rows without keys meet the merge on either side), equals the
-    float64 merge and sum of the separate calls (rel 1e-5)."""
+    its epilogue (own rank last, so rows without keys meet the merge on either side), from one
+    delta computed up front, equals the float64 merge and sum of the separate calls (rel 1e-5)."""
     block, local_blocks, heads, kv_heads, dim = 64, 5, 4, 2, 64
     seq = world * local_blocks * block
     generator = torch.Generator().manual_seed(world)
@@ -228,10 +228,13 @@ def test_striped_ring_calls_match_dense(world, documents):
                 q[:, positions[r]], k[:, positions[s]], v[:, positions[s]], index, scale, Stripe(world, r, s),
                 doc_start=doc_start, out=running_out, lse=running_lse)
         assert relative_error(running_out, out) <= 1e-5 and relative_error(running_lse, lse) <= 1e-5
+        delta = ops.attention_delta(dout[:, positions[r]], out.float())  # once, as the ring computes it
+        assert relative_error(delta, (dout[:, positions[r]].double() * out).sum(-1).transpose(1, 2)) <= 1e-5
         for s in order:
             running_dq = ops.attention_backward(dout[:, positions[r]], q[:, positions[r]], k[:, positions[s]],
                                                 v[:, positions[s]], out.float(), lse.float(), index, scale,
-                                                Stripe(world, r, s), doc_start=doc_start, dq=running_dq)[0]
+                                                Stripe(world, r, s), doc_start=doc_start, dq=running_dq,
+                                                delta=delta)[0]
         assert relative_error(running_dq, dq[r]) <= 1e-5
     for rank in range(world):
         assert relative_error(dq[rank], ref_dq[:, positions[rank]]) <= TOLERANCE

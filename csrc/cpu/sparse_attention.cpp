@@ -562,14 +562,14 @@ void probabilities_and_dscores(const Inputs& in, const GradInputs& grad, int64_t
     }
 }
 
-void delta_kernel(const Inputs& in, const float* dout, const float* out, float* delta) {
-    const int64_t rows = in.batch * in.geo.q_len * in.heads;
+// delta [B, H, S] = rowsum(dout * out) of float32 [B, S, H, D] dout and out.
+void delta_kernel(const float* dout, const float* out, int64_t batch, int64_t seq, int64_t heads, int64_t dim,
+                  float* delta) {
+    const int64_t rows = batch * seq * heads;
 #pragma omp parallel for num_threads(at::get_num_threads()) schedule(static)
     for (int64_t row = 0; row < rows; ++row) {
-        const int64_t h = row % in.heads, t = row / in.heads % in.geo.q_len;
-        const int64_t b = row / in.heads / in.geo.q_len;
-        const int64_t offset = row * in.head_dim;
-        delta[in.lse_offset(b, h, t)] = dot(dout + offset, out + offset, in.head_dim);
+        const int64_t h = row % heads, t = row / heads % seq, b = row / heads / seq;
+        delta[(b * heads + h) * seq + t] = dot(dout + row * dim, out + row * dim, dim);
     }
 }
 
@@ -736,18 +736,28 @@ std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const 
     return {merged_out, merged_lse};
 }
 
-std::vector<at::Tensor> backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
-                                 const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
-                                 const OpIndex& index, double scale, const std::optional<at::Tensor>& running_dq) {
-    const Prepared p = prepare(q, k, v, index, scale);
-    check_backward_tensors(q, dout, out, lse, kOpName);
-    if (running_dq.has_value()) check_accumulator(q, *running_dq, q.sizes(), "dq", kOpName);
+// delta(dout, out): rowsum(dout * out), float32 [B, H, S].
+at::Tensor row_delta(const at::Tensor& dout, const at::Tensor& out) {
+    check_delta_inputs(dout, out, c10::DeviceType::CPU, kOpName);
     const auto dout32 = dout.to(at::kFloat).contiguous();
     const auto out32 = out.to(at::kFloat).contiguous();
+    auto delta = at::empty({dout.size(0), dout.size(2), dout.size(1)}, dout32.options());
+    delta_kernel(dout32.data_ptr<float>(), out32.data_ptr<float>(), dout.size(0), dout.size(1), dout.size(2),
+                 dout.size(3), delta.data_ptr<float>());
+    return delta;
+}
+
+std::vector<at::Tensor> backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
+                                 const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
+                                 const OpIndex& index, double scale, const std::optional<at::Tensor>& running_dq,
+                                 const std::optional<at::Tensor>& given_delta) {
+    const Prepared p = prepare(q, k, v, index, scale);
+    check_backward_tensors(q, dout, out, lse, kOpName);
+    if (running_dq.has_value()) check_accumulator(q, *running_dq, q.sizes(), "the running dq", kOpName);
+    if (given_delta.has_value()) check_accumulator(q, *given_delta, lse.sizes(), "delta", kOpName);
+    const auto dout32 = dout.to(at::kFloat).contiguous();
     const auto lse32 = lse.contiguous();
-    auto delta = at::empty_like(lse32);
-    delta_kernel(p.inputs, dout32.data_ptr<float>(), out32.data_ptr<float>(),
-                 delta.data_ptr<float>());
+    const at::Tensor delta = given_delta.has_value() ? *given_delta : row_delta(dout32, out);
     const GradInputs grad{dout32.data_ptr<float>(), lse32.data_ptr<float>(),
                           delta.data_ptr<float>()};
     // dq_kernel adds into its rows: the running dq when given
@@ -764,5 +774,6 @@ std::vector<at::Tensor> backward(const at::Tensor& dout, const at::Tensor& q, co
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.doc() = "ds-mtraining vertical-slash sparse attention, C++/OpenMP CPU kernels";
-    mtraining::define_attention_ops(m, mtraining::kOpName, &mtraining::forward, &mtraining::backward);
+    mtraining::define_attention_ops(m, mtraining::kOpName, &mtraining::forward, &mtraining::backward,
+                                    &mtraining::row_delta);
 }

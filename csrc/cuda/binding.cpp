@@ -1,6 +1,6 @@
 // Torch binding of the CUDA sparse attention kernels (docs/KERNEL_CONTRACT.md): tensor checks,
 // output and scratch allocation, then raw pointers, sizes and the current stream to the kernels
-// (which include no ATen header). Exposes forward, backward, step_index (the per-call index
+// (which include no ATen header). Exposes forward, backward, delta, step_index (the per-call index
 // lists, for tests and the benchmark), kernel_paths (which kernels a call takes) and
 // reload_kernel_options.
 #include <torch/extension.h>
@@ -209,11 +209,13 @@ std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const 
 
 std::vector<at::Tensor> backward(const at::Tensor& dout_in, const at::Tensor& q, const at::Tensor& k,
                                  const at::Tensor& v, const at::Tensor& out_in, const at::Tensor& lse_in,
-                                 const OpIndex& index, double scale, const std::optional<at::Tensor>& running_dq) {
+                                 const OpIndex& index, double scale, const std::optional<at::Tensor>& running_dq,
+                                 const std::optional<at::Tensor>& given_delta) {
     const c10::cuda::OptionalCUDAGuard guard(q.device());
     Call call = prepare_call(q, k, v, index, scale);
     check_backward_tensors(call.q, dout_in, out_in, lse_in, kOpName);
-    if (running_dq.has_value()) check_accumulator(q, *running_dq, q.sizes(), "dq", kOpName);
+    if (running_dq.has_value()) check_accumulator(q, *running_dq, q.sizes(), "the running dq", kOpName);
+    if (given_delta.has_value()) check_accumulator(q, *given_delta, lse_in.sizes(), "delta", kOpName);
     const at::Tensor dout = contiguous_aligned(dout_in.to(q.scalar_type()));
     const at::Tensor out = out_in.to(at::kFloat).contiguous();
     const at::Tensor lse = lse_in.contiguous();
@@ -221,7 +223,7 @@ std::vector<at::Tensor> backward(const at::Tensor& dout_in, const at::Tensor& q,
     at::Tensor dq = running_dq.has_value() ? *running_dq : at::empty(q.sizes(), float_options);
     at::Tensor dk = at::empty(k.sizes(), float_options);
     at::Tensor dv = at::empty(v.sizes(), float_options);
-    at::Tensor delta = at::empty({q.size(0), q.size(2), q.size(1)}, float_options);
+    const at::Tensor delta = given_delta.has_value() ? *given_delta : at::empty({q.size(0), q.size(2), q.size(1)}, float_options);
     const int query_blocks = static_cast<int>((q.size(1) + index.block_size - 1) / index.block_size);
     const std::vector<int64_t> partial_shape = {mtr::vertical_chunks(query_blocks), q.size(0), q.size(2),
                                                 index.vertical.size(2), q.size(3)};
@@ -236,10 +238,38 @@ std::vector<at::Tensor> backward(const at::Tensor& dout_in, const at::Tensor& q,
     p.dk = dk.data_ptr<float>();
     p.dv = dv.data_ptr<float>();
     p.delta = delta.data_ptr<float>();
+    p.delta_given = given_delta.has_value();
     p.vertical_dk = vertical_dk.data_ptr<float>();
     p.vertical_dv = vertical_dv.data_ptr<float>();
     launch(call, true);
     return {dq, dk, dv};
+}
+
+// delta(dout, out): rowsum(dout * out), float32 [B, H, S], by the kernel backward runs first.
+at::Tensor row_delta(const at::Tensor& dout_in, const at::Tensor& out_in) {
+    check_delta_inputs(dout_in, out_in, c10::DeviceType::CUDA, kOpName);
+    TORCH_CHECK_TYPE(dout_in.scalar_type() == at::kBFloat16 || dout_in.scalar_type() == at::kHalf, kOpName,
+                     ": delta takes bfloat16 or float16 dout (the kernels' dtypes), got ", text(dout_in.scalar_type()));
+    TORCH_CHECK_VALUE(dout_in.size(3) == 64 || dout_in.size(3) == 128, kOpName, ": head_dim must be 64 or 128, got ",
+                      text(dout_in.size(3)));
+    const c10::cuda::OptionalCUDAGuard guard(dout_in.device());
+    const at::Tensor dout = dout_in.contiguous();
+    const at::Tensor out = out_in.to(at::kFloat).contiguous();
+    at::Tensor delta = at::empty({dout.size(0), dout.size(2), dout.size(1)}, out.options());
+    mtr::AttentionParams p;
+    p.dout = dout.data_ptr();
+    p.out_in = out.data_ptr<float>();
+    p.delta = delta.data_ptr<float>();
+    p.batch = static_cast<int>(dout.size(0));
+    p.seq_q = static_cast<int>(dout.size(1));
+    p.heads = static_cast<int>(dout.size(2));
+    p.head_dim = static_cast<int>(dout.size(3));
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+    check_status(dispatch(dout, [&](auto dtype, auto dim) {
+                     return mtr::run_delta<decltype(dtype)::value, decltype(dim)::value>(p, stream);
+                 }),
+                 "delta");
+    return delta;
 }
 
 // The per-call lists of the index's (q_rank, k_rank) for seq_k local keys:
@@ -270,7 +300,8 @@ py::dict kernel_paths(int64_t device) {
 }  // namespace mtraining
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-    mtraining::define_attention_ops(m, mtraining::kOpName, &mtraining::forward, &mtraining::backward);
+    mtraining::define_attention_ops(m, mtraining::kOpName, &mtraining::forward, &mtraining::backward,
+                                    &mtraining::row_delta);
     m.def("kernel_paths", &mtraining::kernel_paths, "the tensor-core path and TMA use of a call on a device",
           py::arg("device"));
     m.def("reload_kernel_options", &mtraining::reload_kernel_options,

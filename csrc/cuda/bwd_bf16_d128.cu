@@ -1,6 +1,7 @@
-// Instantiation: run_backward for bf16, head_dim 128.
+// Instantiation: run_backward and run_delta for bf16, head_dim 128.
 #include "launch.cuh"
 
 namespace mtr {
 template cudaError_t run_backward<DType::kBF16, 128>(const AttentionParams&, cudaStream_t);
+template cudaError_t run_delta<DType::kBF16, 128>(const AttentionParams&, cudaStream_t);
 }  // namespace mtr

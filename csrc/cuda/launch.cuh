@@ -80,14 +80,23 @@ cudaError_t run_forward(const AttentionParams& p, cudaStream_t stream) {
 }
 
 template <DType dtype, int kHeadDim>
-cudaError_t run_backward(const AttentionParams& p, cudaStream_t stream) {
+cudaError_t run_delta(const AttentionParams& p, cudaStream_t stream) {
     using T = typename ElementOf<dtype>::type;
     if (p.head_dim != kHeadDim) return cudaErrorInvalidValue;
     const long long rows = static_cast<long long>(p.batch) * p.seq_q * p.heads;
     const long long delta_blocks = (rows + kDeltaThreads / 32 - 1) / (kDeltaThreads / 32);
     if (delta_blocks > 0) delta_kernel<T, kHeadDim><<<static_cast<unsigned>(delta_blocks), kDeltaThreads, 0, stream>>>(p);
-    const cudaError_t status = cudaGetLastError();
-    if (status != cudaSuccess) return status;
+    return cudaGetLastError();
+}
+
+template <DType dtype, int kHeadDim>
+cudaError_t run_backward(const AttentionParams& p, cudaStream_t stream) {
+    using T = typename ElementOf<dtype>::type;
+    if (p.head_dim != kHeadDim) return cudaErrorInvalidValue;
+    if (!p.delta_given) {
+        const cudaError_t status = run_delta<dtype, kHeadDim>(p, stream);
+        if (status != cudaSuccess) return status;
+    }
     return with_path_and_block(p, [&](auto arch, auto block) {
         return backward_kernels<decltype(arch), T, kHeadDim, decltype(block)::value>(p, stream);
     });

@@ -33,9 +33,11 @@ struct AttentionParams {
     bool accumulate_dq = false;
     float* dk = nullptr;
     float* dv = nullptr;
-    // Backward scratch: delta [B, H, Sq]; vertical-column dK/dV per query-block chunk and query
+    // Backward scratch: delta [B, H, Sq] (delta_given: the caller's, already computed: not
+    // recomputed); vertical-column dK/dV per query-block chunk and query
     // head [vertical_chunks(query blocks), B, H, Lv, D].
     float* delta = nullptr;
+    bool delta_given = false;
     float* vertical_dk = nullptr;
     float* vertical_dv = nullptr;
 
@@ -89,6 +91,11 @@ cudaError_t run_forward(const AttentionParams& params, cudaStream_t stream);
 
 template <DType dtype, int kHeadDim>
 cudaError_t run_backward(const AttentionParams& params, cudaStream_t stream);
+
+// delta = rowsum(dout * out) into params.delta (reads dout, out_in, batch, seq_q, heads); run_backward
+// runs it first unless delta_given.
+template <DType dtype, int kHeadDim>
+cudaError_t run_delta(const AttentionParams& params, cudaStream_t stream);
 
 // The vertical dK/dV pass splits each column tile's query blocks into chunks of this many, so
 // that no CTA loops over the whole sequence (the tiles of sink columns would otherwise dominate).

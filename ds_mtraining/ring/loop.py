@@ -9,7 +9,8 @@ op's running ``out``/``lse`` arguments): no merge pass of its own.
 Backward runs the forward's steps in reverse order (:meth:`RingSchedule.kv_steps`, ``reverse``),
 starting from the K/V this rank held at the forward's last step (saved, so no transfer precedes
 the first kernel) and ending on the local pair. dQ stays home (the first step's dQ, into which
-each later step's kernel adds its own: the op's running ``dq``). The dK/dV accumulators (fp32) travel with the K/V, the other way round the ring, each
+each later step's kernel adds its own: the op's running ``dq``); delta = rowsum(dout * out) is
+computed once for all steps. The dK/dV accumulators (fp32) travel with the K/V, the other way round the ring, each
 rank adding its share for the keys it holds; since the last step is the local pair, every
 accumulator is home after the last step: no dK/dV hop follows the last kernel. In the
 hierarchical ring the same holds per level: a node's share for the keys of its outer step is
@@ -99,10 +100,11 @@ def ring_backward(schedule: RingSchedule, dout, q, k, v, out, lse, index: Sparse
     inner_comm = schedule.inner if schedule.per_node > 1 else None
     outer_comm = schedule.outer if schedule.nodes > 1 else None
     dq = inner_grads = outer_grads = None
+    delta = ops.attention_delta(dout, out)  # the same for every step: computed once
     for outer_step, inner_step, stripe, step_k, step_v in schedule.kv_steps(held_k, held_v,
                                                                              reverse=True):
         dq, dk_step, dv_step = ops.attention_backward(dout, q, step_k, step_v, out, lse, index, scale, stripe,
-                                                      doc_start=doc_start, dq=dq)
+                                                      doc_start=doc_start, dq=dq, delta=delta)
         node_done = inner_step == 0  # the inner ring's local step: the node's share is complete
         inner_grads = _accumulate_and_pass(None if node_done else inner_comm, inner_grads,
                                            dk_step, dv_step, stream)

@@ -176,17 +176,17 @@ inline Geometry check_call(const at::Tensor& q, const at::Tensor& k, const at::T
     return geo;
 }
 
-// Validates a running accumulator the caller passes for a call to add into: float32, contiguous,
-// `shape`, on q's device (`out`/`lse` of forward, `dq` of backward).
+// Validates a float32 tensor the caller passes in for the op to add into or read (the running
+// out/lse/dq of a ring's steps, a precomputed delta): float32, contiguous, `shape`, on q's device.
+// `name` is how the messages call it ("the running out", "delta").
 inline void check_accumulator(const at::Tensor& q, const at::Tensor& t, at::IntArrayRef shape, const char* name,
                               const char* op_name) {
-    TORCH_CHECK_VALUE(t.sizes() == shape, op_name, ": the running ", name, " must be ", text(shape), ", got ",
-                      text(t.sizes()));
-    TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat, op_name, ": the running ", name,
-                     " must be float32 (as the ops return it), got ", text(t.scalar_type()));
-    TORCH_CHECK_VALUE(t.device() == q.device(), op_name, ": the running ", name, " is on ", text(t.device()),
-                      " but q is on ", text(q.device()));
-    TORCH_CHECK_VALUE(t.is_contiguous(), op_name, ": the running ", name, " must be contiguous");
+    TORCH_CHECK_VALUE(t.sizes() == shape, op_name, ": ", name, " must be ", text(shape), ", got ", text(t.sizes()));
+    TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat, op_name, ": ", name, " must be float32 (as the ops return it), got ",
+                     text(t.scalar_type()));
+    TORCH_CHECK_VALUE(t.device() == q.device(), op_name, ": ", name, " is on ", text(t.device()), " but q is on ",
+                      text(q.device()));
+    TORCH_CHECK_VALUE(t.is_contiguous(), op_name, ": ", name, " must be contiguous");
 }
 
 // Forward's optional running (out, lse): both or neither, each an accumulator of its shape.
@@ -195,9 +195,21 @@ inline bool check_running_output(const at::Tensor& q, const std::optional<at::Te
     TORCH_CHECK_VALUE(out.has_value() == lse.has_value(), op_name,
                       ": pass both the running out and lse (to merge this call into them) or neither");
     if (!out.has_value()) return false;
-    check_accumulator(q, *out, q.sizes(), "out", op_name);
-    check_accumulator(q, *lse, {q.size(0), q.size(2), q.size(1)}, "lse", op_name);
+    check_accumulator(q, *out, q.sizes(), "the running out", op_name);
+    check_accumulator(q, *lse, {q.size(0), q.size(2), q.size(1)}, "the running lse", op_name);
     return true;
+}
+
+// Validates delta's inputs: dout and out of one shape [batch, seq, heads, head_dim], float types,
+// on one device of `device_type`.
+inline void check_delta_inputs(const at::Tensor& dout, const at::Tensor& out, c10::DeviceType device_type,
+                               const char* op_name) {
+    check_bshd(dout, "dout", device_type, op_name);
+    check_bshd(out, "out", device_type, op_name);
+    TORCH_CHECK_VALUE(out.sizes() == dout.sizes(), op_name, ": out ", text(out.sizes()), " must have dout's shape ",
+                      text(dout.sizes()));
+    TORCH_CHECK_VALUE(out.device() == dout.device(), op_name, ": out is on ", text(out.device()), " but dout is on ",
+                      text(dout.device()));
 }
 
 // Validates the tensors that only backward takes.

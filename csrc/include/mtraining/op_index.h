@@ -2,10 +2,13 @@
 // (docs/KERNEL_CONTRACT.md):
 //
 //   forward(q, k, v, index, scale, out=None, lse=None) -> [out, lse]
-//   backward(dout, q, k, v, out, lse, index, scale, dq=None) -> [dq, dk, dv]
+//   backward(dout, q, k, v, out, lse, index, scale, dq=None, delta=None) -> [dq, dk, dv]
+//   delta(dout, out) -> delta
 //
 // Given a running out and lse (forward) or dq (backward), float32, a call adds its own result into
 // them in place (the ring's steps: one accumulation, no separate merge pass) and returns them.
+// delta = rowsum(dout * out) [B, H, S] float32 is what backward computes first; given to backward
+// (the ring computes it once for all its steps), it is not computed again.
 //
 // `index` is a dict with one entry per field of OpIndex: the compact index of the call and its ring
 // position (ds_mtraining.ops.op_index builds it). A new field is one line of
@@ -84,12 +87,12 @@ inline OpIndex op_index_from_python(const py::dict& fields, const char* op_name)
     return index;
 }
 
-// Defines `forward` and `backward` in module m with the signature above. Each reads its index
-// from Python, then runs forward(q, k, v, OpIndex, scale, running out, running lse) /
-// backward(dout, q, k, v, out, lse, OpIndex, scale, running dq) without the GIL (the running
-// tensors std::nullopt when not given).
-template <typename Forward, typename Backward>
-void define_attention_ops(py::module_& m, const char* op_name, Forward forward, Backward backward) {
+// Defines `forward`, `backward` and `delta` in module m with the signature above. The first two
+// read their index from Python, then run forward(q, k, v, OpIndex, scale, running out, running
+// lse) / backward(dout, q, k, v, out, lse, OpIndex, scale, running dq, delta) without the GIL (the
+// optional tensors std::nullopt when not given); delta runs delta(dout, out).
+template <typename Forward, typename Backward, typename Delta>
+void define_attention_ops(py::module_& m, const char* op_name, Forward forward, Backward backward, Delta delta) {
     m.def(
         "forward",
         [op_name, forward](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const py::dict& index,
@@ -105,14 +108,21 @@ void define_attention_ops(py::module_& m, const char* op_name, Forward forward, 
         "backward",
         [op_name, backward](const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const at::Tensor& out, const at::Tensor& lse, const py::dict& index, double scale,
-                            const std::optional<at::Tensor>& dq) {
+                            const std::optional<at::Tensor>& dq, const std::optional<at::Tensor>& delta) {
             const OpIndex call_index = op_index_from_python(index, op_name);
             const py::gil_scoped_release no_gil;
-            return backward(dout, q, k, v, out, lse, call_index, scale, dq);
+            return backward(dout, q, k, v, out, lse, call_index, scale, dq, delta);
         },
         "sparse attention backward -> (dq, dk, dv), dq added into the running dq when given", py::arg("dout"),
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("index"), py::arg("scale"),
-        py::arg("dq") = py::none());
+        py::arg("dq") = py::none(), py::arg("delta") = py::none());
+    m.def(
+        "delta",
+        [delta](const at::Tensor& dout, const at::Tensor& out) {
+            const py::gil_scoped_release no_gil;
+            return delta(dout, out);
+        },
+        "rowsum(dout * out) -> float32 [batch, heads, seq]", py::arg("dout"), py::arg("out"));
 }
 
 }  // namespace mtraining
