@@ -20,9 +20,9 @@ events; wall clock on CPU). An instrumented pass then times, per rank and ring s
 kernels, the waits on transfers, the estimation and the ranks' agreement check (CUDA events
 around those calls); ``other`` = wall - all of those (launches, allocations, casts, dK/dV
 accumulation, host syncs). The out/LSE merge and the dQ sum run in the kernels' epilogues, so
-their cost is in the kernels' time, where the ring's kernels exceed the same kernels alone. Each step's kernels are also timed alone (no transfer in
-flight), which separates the cost of splitting the work from interference by concurrent NCCL
-traffic. Measured imbalance: worker level = max / mean over ranks of the kernel time; the
+their cost is in the kernels' time, where the ring's kernels exceed the same kernels alone. Each
+step's kernels are also timed alone (no transfer in flight), which separates the cost of
+splitting the work from interference by concurrent NCCL traffic. Measured imbalance: worker level = max / mean over ranks of the kernel time; the
 ring-step tables give :func:`ds_mtraining.ring.work.imbalance`'s metrics, next to the index's
 prediction (:func:`~ds_mtraining.ring.work.pair_work`).
 

@@ -10,12 +10,12 @@ Backward runs the forward's steps in reverse order (:meth:`RingSchedule.kv_steps
 starting from the K/V this rank held at the forward's last step (saved, so no transfer precedes
 the first kernel) and ending on the local pair. dQ stays home (the first step's dQ, into which
 each later step's kernel adds its own: the op's running ``dq``); delta = rowsum(dout * out) is
-computed once for all steps. The dK/dV accumulators (fp32) travel with the K/V, the other way round the ring, each
-rank adding its share for the keys it holds; since the last step is the local pair, every
-accumulator is home after the last step: no dK/dV hop follows the last kernel. In the
-hierarchical ring the same holds per level: a node's share for the keys of its outer step is
-complete at the local step of its inner ring and joins the outer accumulator, which ends at the
-keys' node at outer step 0.
+computed once for all steps. The dK/dV accumulators (fp32) travel with the K/V, the other way
+round the ring, each rank adding its share for the keys it holds; since the last step is the
+local pair, every accumulator is home after the last step: no dK/dV hop follows the last
+kernel. In the hierarchical ring the same holds per level: a node's share for the keys of its
+outer step is complete at the local step of its inner ring and joins the outer accumulator,
+which ends at the keys' node at outer step 0.
 
 On CUDA the additions into arriving accumulators and their sends run on a side stream
 (``DS_MTRAINING_RING_GRAD_STREAM=0`` puts them back on the current stream): the next step's
