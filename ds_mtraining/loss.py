@@ -6,6 +6,10 @@
 * Logits are never materialised for all tokens: the projection to the vocabulary and the
   cross-entropy run ``chunk_tokens`` rows at a time, and the gradients of the hidden states and of
   the output weight are formed chunk by chunk in the same pass (so the backward needs no logits).
+  On GPUs, with ``fused=True``, liger-kernel's fused linear cross-entropy computes the same sum
+  the same way in Triton kernels: 2.4x faster and about half the memory on an H200
+  (``python -m ds_mtraining.bench.loss``); training takes it with ``mtraining.liger``. The chunked
+  torch version is the CPU path and the reference.
 * The loss is the mean over the valid labels of the whole sequence(s) of the group. Its *value* is
   the same on every rank (an all-reduce); its *gradient* on each rank is only that rank's share,
   because DeepSpeed sums gradients over the ranks of a sequence-parallel group (and averages over
@@ -60,9 +64,10 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 
 
 def token_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                            chunk_tokens: int = 1024) -> torch.Tensor:
+                            chunk_tokens: int = 1024, fused: bool = False) -> torch.Tensor:
     """Sum over the valid labels (``!= -100``) of ``cross_entropy(hidden @ weight.T, labels)``,
-    computed ``chunk_tokens`` rows at a time; hidden [..., D], weight [V, D], labels [...]."""
+    computed ``chunk_tokens`` rows at a time, or by liger-kernel's fused linear cross-entropy with
+    ``fused`` (CUDA tensors; it picks its own chunks); hidden [..., D], weight [V, D], labels [...]."""
     if hidden.shape[:-1] != labels.shape:
         raise ValueError(f"hidden {tuple(hidden.shape)} and labels {tuple(labels.shape)} must share "
                          f"their leading dimensions")
@@ -71,11 +76,18 @@ def token_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: 
     valid = labels[labels != IGNORE_INDEX]
     if valid.numel() and (int(valid.min()) < 0 or int(valid.max()) >= weight.shape[0]):
         raise ValueError(f"labels must lie in [0, vocab={weight.shape[0]}) or be {IGNORE_INDEX}")
+    if fused:
+        if hidden.device.type != "cuda":
+            raise ValueError(f"fused=True: liger-kernel's fused linear cross-entropy runs on CUDA tensors, "
+                             f"got {hidden.device.type}; pass fused=False")
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+        return liger_fused_linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1),
+                                                ignore_index=IGNORE_INDEX, reduction="sum")
     return _ChunkedLinearCrossEntropy.apply(hidden, weight, labels, chunk_tokens)
 
 
 def sequence_parallel_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                                    group=None, chunk_tokens: int = 1024) -> torch.Tensor:
+                                    group=None, chunk_tokens: int = 1024, fused: bool = False) -> torch.Tensor:
     """Mean token cross-entropy over the sequence(s) striped across ``group``.
 
     Args:
@@ -83,11 +95,12 @@ def sequence_parallel_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, 
         weight: [V, D] output projection (the LM head).
         labels: [B, S/W] this rank's labels, shifted on the global sequence; -100 = ignored.
         group: the sequence-parallel group (None: not distributed).
+        chunk_tokens, fused: how this rank's sum is computed (:func:`token_cross_entropy_sum`).
     Returns:
         A scalar whose value is the group's mean loss on every rank and whose gradient is this
         rank's share of it (sum the gradients over the group, as DeepSpeed does, to get the full one).
     """
-    local_sum = token_cross_entropy_sum(hidden, weight, labels, chunk_tokens)
+    local_sum = token_cross_entropy_sum(hidden, weight, labels, chunk_tokens, fused)
     counts = torch.stack([(labels != IGNORE_INDEX).sum().to(torch.float32), local_sum.detach()])
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(counts, group=group)

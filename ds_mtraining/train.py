@@ -23,7 +23,7 @@ precision, monitors), an ``"mtraining"`` section, removed before the JSON reache
       "static": {"density": 0.1, "sink_tokens": 4},  # attention "static" only (or "window_tokens")
       "document_masking": true,         # default: on where the data packs documents (not "random",
                                         # not ulysses); RoPE positions restart per document
-      "liger": "auto"                   # liger-kernel RMSNorm/RoPE/SwiGLU on CUDA where installed
+      "liger": "auto"                   # liger-kernel RMSNorm/RoPE/SwiGLU and loss on CUDA where installed
     }
 
 ``"attention": "ulysses"`` is the baseline users run today: the model's own dense attention (torch
@@ -159,7 +159,8 @@ def train(args, watchdog: Watchdog | None = None) -> dict:
     model = build_model(run.model)
     fused_off = use_fused_kernels(model, run.liger)
     if launcher_rank() == 0:
-        print("ds_mtraining: liger-kernel RMSNorm/RoPE/SwiGLU: " + (f"off ({fused_off})" if fused_off else "on"))
+        print("ds_mtraining: liger-kernel RMSNorm/RoPE/SwiGLU and fused linear cross-entropy: "
+              + (f"off ({fused_off})" if fused_off else "on"))
     stats = AttentionStats(enabled=False)
     ulysses = run.attention == ULYSSES
     if not ulysses:  # (Ulysses is registered below, once the micro-batch size is known)
@@ -167,7 +168,8 @@ def train(args, watchdog: Watchdog | None = None) -> dict:
         use_mtraining_attention(model, MTrainingAttentionSettings.from_groups(run.sparse, groups, stats, pattern))
     if run.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    module = MTrainingCausalLM(model, groups.sequence_group, run.loss_chunk_tokens).train()
+    module = MTrainingCausalLM(model, groups.sequence_group, run.loss_chunk_tokens,
+                               fused_loss=fused_off is None).train()
 
     engine, _, _, _ = deepspeed.initialize(model=module, config=ds_config, mpu=groups,
                                            model_parameters=[p for p in module.parameters() if p.requires_grad])

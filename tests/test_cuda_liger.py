@@ -1,6 +1,7 @@
 """GPU only: mtraining.liger (liger-kernel's fused RMSNorm, RoPE and SwiGLU on a HF model,
-:func:`ds_mtraining.training.model.use_fused_kernels`) against the model's own eager modules, through
-MTraining's CUDA attention. Skipped without CUDA or without liger-kernel."""
+:func:`ds_mtraining.training.model.use_fused_kernels`, and its fused linear cross-entropy as the
+loss) against the model's own eager modules and the chunked torch loss, through MTraining's CUDA
+attention, and the fused loss against float64. Skipped without CUDA or without liger-kernel."""
 import copy
 
 import pytest
@@ -38,10 +39,10 @@ def test_liger_kernels_match_the_eager_model_on_gpu(kind, monkeypatch):
     assert use_fused_kernels(fused, True) is None
     input_ids, labels = (t.cuda() for t in sequence(batch=1))
     results = []
-    for model in (eager, fused):
+    for model, fused_loss in ((eager, False), (fused, True)):
         hf.use_mtraining_attention(model, MTrainingAttentionSettings(FULL))
-        loss = MTrainingCausalLM(model, None, loss_chunk_tokens=SEQ)(input_ids, labels,
-                                                                     torch.arange(SEQ, device="cuda")[None])
+        loss = MTrainingCausalLM(model, None, loss_chunk_tokens=SEQ, fused_loss=fused_loss)(
+            input_ids, labels, torch.arange(SEQ, device="cuda")[None])
         loss.backward()
         results.append((loss.item(), {n: p.grad.float() for n, p in model.named_parameters()}))
     (eager_loss, eager_grads), (fused_loss, fused_grads) = results
@@ -50,3 +51,30 @@ def test_liger_kernels_match_the_eager_model_on_gpu(kind, monkeypatch):
         gap = (fused_grads[name] - grad).norm() / grad.norm().clamp(min=1e-12)
         assert gap <= 5e-2, f"{kind} {name}: gradient differs by {gap:.3f} in norm"
     assert layouts and all(layouts)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 1e-2)])
+def test_fused_loss_matches_float64(dtype, tol):
+    """token_cross_entropy_sum(fused=True) (liger's fused linear cross-entropy) against float64
+    full-logit cross-entropy: the sum and both gradients under a non-unit upstream gradient, with
+    ignored labels; relative error <= 1e-4 in fp32 and <= 1e-2 in bf16 (norm for gradients)."""
+    pytest.importorskip("liger_kernel")
+    from ds_mtraining.loss import IGNORE_INDEX, token_cross_entropy_sum
+    generator = torch.Generator().manual_seed(0)
+    tokens, dim, vocab = 3000, 64, 5000  # several of liger's chunks, a ragged last one
+    hidden = torch.randn(2, tokens // 2, dim, generator=generator)
+    weight = torch.randn(vocab, dim, generator=generator) / dim ** 0.5
+    labels = torch.randint(0, vocab, (2, tokens // 2), generator=generator)
+    labels[0, :11] = IGNORE_INDEX
+    h64, w64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    expected = torch.nn.functional.cross_entropy((h64 @ w64.T).reshape(-1, vocab), labels.reshape(-1),
+                                                 ignore_index=IGNORE_INDEX, reduction="sum")
+    (expected * 0.5).backward()
+    h = hidden.to("cuda", dtype).requires_grad_()
+    w = weight.to("cuda", dtype).requires_grad_()
+    total = token_cross_entropy_sum(h, w, labels.cuda(), fused=True)
+    (total * 0.5).backward()
+    assert abs(total.item() - expected.item()) <= tol * abs(expected.item())
+    for name, got, want in (("hidden", h.grad, h64.grad), ("weight", w.grad, w64.grad)):
+        gap = float((got.double().cpu() - want).norm() / want.norm())
+        assert gap <= tol, f"{dtype} grad of {name} differs by {gap:.2e} in norm"

@@ -66,6 +66,8 @@ def test_bad_labels_and_shapes_are_refused():
         token_cross_entropy_sum(hidden, weight, labels[:, :-1])
     with pytest.raises(ValueError, match="chunk_tokens"):
         token_cross_entropy_sum(hidden, weight, labels, chunk_tokens=0)
+    with pytest.raises(ValueError, match="runs on CUDA tensors, got cpu; pass fused=False"):
+        token_cross_entropy_sum(hidden, weight, labels, fused=True)
 
 
 def _striped_loss_worker(rank, world):
@@ -93,3 +95,17 @@ def test_striped_ranks_value_is_global_mean_and_grads_sum_to_full(world):
         torch.testing.assert_close(result["grad_weight"].double(), grad_w, **TOL)
     full_grad_h = StripedLayout(world, BLOCK).unshard([r["grad_hidden"] for r in results])
     torch.testing.assert_close(full_grad_h.double(), grad_h, **TOL)
+
+
+def test_loss_benchmark_runs_on_cpu(tmp_path):
+    """bench.loss on CPU at a tiny shape: every chunk size it times agrees with float64 (its own
+    agreement check, fp32) and the JSON names the fastest."""
+    from ds_mtraining.bench import loss as bench_loss
+    result = bench_loss.main(["--device", "cpu", "--tokens", "300", "--vocab", "211", "--hidden", "32",
+                              "--check-tokens", "300", "--chunk-tokens", "64", "1000", "--repeats", "1",
+                              "--dtype", "float32", "--out", str(tmp_path / "loss.json")])
+    (case,) = result["cases"]
+    assert set(case["results"]) == {"chunked_64", "chunked_1000"} and case["fastest"] in case["results"]
+    for row in case["results"].values():
+        assert max(row["errors_vs_float64"].values()) < 1e-5
+    assert (tmp_path / "loss.json").exists()

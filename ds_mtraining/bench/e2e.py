@@ -23,7 +23,10 @@ one GPU torch's SDPA flash). Per model shape and total sequence length, one row:
 
 * ``mtraining`` and ``ulysses`` on the same W = ``--world`` GPUs; ``speedup`` = Ulysses' step
   time / MTraining's;
-* ``single_gpu``: ``mtraining`` and ``dense`` on one GPU, and its ``speedup``.
+* ``single_gpu``: ``mtraining`` and ``dense`` on one GPU, and its ``speedup``;
+* where both modes were timed at two depths, ``per_layer_speedup``: the ratio of one layer's time
+  (``per_layer_s``, the slope between the two launches), which leaves out what does not grow with
+  depth (embedding, LM head, loss, optimizer).
 
 Model shapes (presets of :mod:`ds_mtraining.training.model`, built from their config with random
 weights, nothing downloaded): ``qwen2.5-3b`` (36 layers, hidden 2048, 16/2 heads of 128, MLP 11008,
@@ -186,10 +189,12 @@ def launch(config: dict, gpus: list | None, world: int, folder: Path, port: int,
     return {**result, "wall_s": wall, "log": str(log)}
 
 
-def speedup(slow: dict | None, fast: dict | None) -> float | None:
-    if not slow or not fast or not slow.get("step_s") or not fast.get("step_s"):
+def speedup(slow: dict | None, fast: dict | None, key: str = "step_s") -> float | None:
+    """slow[key] / fast[key]; ``key="per_layer_s"``: the ratio of one layer's time (the slope
+    between the two partial launches), without the embedding, LM head, loss and optimizer."""
+    if not slow or not fast or not slow.get(key) or not fast.get(key):
         return None
-    return slow["step_s"] / fast["step_s"]
+    return slow[key] / fast[key]
 
 
 class Bench:
@@ -283,7 +288,8 @@ class Bench:
         if a["peak_memory_gib"] and b["peak_memory_gib"]:
             peak = [extrapolate(x, y, layers_a, layers_b, full) for x, y in zip(a["peak_memory_gib"], b["peak_memory_gib"])]
         return {"layers": full, "step_s": step_s, "tokens_per_s": a["tokens_per_s"] * a["step_s"] / step_s,
-                "peak_memory_gib": peak, "density": b["density"], "extrapolated": True, "runs": [a, b]}
+                "peak_memory_gib": peak, "density": b["density"], "extrapolated": True,
+                "per_layer_s": (b["step_s"] - a["step_s"]) / (layers_b - layers_a), "runs": [a, b]}
 
     # ------------------------------------------------------------------ rows
     def run(self):
@@ -317,9 +323,11 @@ class Bench:
                 merged[key]["single_gpu"] = {**earlier.get("single_gpu", {}), **row["single_gpu"]}
         for row in merged.values():
             row["speedup"] = speedup(row.get("ulysses"), row.get("mtraining"))
+            row["per_layer_speedup"] = speedup(row.get("ulysses"), row.get("mtraining"), "per_layer_s")
             single = row.get("single_gpu")
             if single:
                 single["speedup"] = speedup(single.get("dense"), single.get("mtraining"))
+                single["per_layer_speedup"] = speedup(single.get("dense"), single.get("mtraining"), "per_layer_s")
             row["extrapolated"] = sorted(name for name, result in _results(row) if result.get("extrapolated"))
         return sorted(merged.values(), key=lambda r: (r["model"], r["seq_len"], r["world"]))
 
@@ -354,7 +362,8 @@ def table(record: dict):
     GiB, and the speedups."""
     from rich.table import Table
     world = ", ".join(sorted({str(r["world"]) for r in record["rows"]}))
-    grid = Table(title=f"e2e: training step, {record['device']} (W = {world}; * = extrapolated per layer)")
+    grid = Table(title=f"e2e: training step, {record['device']} (W = {world}; * = extrapolated per layer; "
+                       f"x/layer: one layer's time, from the two partial launches)")
     for name in ("model", "seq_len", "MTraining W", "Ulysses W", "speedup", "MTraining 1 GPU", "dense 1 GPU",
                  "speedup 1 GPU"):
         grid.add_column(name, justify="left" if name == "model" else "right")
@@ -369,14 +378,14 @@ def table(record: dict):
         sparse = f", density {density:.2f}" if density is not None else ""
         return f"{result['step_s']:.2f} s{'*' if result.get('extrapolated') else ''}{memory}{sparse}"
 
-    def ratio(value):
-        return f"{value:.1f}x" if value else "-"
+    def ratio(value, per_layer=None):
+        return (f"{value:.1f}x" if value else "-") + (f" ({per_layer:.1f}x/layer)" if per_layer else "")
     for row in record["rows"]:
         single = row.get("single_gpu", {})
         length = row["seq_len"]
         grid.add_row(row["model"], f"{length // 1024}K" if length % 1024 == 0 else str(length), cell(row.get("mtraining")), cell(row.get("ulysses")),
-                     ratio(row.get("speedup")), cell(single.get("mtraining")), cell(single.get("dense")),
-                     ratio(single.get("speedup")))
+                     ratio(row.get("speedup"), row.get("per_layer_speedup")), cell(single.get("mtraining")),
+                     cell(single.get("dense")), ratio(single.get("speedup"), single.get("per_layer_speedup")))
     return grid
 
 

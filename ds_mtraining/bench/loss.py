@@ -1,6 +1,7 @@
 """Loss benchmark: the LM head and cross-entropy of one GPU's tokens, forward and backward, the
-project's chunked loss (:func:`ds_mtraining.loss.token_cross_entropy_sum`, what training runs)
-against liger-kernel's fused linear cross-entropy (``reduction="sum"``), same inputs, same run.
+project's chunked torch loss against liger-kernel's fused linear cross-entropy, both through
+:func:`ds_mtraining.loss.token_cross_entropy_sum` (``fused=False``/``True``) as training calls it,
+same inputs, same run.
 
 Per token count (a GPU's share of the sequence; Qwen2.5's LM head by default: hidden 2048,
 vocabulary 151936, bf16), times forward+backward with CUDA events (median after warm-up) and the
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import statistics
 import sys
@@ -29,15 +31,11 @@ from ..loss import token_cross_entropy_sum
 from . import fresh_output_dir, time_ms
 
 
-def implementations(chunk_tokens: list[int]) -> dict:
+def implementations(chunk_tokens: list[int], device: str) -> dict:
     """name -> fn(hidden, weight, labels) returning the summed loss (differentiable)."""
     found = {f"chunked_{n}": (lambda h, w, y, n=n: token_cross_entropy_sum(h, w, y, n)) for n in chunk_tokens}
-    try:
-        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
-    except ImportError:
-        return found
-    if torch.cuda.is_available():
-        found["liger"] = lambda h, w, y: liger_fused_linear_cross_entropy(h, w, y, reduction="sum")
+    if device.startswith("cuda") and importlib.util.find_spec("liger_kernel") is not None:
+        found["liger"] = lambda h, w, y: token_cross_entropy_sum(h, w, y, fused=True)
     return found
 
 
@@ -127,7 +125,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error("--device cuda, but torch sees no CUDA GPU; pass --device cpu")
-    impls = implementations(args.chunk_tokens)
+    impls = implementations(args.chunk_tokens, args.device)
     if "liger" not in impls:
         print("liger-kernel's fused linear cross-entropy: not run (needs liger-kernel and a CUDA GPU)")
     device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"

@@ -93,16 +93,19 @@ def _with_overrides(config, overrides: dict, key: str):
 
 
 class MTrainingCausalLM(torch.nn.Module):
-    """A transformers causal LM whose loss is the chunked sequence-parallel cross-entropy:
+    """A transformers causal LM whose loss is the sequence-parallel cross-entropy:
     ``forward(input_ids, labels, position_ids[, doc_start])`` on this rank's striped shard returns
     the loss; ``doc_start`` (document masking, :mod:`ds_mtraining.documents`) reaches the attention
-    function through the model's keyword arguments."""
+    function through the model's keyword arguments. ``fused_loss``: liger-kernel's fused linear
+    cross-entropy for this rank's sum (CUDA; what :func:`use_fused_kernels` turns on), else the
+    chunked torch loss of ``loss_chunk_tokens`` rows at a time."""
 
-    def __init__(self, model, group, loss_chunk_tokens: int):
+    def __init__(self, model, group, loss_chunk_tokens: int, fused_loss: bool = False):
         super().__init__()
         self.model = model
         self.group = group
         self.loss_chunk_tokens = loss_chunk_tokens
+        self.fused_loss = fused_loss
 
     def forward(self, input_ids, labels, position_ids, doc_start=None):
         from ds_mtraining.loss import sequence_parallel_cross_entropy
@@ -112,7 +115,8 @@ class MTrainingCausalLM(torch.nn.Module):
         hidden = self.model.base_model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
                                        **documents).last_hidden_state
         weight = self.model.get_output_embeddings().weight
-        return sequence_parallel_cross_entropy(hidden, weight, labels, self.group, self.loss_chunk_tokens)
+        return sequence_parallel_cross_entropy(hidden, weight, labels, self.group, self.loss_chunk_tokens,
+                                               self.fused_loss)
 
 
 def build_model(spec: dict):
@@ -138,8 +142,9 @@ def check_liger_setting(value) -> None:
 
 def use_fused_kernels(model, setting="auto") -> str | None:
     """liger-kernel's fused RMSNorm, RoPE and SwiGLU in place of the HF model's eager ones
-    (``mtraining.liger``), applied to this model instance; the loss stays the project's chunked
-    sequence-parallel cross-entropy (liger's fused loss does not know the sequence shards).
+    (``mtraining.liger``), applied to this model instance. Where they are applied, training also
+    takes liger's fused linear cross-entropy for each rank's loss sum (``MTrainingCausalLM``'s
+    ``fused_loss``; the sequence-parallel mean around it stays :mod:`ds_mtraining.loss`'s).
     Liger's RoPE works in the [B, S, H, D] layout the attention takes, so no copy comes between.
 
     ``setting``: ``"auto"`` (on where CUDA and liger-kernel are available, else off with the
