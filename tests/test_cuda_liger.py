@@ -53,11 +53,13 @@ def test_liger_kernels_match_the_eager_model_on_gpu(kind, monkeypatch):
     assert layouts and all(layouts)
 
 
+@pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 1e-2)])
-def test_fused_loss_matches_float64(dtype, tol):
-    """token_cross_entropy_sum(fused=True) (liger's fused linear cross-entropy) against float64
-    full-logit cross-entropy: the sum and both gradients under a non-unit upstream gradient, with
-    ignored labels; relative error <= 1e-4 in fp32 and <= 1e-2 in bf16 (norm for gradients)."""
+def test_gpu_loss_matches_float64(dtype, tol, fused):
+    """token_cross_entropy_sum on CUDA, fused (liger's fused linear cross-entropy) and chunked, against float64
+    full-logit cross-entropy of the same (rounded) inputs: the sum and both gradients under a
+    non-unit upstream gradient, with ignored labels; relative error <= 1e-4 in fp32 and <= 1e-2 in
+    bf16 (norm for gradients)."""
     pytest.importorskip("liger_kernel")
     from ds_mtraining.loss import IGNORE_INDEX, token_cross_entropy_sum
     generator = torch.Generator().manual_seed(0)
@@ -66,13 +68,13 @@ def test_fused_loss_matches_float64(dtype, tol):
     weight = torch.randn(vocab, dim, generator=generator) / dim ** 0.5
     labels = torch.randint(0, vocab, (2, tokens // 2), generator=generator)
     labels[0, :11] = IGNORE_INDEX
+    hidden, weight = hidden.to(dtype), weight.to(dtype)  # the reference sees the same rounded inputs
     h64, w64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
     expected = torch.nn.functional.cross_entropy((h64 @ w64.T).reshape(-1, vocab), labels.reshape(-1),
                                                  ignore_index=IGNORE_INDEX, reduction="sum")
     (expected * 0.5).backward()
-    h = hidden.to("cuda", dtype).requires_grad_()
-    w = weight.to("cuda", dtype).requires_grad_()
-    total = token_cross_entropy_sum(h, w, labels.cuda(), fused=True)
+    h, w = hidden.cuda().requires_grad_(), weight.cuda().requires_grad_()
+    total = token_cross_entropy_sum(h, w, labels.cuda(), chunk_tokens=1024, fused=fused)
     (total * 0.5).backward()
     assert abs(total.item() - expected.item()) <= tol * abs(expected.item())
     for name, got, want in (("hidden", h.grad, h64.grad), ("weight", w.grad, w64.grad)):
