@@ -81,8 +81,11 @@ def token_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: 
             raise ValueError(f"fused=True: liger-kernel's fused linear cross-entropy runs on CUDA tensors, "
                              f"got {hidden.device.type}; pass fused=False")
         from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+        # fp32 weight-gradient accumulation, as the chunked loss: liger's default (the weight's
+        # dtype) sums a bf16 gradient over a long sequence's hundreds of chunks
         return liger_fused_linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1),
-                                                ignore_index=IGNORE_INDEX, reduction="sum")
+                                                ignore_index=IGNORE_INDEX, reduction="sum",
+                                                accum_dtype=torch.float32)
     return _ChunkedLinearCrossEntropy.apply(hidden, weight, labels, chunk_tokens)
 
 
