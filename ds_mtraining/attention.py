@@ -52,35 +52,42 @@ def check_attention_inputs(q, k, v, index: SparseIndex | None = None, local_inde
 
 class SparseAttentionFunction(torch.autograd.Function):
     """Causal vertical-slash sparse attention, within the documents of ``doc_start`` when given;
-    returns (out in q's dtype, lse fp32 [B, H, S])."""
+    returns (out in q's dtype, lse fp32 [B, H, S]). ``kept``: the (out, lse) this call returned
+    before (a forward recomputed under activation checkpointing): returned again with the
+    backward attached, without running the kernel."""
 
     @staticmethod
-    def forward(ctx, q, k, v, index: SparseIndex, scale: float, doc_start=None):
-        out, lse = ops.attention_forward(q, k, v, index, scale, Stripe(), doc_start=doc_start)
+    def forward(ctx, q, k, v, index: SparseIndex, scale: float, doc_start=None, kept=None):
+        if kept is None:
+            out, lse = ops.attention_forward(q, k, v, index, scale, Stripe(), doc_start=doc_start)
+        else:  # saved as the kernel's (fp32): checkpointing checks the recomputed saved tensors
+            out, lse = kept[0].float(), kept[1]
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.index, ctx.scale, ctx.doc_start = index, scale, doc_start
         ctx.mark_non_differentiable(lse)
-        return out.to(q.dtype), lse
+        return (out.to(q.dtype) if kept is None else kept[0]), lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = ops.attention_backward(dout, q, k, v, out, lse, ctx.index, ctx.scale, Stripe(),
                                             doc_start=ctx.doc_start)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
 def sparse_attention_with_lse(q, k, v, index: SparseIndex, softmax_scale: float | None = None, *,
-                              doc_start: torch.Tensor | None = None):
+                              doc_start: torch.Tensor | None = None, kept=None):
     """Sparse causal attention of q [B, S, H, D] over k, v [B, S, Hkv, D] on ``index``; with
     ``doc_start`` [B, S] (ds_mtraining.documents) each query sees only its own document.
+    ``kept``: (out, lse) that this call returned before, for the same inputs (activation
+    checkpointing's recompute): returned with the backward attached, no kernel runs.
 
     Returns (out [B, S, H, D] in q's dtype, lse [B, H, S] float32)."""
     check_attention_inputs(q, k, v, index)
     if doc_start is not None:
         doc_start = check_doc_start(doc_start, q.shape[0], q.shape[1], q.device)
     scale = resolve_softmax_scale(q.shape[-1], softmax_scale)
-    return SparseAttentionFunction.apply(q, k, v, index, scale, doc_start)
+    return SparseAttentionFunction.apply(q, k, v, index, scale, doc_start, kept)
 
 
 def sparse_attention(q, k, v, index: SparseIndex, softmax_scale: float | None = None, *,

@@ -11,7 +11,8 @@ with q [B, H, S/W, D] and k/v [B, Hkv, S/W, D] (GQA: key/value heads are not rep
 
 Each attention module keeps an :class:`~ds_mtraining.layer.IndexCache`: under activation
 checkpointing (``model.gradient_checkpointing_enable()``, reentrant or not) the recomputed
-forward reuses the index its forward estimated, so each layer estimates once per step.
+forward reuses the index its forward estimated, so each layer estimates once per step; with the
+settings' ``keep_output`` it reuses the forward's output too, so each layer runs attention once.
 
 The baseline, :func:`use_ulysses_attention`, is what users run today: the model's own dense SDPA
 attention under DeepSpeed-Ulysses (``deepspeed.runtime.sequence_parallel.ulysses_sp``), on

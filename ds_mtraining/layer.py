@@ -48,7 +48,7 @@ from .attention import resolve_softmax_scale
 from .config import SparseConfig
 from .documents import doc_start_from_cu_seqlens, document_positions
 from .index import SparseIndex
-from .ring import ring_sparse_attention
+from .ring import ring_sparse_attention_with_lse
 from .ring.agreement import (check_due, check_ranks_before_collectives, current_step, in_backward,
                               mark_checked, new_step)
 from .ring.comm import ring_comm
@@ -117,7 +117,9 @@ class AttentionStats:
 class IndexCache:
     """The indices estimated by one attention module's forward calls in the current step, so
     that the forward recomputed under activation checkpointing (called by the autograd engine
-    during backward) reuses its forward's index instead of estimating it again.
+    during backward) reuses its forward's index instead of estimating it again; with
+    ``keep_output`` (:class:`MTrainingAttentionSettings`) an entry also holds the call's output
+    and LSE, so the recompute runs no attention either. An entry is (index, kept (out, lse) or None).
 
     A recompute takes (and removes) the entry of its call's shapes when exactly one is held;
     with none or several (e.g. two micro-batches forwarded before one backward) it estimates
@@ -130,12 +132,16 @@ class IndexCache:
     def __init__(self):
         self._entries: list = []  # (step, key, index)
 
-    def store(self, key, index: SparseIndex):
+    def store(self, key, entry):
+        """Adds (index, kept); a kept output releases the older entries' ones, so a module holds
+        at most one (forwards without a backward between them, as in evaluation, hold no more)."""
         step = current_step()
-        kept = [e for e in self._entries if e[0] == step][-(self.MAX_ENTRIES - 1):]
-        self._entries = kept + [(step, key, index)]
+        held = [e for e in self._entries if e[0] == step][-(self.MAX_ENTRIES - 1):]
+        if entry[1] is not None:
+            held = [(s, k, (index, None)) for s, k, (index, _) in held]
+        self._entries = held + [(step, key, entry)]
 
-    def take(self, key) -> SparseIndex | None:
+    def take(self, key):
         matches = [i for i, (_, k, _) in enumerate(self._entries) if k == key]
         if len(matches) != 1:
             return None
@@ -159,6 +165,12 @@ class MTrainingAttentionSettings:
         pattern: None (default): estimate the vertical-slash index every call (MTraining); else a
             fixed pattern of :mod:`ds_mtraining.static` (``DensePattern``, ``StaticPattern``:
             the baselines) whose index is used instead, through the same kernels and ring.
+        keep_output: under activation checkpointing, keep each call's output and LSE from the
+            forward until the recomputed forward takes them, so attention runs once per layer
+            and step instead of twice (the sparse forward, and on a ring its K/V rotation). Costs
+            B x S/W x H x D elements in the model's dtype plus the fp32 LSE per layer, held from
+            the forward to that layer's backward. Without checkpointing it only holds each
+            module's last output a step longer.
     """
 
     sparse: SparseConfig = field(default_factory=SparseConfig)
@@ -166,11 +178,13 @@ class MTrainingAttentionSettings:
     hierarchy: object = None
     stats: AttentionStats | None = None
     pattern: object = None
+    keep_output: bool = False
 
     @classmethod
-    def from_groups(cls, sparse: SparseConfig, groups, stats: AttentionStats | None = None, pattern=None):
+    def from_groups(cls, sparse: SparseConfig, groups, stats: AttentionStats | None = None, pattern=None,
+                    keep_output: bool = False):
         """Settings for the groups made by :func:`ds_mtraining.distributed.initialize_groups`."""
-        return cls(sparse, groups.sequence_group, groups.hierarchy, stats, pattern)
+        return cls(sparse, groups.sequence_group, groups.hierarchy, stats, pattern, keep_output)
 
     @property
     def world(self) -> int:
@@ -244,7 +258,7 @@ def striped_sparse_attention(q, k, v, settings: MTrainingAttentionSettings,
             the check reads the device; on CPU every call).
         cache: the calling module's :class:`IndexCache`: the forward stores its index there and
             the forward recomputed under activation checkpointing reuses it (one estimation per
-            layer and step).
+            layer and step); with ``settings.keep_output`` also its output (one attention).
         doc_start: document masking: int32 [B, S] for the whole sequence
             (:mod:`ds_mtraining.documents`); position ids then restart per document.
     Returns:
@@ -262,23 +276,24 @@ def striped_sparse_attention(q, k, v, settings: MTrainingAttentionSettings,
             check_striped(position_ids, settings, doc_start)
             mark_checked("positions")
     scale = resolve_softmax_scale(q.shape[-1], softmax_scale)
-    if settings.pattern is None:
-        key = (tuple(q.shape), tuple(k.shape), q.dtype, str(q.device), scale, settings.sparse,
-               id(settings.group), None if doc_start is None else doc_start.data_ptr())
-        index = cache.take(key) if (cache is not None and recompute) else None
-        if index is None:
-            index = estimate_index(q.detach(), k.detach(), settings.sparse, settings.group, scale, doc_start)
-        if cache is not None and not recompute:
-            cache.store(key, index)
-    else:  # a fixed baseline pattern (ds_mtraining.static), global [B, S, H]
+    key = (tuple(q.shape), tuple(k.shape), q.dtype, str(q.device), scale, settings.sparse,
+           id(settings.group), None if doc_start is None else doc_start.data_ptr())
+    index, kept = (cache.take(key) if (cache is not None and recompute) else None) or (None, None)
+    if index is None and settings.pattern is None:
+        index = estimate_index(q.detach(), k.detach(), settings.sparse, settings.group, scale, doc_start)
+    elif index is None:  # a fixed baseline pattern (ds_mtraining.static), global [B, S, H]
         index = settings.pattern.index(q.shape[0], q.shape[2], q.shape[1] * settings.world,
                                        settings.sparse.block_size, q.device)
     if settings.stats is not None and settings.stats.enabled and not recompute:
         settings.stats.record(index, settings.world, doc_start)
     if getattr(settings.pattern, "dense", False) and settings.world == 1 and q.is_cuda and doc_start is None:
         return _dense_causal_sdpa(q, k, v, scale)  # dense baseline on one GPU: flash SDPA
-    return ring_sparse_attention(q, k, v, settings.sparse, settings.group, softmax_scale=scale,
-                                 index=index, hierarchy=settings.hierarchy, doc_start=doc_start)
+    out, lse = ring_sparse_attention_with_lse(q, k, v, settings.sparse, settings.group, softmax_scale=scale,
+                                              index=index, hierarchy=settings.hierarchy, doc_start=doc_start,
+                                              kept=kept)
+    if cache is not None and not recompute:
+        cache.store(key, (index, (out.detach(), lse.detach()) if settings.keep_output else None))
+    return out
 
 
 def _dense_causal_sdpa(q, k, v, scale: float) -> torch.Tensor:

@@ -18,6 +18,8 @@ precision, monitors), an ``"mtraining"`` section, removed before the JSON reache
       "data": {"source": "stdlib"},     # or {"files": [...]}, {"saved_dataset": dir}, {"source": "random"}
       "loss_chunk_tokens": 1024,        # rows per chunk of the LM-head cross-entropy
       "gradient_checkpointing": false,  # recompute each decoder layer in backward (long sequences)
+      "keep_attention_output": false,   # with checkpointing: keep each layer's attention output for
+                                        # the recompute (attention once per layer; memory per layer)
       "attention": "sparse",            # sparse (MTraining) | dense | static (baselines, same path)
                                         # | ulysses (dense HF SDPA under DeepSpeed-Ulysses)
       "static": {"density": 0.1, "sink_tokens": 4},  # attention "static" only (or "window_tokens")
@@ -165,7 +167,8 @@ def train(args, watchdog: Watchdog | None = None) -> dict:
     ulysses = run.attention == ULYSSES
     if not ulysses:  # (Ulysses is registered below, once the micro-batch size is known)
         pattern = attention_pattern(run.attention, run.static)  # None (sparse) or a fixed baseline
-        use_mtraining_attention(model, MTrainingAttentionSettings.from_groups(run.sparse, groups, stats, pattern))
+        use_mtraining_attention(model, MTrainingAttentionSettings.from_groups(run.sparse, groups, stats, pattern,
+                                                                              run.keep_attention_output))
     if run.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     module = MTrainingCausalLM(model, groups.sequence_group, run.loss_chunk_tokens,

@@ -147,6 +147,14 @@ def test_modes_launch_only_those_and_keep_the_others_numbers(tmp_path):
     assert row["speedup"] == pytest.approx(row["ulysses"]["step_s"] / row["mtraining"]["step_s"])
 
 
+def test_keep_attention_output_reaches_mtraining_launches_only():
+    base = {"mtraining": {"keep_attention_output": True, "gradient_checkpointing": True}}
+    for mode in e2e.MODES:
+        for keep in (False, True):
+            section = e2e.launch_config(base, "qwen2.5-3b", mode, 4096, 2, 2, keep_output=keep)["mtraining"]
+            assert section.get("keep_attention_output", False) is (keep and mode == "mtraining"), (mode, keep)
+
+
 def test_liger_setting_reaches_every_launch(tmp_path):
     """--liger sets mtraining.liger in every launch, MTraining and the baselines alike; without it
     the config's own setting stays."""

@@ -1,11 +1,12 @@
 """Activation checkpointing with MTraining attention on CPU: the recomputed forward reuses the
-index its forward estimated (one estimation per layer and step, counted), and the gradients
-equal the run without checkpointing (fp32)."""
+index its forward estimated (one estimation per layer and step, counted), with ``keep_output``
+its output too (one attention forward per layer and step, counted), and the gradients equal the
+run without checkpointing (fp32)."""
 import pytest
 import torch
 from helpers import SMALL, dense_loss, sequence, tiny_model
 
-from ds_mtraining import SparseConfig, layer
+from ds_mtraining import SparseConfig, layer, ops
 from ds_mtraining.hf import use_mtraining_attention
 from ds_mtraining.layer import AttentionStats, IndexCache, MTrainingAttentionSettings
 
@@ -16,11 +17,16 @@ STEPS = 2
 GRAD_TOL = dict(rtol=1e-5, atol=1e-7)
 
 
-def train_steps(monkeypatch, checkpointing: str | None, batches, micro_batches: int = 1):
-    """Gradients after the last step and the estimations counted per step."""
+def train_steps(monkeypatch, checkpointing: str | None, batches, micro_batches: int = 1, keep_output=False,
+                attention_calls: list | None = None):
+    """Gradients after the last step and the estimations counted per step (the attention kernel's
+    forward calls per step into ``attention_calls`` when given)."""
     model = tiny_model("qwen2")
     model.train()
-    settings = MTrainingAttentionSettings(CONFIG, stats=AttentionStats())
+    settings = MTrainingAttentionSettings(CONFIG, stats=AttentionStats(), keep_output=keep_output)
+    kernel_calls = []
+    real_forward = ops.attention_forward
+    monkeypatch.setattr(ops, "attention_forward", lambda *a, **kw: kernel_calls.append(1) or real_forward(*a, **kw))
     use_mtraining_attention(model, settings)
     if checkpointing is not None:
         model.gradient_checkpointing_enable(  # the name transformers 5.17 (the GPU machine) knows
@@ -32,10 +38,12 @@ def train_steps(monkeypatch, checkpointing: str | None, batches, micro_batches: 
     for step in range(STEPS):
         settings.stats.reset()  # the training loop's step boundary
         model.zero_grad()
-        before = len(counted)
+        before, kernel_before = len(counted), len(kernel_calls)
         losses = [dense_loss(model, *batches[m]) for m in range(micro_batches)]
         sum(losses).backward()
         per_step.append(len(counted) - before)
+        if attention_calls is not None:
+            attention_calls.append(len(kernel_calls) - kernel_before)
         recorded.append(len(settings.stats.densities))
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     return grads, per_step, recorded
@@ -55,6 +63,22 @@ def test_one_estimation_per_layer_and_step(monkeypatch, batch, mode):
     assert counts == [LAYERS] * STEPS, f"estimations per step with {mode} checkpointing: {counts}"
     assert recorded == [LAYERS] * STEPS, "the recomputed forward must not be recorded in the statistics"
     assert grads.keys() == plain.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, plain[name], **GRAD_TOL, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.usefixtures("cpu_op")
+@pytest.mark.parametrize("mode", ["reentrant", "non-reentrant"])
+def test_keep_output_runs_attention_once_per_layer_and_step(monkeypatch, batch, mode):
+    """keep_output: the recomputed forward takes its forward's output, so the kernel's forward
+    runs once per layer and step (twice without), and the gradients equal the run without
+    checkpointing (fp32: the kept output is the one the backward would have recomputed)."""
+    plain, _, _ = train_steps(monkeypatch, None, batch)
+    twice, kept = [], []
+    train_steps(monkeypatch, mode, batch, attention_calls=twice)
+    grads, counts, _ = train_steps(monkeypatch, mode, batch, keep_output=True, attention_calls=kept)
+    assert twice == [2 * LAYERS] * STEPS and kept == [LAYERS] * STEPS, (twice, kept)
+    assert counts == [LAYERS] * STEPS
     for name, grad in grads.items():
         torch.testing.assert_close(grad, plain[name], **GRAD_TOL, msg=lambda m: f"{name}: {m}")
 
@@ -82,11 +106,21 @@ def test_two_micro_batches_before_one_backward_stay_exact(monkeypatch):
 
 def test_index_cache_takes_one_match_only():
     cache = IndexCache()
-    cache.store("a", "first")
-    assert cache.take("b") is None and cache.take("a") == "first" and cache.take("a") is None
-    cache.store("a", 1)
-    cache.store("a", 2)
+    cache.store("a", ("first", None))
+    assert cache.take("b") is None and cache.take("a") == ("first", None) and cache.take("a") is None
+    cache.store("a", (1, None))
+    cache.store("a", (2, None))
     assert cache.take("a") is None and len(cache) == 2
     AttentionStats().reset()  # a new step drops the old entries at the next store
-    cache.store("a", 3)
-    assert len(cache) == 1 and cache.take("a") == 3
+    cache.store("a", (3, None))
+    assert len(cache) == 1 and cache.take("a") == (3, None)
+
+
+def test_index_cache_holds_one_kept_output():
+    """A kept output releases the older entries' (forwards with no backward between them, as in
+    evaluation, hold one output per module, not one per forward); their indices stay."""
+    AttentionStats().reset()
+    cache = IndexCache()
+    cache.store("a", (1, "out a"))
+    cache.store("b", (2, "out b"))
+    assert cache.take("a") == (1, None) and cache.take("b") == (2, "out b")

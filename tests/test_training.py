@@ -51,10 +51,20 @@ def demo_config(**mtraining) -> dict:
      r"mtraining.tokenizer has 257 tokens but the model's vocab_size is 100"),
     (dict(loss_chunk_tokens=0), 2, r"mtraining.loss_chunk_tokens=0 must be a positive integer"),
     (dict(seq_lenght=1024), 2, r"unknown key\(s\) \['seq_lenght'\] in 'mtraining'"),
+    (dict(keep_attention_output="yes"), 2, r"mtraining.keep_attention_output='yes' must be true or false"),
+    (dict(keep_attention_output=True, gradient_checkpointing=False), 2,
+     r"mtraining.keep_attention_output=true keeps each layer's attention output .* checkpointing is off: set "
+     r"mtraining.gradient_checkpointing to true, or this to false"),
 ])
 def test_bad_config_is_one_clear_error(change, world, message):
     with pytest.raises(ConfigError, match=message):
         load_run_config(demo_config(**change), world)
+
+
+def test_keep_attention_output_reaches_the_run_config():
+    run, _ = load_run_config(demo_config(gradient_checkpointing=True, keep_attention_output=True), 2)
+    assert run.keep_attention_output is True
+    assert load_run_config(demo_config(), 2)[0].keep_attention_output is False
 
 
 def test_config_without_section_and_a_valid_one():
@@ -248,6 +258,8 @@ def test_ulysses_mode_equals_the_single_process_dense_model(tmp_path):
     (dict(document_masking=True), 2, r"mtraining.attention='ulysses' runs HF's SDPA attention, whose Ulysses "
                                      r"wrapper drops the attention mask .* cannot mask documents"),
     (dict(ring="hierarchical"), 2, r"mtraining.attention='ulysses' has no ring .* set it to 'auto' or 'flat'"),
+    (dict(keep_attention_output=True), 2, r"mtraining.attention='ulysses' runs HF's SDPA attention, which "
+                                          r"recomputes .*keep_attention_output applies to MTraining's attention"),
     (dict(data={"source": "random", "passkey_fraction": 0.5}), 2,
      r"mtraining.data.passkey_fraction: random token ids have no text"),
     (dict(data={"source": "random", "document_chars": 100}), 2,

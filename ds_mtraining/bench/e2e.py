@@ -114,12 +114,17 @@ def model_layers(spec) -> int:
 
 
 def launch_config(base: dict, model: str, mode: str, seq_len: int, world: int, layers: int | None,
-                  density: float | None = None, max_vertical: int = 256) -> dict:
+                  density: float | None = None, max_vertical: int = 256, keep_output: bool = False) -> dict:
     """``base`` with this measurement's model (``layers`` deep, None: its own depth), length, mode
     and sequence-parallel size, on random tokens. With ``density`` (MTraining only), the sparse
-    caps that give about that density on a randomly initialised model (:func:`pinned_caps`)."""
+    caps that give about that density on a randomly initialised model (:func:`pinned_caps`); with
+    ``keep_output`` (MTraining only), ``keep_attention_output`` (attention once per layer under
+    checkpointing). The baselines never keep outputs (Ulysses' SDPA recomputes as users run it)."""
     config = json.loads(json.dumps(base))
     section = config["mtraining"]
+    section.pop("keep_attention_output", None)
+    if keep_output and mode == "mtraining":
+        section["keep_attention_output"] = True
     if density is not None and mode == "mtraining":
         section["sparse"] = {**section.get("sparse", {}),
                              **pinned_caps(density, seq_len, section.get("stripe_block", 128), max_vertical)}
@@ -227,7 +232,7 @@ class Bench:
 
     def _launch(self, model: str, mode: str, seq_len: int, world: int, layers: int, full: int) -> dict:
         config = launch_config(self.base, model, mode, seq_len, world, None if layers == full else layers,
-                               self.args.density, self.args.max_vertical)
+                               self.args.density, self.args.max_vertical, self.args.keep_attention_output)
         gpus = None if self.cpu else (self.args.gpus[:world] if world > 1 else [self.args.single_gpu])
         folder = self.logs / f"{model}_{mode}_w{world}_s{seq_len}_l{layers}"
         self.port += 1
@@ -485,6 +490,9 @@ def parse_args(argv=None):
                         help="MTraining's sparse caps pinned for about this density on random weights "
                              "(default: the config's budgets, which keep nearly everything there)")
     parser.add_argument("--max_vertical", type=int, default=256, help="vertical cap with --density")
+    parser.add_argument("--keep_attention_output", action="store_true",
+                        help="MTraining launches keep each layer's attention output for the recompute "
+                             "(mtraining.keep_attention_output: attention once per layer and step)")
     parser.add_argument("--liger", choices=("auto", "on", "off"), default=None,
                         help="mtraining.liger of every launch (liger-kernel's RMSNorm/RoPE/SwiGLU; default: "
                              "the config's); run once with each, under two --tag, to measure them")

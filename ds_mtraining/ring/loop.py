@@ -133,19 +133,28 @@ def _fetch_last_step_kv(schedule: RingSchedule, k, v):
 
 
 class RingSparseAttentionFunction(torch.autograd.Function):
-    """Ring sparse attention on striped shards; returns (out in q's dtype, lse fp32 [B, H, S/W])."""
+    """Ring sparse attention on striped shards; returns (out in q's dtype, lse fp32 [B, H, S/W]).
+    ``kept``: the (out, lse) this call returned before (a forward recomputed under activation
+    checkpointing): returned again with the backward attached; no ring step runs, only one hop
+    back for the K/V of the forward's last step, where the backward starts."""
 
     @staticmethod
-    def forward(ctx, q, k, v, index: SparseIndex, scale: float, schedule: RingSchedule, doc_start=None):
-        out, lse, (held_k, held_v) = ring_forward(schedule, q, k, v, index, scale, doc_start)
+    def forward(ctx, q, k, v, index: SparseIndex, scale: float, schedule: RingSchedule, doc_start=None,
+                kept=None):
+        if kept is None:
+            out, lse, (held_k, held_v) = ring_forward(schedule, q, k, v, index, scale, doc_start)
+        else:  # the tensors the forward saved, alike (non-reentrant checkpointing's backward pairs
+            # them with the first forward's ctx): fp32 out, the last step's K/V (one hop back)
+            out, lse = kept[0].float(), kept[1]
+            held_k, held_v = _fetch_last_step_kv(schedule, k, v)
         ctx.save_for_backward(q, k, v, out, lse, held_k, held_v)
         ctx.index, ctx.scale, ctx.schedule, ctx.doc_start = index, scale, schedule, doc_start
         ctx.mark_non_differentiable(lse)
-        return out.to(q.dtype), lse
+        return (out.to(q.dtype) if kept is None else kept[0]), lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse, held_k, held_v = ctx.saved_tensors
         dq, dk, dv = ring_backward(ctx.schedule, dout.contiguous(), q, k, v, out, lse, ctx.index,
                                    ctx.scale, held_k, held_v, ctx.doc_start)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None

@@ -21,19 +21,19 @@ from .schedule import ring_schedule
 from .topology import HierarchicalGroups
 
 
-def _single_device(q, k, v, config: SparseConfig, softmax_scale, index: SparseIndex | None, doc_start):
+def _single_device(q, k, v, config: SparseConfig, softmax_scale, index: SparseIndex | None, doc_start, kept):
     check_attention_inputs(q, k, v, index)
     scale = resolve_softmax_scale(q.shape[-1], softmax_scale)
     if index is None:  # the estimator and the attention each check doc_start
         index = estimate_on_comm(q, k, config, None, scale, doc_start)
-    return sparse_attention_with_lse(q, k, v, index, scale, doc_start=doc_start)
+    return sparse_attention_with_lse(q, k, v, index, scale, doc_start=doc_start, kept=kept)
 
 
 def ring_sparse_attention_with_lse(q, k, v, config: SparseConfig, group=None,
                                    softmax_scale: float | None = None,
                                    index: SparseIndex | None = None,
                                    hierarchy: HierarchicalGroups | None = None,
-                                   doc_start=None):
+                                   doc_start=None, kept=None):
     """Causal vertical-slash sparse attention over a sequence striped across ``group``.
 
     Args:
@@ -53,6 +53,10 @@ def ring_sparse_attention_with_lse(q, k, v, config: SparseConfig, group=None,
             hierarchical ring; ``None`` runs the flat ring.
         doc_start: int32 [B, S] for the *whole* sequence (every rank passes the same): document
             masking, each query sees only its own document (:mod:`ds_mtraining.documents`).
+        kept: (out, lse) that this call returned before, for the same inputs and ``index`` (the
+            forward recomputed under activation checkpointing, ``keep_output`` of
+            :class:`~ds_mtraining.layer.MTrainingAttentionSettings`): returned again with the
+            backward attached; no kernel and no ring step runs.
     Returns:
         (out [B, S/W, H, D] in q's dtype, lse float32 [B, H, S/W]) for this rank's queries.
 
@@ -64,7 +68,7 @@ def ring_sparse_attention_with_lse(q, k, v, config: SparseConfig, group=None,
         raise TypeError(f"config must be a SparseConfig, got {type(config).__name__}")
     comm = ring_comm(group)
     if comm is None:
-        return _single_device(q, k, v, config, softmax_scale, index, doc_start)
+        return _single_device(q, k, v, config, softmax_scale, index, doc_start, kept)
     check_key = ranks_check_key(comm)
     checking = check_due(check_key)
     if checking:
@@ -91,7 +95,8 @@ def ring_sparse_attention_with_lse(q, k, v, config: SparseConfig, group=None,
         mark_checked(check_key)
     if index is None:
         index = estimate_on_comm(q, k, config, comm, scale, doc_start)
-    return RingSparseAttentionFunction.apply(q, k, v, index, scale, ring_schedule(comm, hierarchy), doc_start)
+    return RingSparseAttentionFunction.apply(q, k, v, index, scale, ring_schedule(comm, hierarchy), doc_start,
+                                             kept)
 
 
 def ring_sparse_attention(q, k, v, config: SparseConfig, group=None,

@@ -33,6 +33,7 @@ class RunConfig:
     static: dict | None = None  # the static pattern's settings when attention is "static"
     document_masking: bool = False  # packed documents attend only within themselves (ds_mtraining.documents)
     liger: str | bool = "auto"  # liger-kernel's RMSNorm/RoPE/SwiGLU (training.model.use_fused_kernels)
+    keep_attention_output: bool = False  # attention once per layer under checkpointing (layer.py keep_output)
 
     def to_dict(self) -> dict:
         values = asdict(self)
@@ -83,7 +84,7 @@ def parse_run_config(section: dict, world_size: int) -> RunConfig:
         raise ConfigError(f"the DeepSpeed JSON needs a \"{MTRAINING_KEY}\" object, got {section!r}")
     known = {"seq_len", "sequence_parallel_size", "ring", "stripe_block", "sparse", "model", "tokenizer",
              "data", "loss_chunk_tokens", "gradient_checkpointing", "attention", "static", "document_masking",
-             "liger"}
+             "liger", "keep_attention_output"}
     unknown = sorted(set(section) - known)
     if unknown:
         raise ConfigError(f"unknown key(s) {unknown} in '{MTRAINING_KEY}'; valid keys are {sorted(known)}")
@@ -123,8 +124,9 @@ def parse_run_config(section: dict, world_size: int) -> RunConfig:
     check_liger_setting(liger)
     attention, static = _attention_mode(section, seq_len, sparse.block_size)
     documents = _document_masking(section, attention)
+    keep = _keep_attention_output(section, checkpointing)
     if attention == ULYSSES:
-        _check_ulysses(section, documents, ring)
+        _check_ulysses(section, documents, ring, keep)
     model = _model_spec(section.get("model", "tiny-qwen2"))
     tokenizer = section.get("tokenizer", "bytes")
     if tokenizer == "model":
@@ -136,7 +138,18 @@ def parse_run_config(section: dict, world_size: int) -> RunConfig:
                      tokenizer=tokenizer, data=dict(section.get("data", {"source": "stdlib"})),
                      loss_chunk_tokens=_positive_int(section, "loss_chunk_tokens", 1024),
                      gradient_checkpointing=checkpointing, attention=attention, static=static,
-                     document_masking=documents, liger=liger)
+                     document_masking=documents, liger=liger, keep_attention_output=keep)
+
+
+def _keep_attention_output(section: dict, checkpointing: bool) -> bool:
+    keep = section.get("keep_attention_output", False)
+    if not isinstance(keep, bool):
+        raise ConfigError(f"{MTRAINING_KEY}.keep_attention_output={keep!r} must be true or false")
+    if keep and not checkpointing:
+        raise ConfigError(f"{MTRAINING_KEY}.keep_attention_output=true keeps each layer's attention output "
+                          f"for the forward that activation checkpointing recomputes, and checkpointing is "
+                          f"off: set {MTRAINING_KEY}.gradient_checkpointing to true, or this to false")
+    return keep
 
 
 def _attention_mode(section: dict, seq_len: int, block: int) -> tuple[str, dict | None]:
@@ -177,9 +190,13 @@ def _document_masking(section: dict, attention: str) -> bool:
     return value
 
 
-def _check_ulysses(section: dict, document_masking: bool, ring: str):
+def _check_ulysses(section: dict, document_masking: bool, ring: str, keep_output: bool):
     """What DeepSpeed-Ulysses (``attention: "ulysses"``) cannot do in this project's path."""
     where = f"{MTRAINING_KEY}.attention='{ULYSSES}'"
+    if keep_output:
+        raise ConfigError(f"{where} runs HF's SDPA attention, which recomputes under checkpointing as it is; "
+                          f"{MTRAINING_KEY}.keep_attention_output applies to MTraining's attention: set it "
+                          f"to false")
     if document_masking:
         raise ConfigError(f"{where} runs HF's SDPA attention, whose Ulysses wrapper drops the attention mask "
                           f"(only causal masking remains): it cannot mask documents. Set "
