@@ -129,6 +129,32 @@ def test_deepspeed_launcher_two_fake_nodes_build_groups_and_match_flat_ring(tmp_
         assert report["max_rel_error_vs_one_device"] <= 1e-4
 
 
+@pytest.mark.slow
+@pytest.mark.usefixtures("cpu_op")
+def test_multi_gpu_check_script_launches_fake_nodes_of_several_gpus(tmp_path):
+    """scripts/multi_gpu_check.sh's fake nodes, dry run on CPU (ALLOW_CPU=1 GPUS=4: 2 nodes x 2):
+    the --include list gives node 0 GPUs 0,1 and node 1 GPUs 2,3, and every rank's hierarchical
+    ring is within 1e-4 of the flat ring and of one device (ds_mtraining.ring.check)."""
+    import json
+    import os
+    import subprocess
+    from pathlib import Path
+    from ds_mtraining_op_builder import extension_root
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, ALLOW_CPU="1", GPUS="4", ONLY="check_2x2", OUT=str(tmp_path),
+               TORCH_EXTENSIONS_DIR=extension_root())  # the op the session built (cpu_op)
+    done = subprocess.run(["bash", str(root / "scripts" / "multi_gpu_check.sh")], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=300)
+    summary = (tmp_path / "multi_gpu_summary.txt").read_text()
+    assert done.returncode == 0 and "check_2x2       PASS" in summary and "overall: PASS" in summary, done.stdout[-3000:]
+    reports = [json.loads(line) for line in (tmp_path / "multi_gpu.log").read_text().splitlines()
+               if line.startswith('{"rank"')]
+    assert sorted(r["rank"] for r in reports) == [0, 1, 2, 3]
+    for report in reports:
+        assert report["cuda_visible_devices"] == ("0,1" if report["rank"] < 2 else "2,3")
+        assert report["ok"] and report["max_rel_error_vs_one_device"] <= 1e-4
+
+
 def test_hierarchical_groups_config_errors_name_the_fix():
     from ds_mtraining.distributed import ParallelConfigError
     from ds_mtraining.distributed.groups import hierarchical_topology
