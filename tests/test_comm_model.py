@@ -51,3 +51,31 @@ def test_writes_json_with_the_hand_computed_default_rows(tmp_path):
     for direction, values in expected.items():
         for key, value in values.items():
             assert row[direction][key] == pytest.approx(value, rel=1e-4), (direction, key)
+
+
+def scaling_record(one_gpu_kernel_ms: float, ring_ms: float, launch: str, ring: str) -> dict:
+    """A bench.scaling JSON of one 128K case (Hkv 2, D 128)."""
+    return {"shape": {"heads": 16, "kv_heads": 2, "head_dim": 128},
+            "cases": [{"seq_len": 131072, "mode": "given_index", "ring": ring, "launch": launch,
+                       "times": {"ring_ms": ring_ms, "one_gpu_kernel_ms": one_gpu_kernel_ms},
+                       "breakdown": {"mean_ms": {"comm_wait": 0.01}}}]}
+
+
+def test_model_against_measured_scaling_by_hand(tmp_path):
+    """1 node x 2 at 128K from a 35 ms one-device kernel: steps of 35/3.5/4 = 2.5 ms (forward)
+    and 6.25 ms (backward) outweigh their 64 MiB / 192 MiB over 300 GB/s (0.22 / 0.67 ms), so the
+    model is 2 x 2.5 + 2 x 6.25 = 17.5 ms against the 20 ms measured. At 0.01 GB/s the transfers
+    bound it: 2 x 6710.9 + 2 x 20132.7 ms. A launch without 'N node(s) x P' is an error."""
+    path = tmp_path / "multi_gpu_x2.json"
+    path.write_text(json.dumps(scaling_record(35.0, 20.0, "1 node x 2", "flat")))
+    (row,) = main(["--against-scaling", str(path), "--intra-gbps", "300", "--inter-gbps", "300",
+                   "--out", str(tmp_path / "vs.json")])["against_scaling"]
+    assert row["model_ring_ms"] == pytest.approx(17.5) and row["bound"] == "compute"
+    assert row["model_over_measured"] == pytest.approx(17.5 / 20.0)
+    (slow,) = main(["--against-scaling", str(path), "--intra-gbps", "0.01", "--inter-gbps", "0.01",
+                    "--out", str(tmp_path / "slow.json")])["against_scaling"]
+    kv_ms = 2 * 65536 * 2 * 128 * 2 / 0.01e9 * 1e3
+    assert slow["model_ring_ms"] == pytest.approx(2 * kv_ms + 2 * 3 * kv_ms) and slow["bound"] == "transfer"
+    path.write_text(json.dumps(scaling_record(35.0, 20.0, "somewhere", "flat")))
+    with pytest.raises(SystemExit, match="launch 'somewhere' does not say 'N node\\(s\\) x P'"):
+        main(["--against-scaling", str(path), "--out", str(tmp_path / "bad.json")])

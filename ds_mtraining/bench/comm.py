@@ -12,13 +12,21 @@ With W = N x G ranks over N nodes:
 Compute per step = the measured kernel time at ``--ref-len`` scaled by the entries a step holds
 (striping makes every step ~1/W^2 of the total). Writes JSON and prints a table.
 
+``--against-scaling FILE`` sets the model against measured rings instead: for every case of a
+``bench.scaling`` JSON, the model's fwd+bwd ring time from that run's own one-device kernel time
+(each step 1/W^2 of it) and the K/V bytes of its shape, next to the measured ring time (fake nodes
+on one machine share its links: give ``--inter-gbps`` as the intra-node rate there).
+
     python -m ds_mtraining.bench.comm [--kernel-json benchmarks/results/kernel_h200.json]
+    python -m ds_mtraining.bench.comm --against-scaling benchmarks/results/multi_gpu_h200x2.json \
+        --intra-gbps 300 --inter-gbps 300
 """
 from __future__ import annotations
 
 import argparse
 import datetime
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -42,6 +50,47 @@ def ring_times(step_compute_ms, step_bytes, nodes, per_node, intra_gbps, inter_g
     inner_ring = per_node * max(step_compute_ms, intra_ms if per_node > 1 else 0.0)
     hierarchical = nodes * max(inner_ring, inter_ms if nodes > 1 else 0.0)
     return flat, hierarchical, intra_ms, inter_ms
+
+
+def pass_bytes(seq_len: int, world: int, kv_heads: int, head_dim: int, batch: int = 1) -> dict:
+    """Bytes one rank sends per ring step: K and V (bf16) forward; backward also the travelling
+    dK and dV accumulators (fp32)."""
+    kv_bytes = 2 * batch * (seq_len // world) * kv_heads * head_dim * 2
+    return {"forward": kv_bytes, "backward": kv_bytes * 3}
+
+
+def modelled_ring_ms(one_device_ms: float, seq_len: int, nodes: int, per_node: int, ring: str, kv_heads: int,
+                     head_dim: int, intra_gbps: float, inter_gbps: float) -> dict:
+    """The model's fwd+bwd time of one ring call per rank, from the one-device kernel time on the
+    whole sequence (forward FWD_SHARE of it): per pass, W steps of max(compute, transfer)."""
+    world = nodes * per_node
+    sent = pass_bytes(seq_len, world, kv_heads, head_dim)
+    total, bound = 0.0, []
+    for name, share in (("forward", FWD_SHARE), ("backward", 1 - FWD_SHARE)):
+        step_ms = one_device_ms * share / world ** 2
+        flat, hier, intra, inter = ring_times(step_ms, sent[name], nodes, per_node, intra_gbps, inter_gbps)
+        total += flat if ring == "flat" else hier
+        bound.append("transfer" if max(intra, inter if nodes > 1 else 0.0) > step_ms else "compute")
+    return {"ring_ms": total, "bound": bound[0] if bound[0] == bound[1] else f"fwd {bound[0]}, bwd {bound[1]}"}
+
+
+def against_scaling(path: str, intra_gbps: float, inter_gbps: float) -> list[dict]:
+    """Model vs measurement for every case of a ``bench.scaling`` JSON."""
+    record = json.loads(Path(path).read_text())
+    shape, rows = record["shape"], []
+    for case in record["cases"]:
+        found = re.match(r"(\d+) nodes? x (\d+)", case["launch"])
+        if found is None:
+            raise SystemExit(f"{path}: launch {case['launch']!r} does not say 'N node(s) x P'")
+        nodes, per_node = int(found[1]), int(found[2])
+        times = case["times"]
+        model = modelled_ring_ms(times["one_gpu_kernel_ms"], case["seq_len"], nodes, per_node, case["ring"],
+                                 shape["kv_heads"], shape["head_dim"], intra_gbps, inter_gbps)
+        rows.append(dict(seq_len=case["seq_len"], mode=case["mode"], ring=case["ring"], launch=case["launch"],
+                         measured_ring_ms=times["ring_ms"], model_ring_ms=model["ring_ms"], bound=model["bound"],
+                         model_over_measured=model["ring_ms"] / times["ring_ms"],
+                         measured_comm_wait_ms=case.get("breakdown", {}).get("mean_ms", {}).get("comm_wait")))
+    return rows
 
 
 def kernel_times(path: str | None, ref_len: int) -> tuple[dict, str]:
@@ -68,6 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--inter-gbps", type=float, default=25.0, help="InfiniBand HDR GB/s per GPU")
     parser.add_argument("--kernel-json", default=None)
     parser.add_argument("--ref-len", type=int, default=128 * 1024)
+    parser.add_argument("--against-scaling", default=None, metavar="FILE",
+                        help="a bench.scaling JSON: set the model against its measured rings")
     parser.add_argument("--out", default="bench_results/comm-<time>/comm_model.json",
                         help="JSON file; by default in a new directory")
     return parser
@@ -78,11 +129,10 @@ def main(argv=None):
     if args.out == build_parser().get_default("out"):
         args.out = str(fresh_output_dir("comm") / "comm_model.json")
 
+    if args.against_scaling:
+        return main_against_scaling(args, argv)
     world = args.nodes * args.per_node
-    shard = args.seq_len // world
-    kv_bytes = 2 * shard * args.kv_heads * args.head_dim * 2  # K and V in bf16
-    # backward moves K, V (bf16) and the travelling dK, dV (fp32)
-    bytes_per_pass = {"forward": kv_bytes, "backward": kv_bytes * 3}
+    bytes_per_pass = pass_bytes(args.seq_len, world, args.kv_heads, args.head_dim)
     times, source = kernel_times(args.kernel_json, args.ref_len)
     scale = (args.seq_len / args.ref_len) ** 2 / world ** 2
 
@@ -112,6 +162,29 @@ def main(argv=None):
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     console.print(f"wrote {args.out}")
+
+
+
+def main_against_scaling(args, argv):
+    rows = against_scaling(args.against_scaling, args.intra_gbps, args.inter_gbps)
+    table = Table(title=f"model vs measured ring fwd+bwd ({args.against_scaling}; intra {args.intra_gbps:g}, "
+                        f"inter {args.inter_gbps:g} GB/s)")
+    for col in ("S", "mode", "ring", "launch", "measured ms", "model ms", "model/measured", "bound",
+                "measured comm wait ms"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        wait = r["measured_comm_wait_ms"]
+        table.add_row(f"{r['seq_len'] // 1024}K", r["mode"], r["ring"], r["launch"], f"{r['measured_ring_ms']:.2f}",
+                      f"{r['model_ring_ms']:.2f}", f"{r['model_over_measured']:.3f}", r["bound"],
+                      "-" if wait is None else f"{wait:.3f}")
+    console = Console(width=max(Console().width, 120))
+    console.print(table)
+    result = dict(date=datetime.date.today().isoformat(), command="python -m ds_mtraining.bench.comm " + " ".join(
+        argv if argv is not None else sys.argv[1:]), args=vars(args), against_scaling=rows)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    console.print(f"wrote {args.out}")
+    return result
 
 
 if __name__ == "__main__":
