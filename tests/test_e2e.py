@@ -82,6 +82,7 @@ def test_depth_choice_and_results_file(tmp_path):
     assert single["speedup"] == pytest.approx(full(16) / full(4))
     # one layer's time: the slope between 2 and 4 layers, without FIXED_S (dense/mtraining: 16/4)
     assert single["dense"]["per_layer_s"] == pytest.approx(SECOND_PER_LAYER * 16)
+    assert single["dense"]["fixed_s"] == pytest.approx(FIXED_S)
     assert single["per_layer_speedup"] == pytest.approx(4.0) and long["per_layer_speedup"] is None
     assert long["extrapolated"] == ["single_gpu.dense", "single_gpu.mtraining", "ulysses"]
     assert ("ulysses", 2, 4096, 36, None) not in calls and ("mtraining", 1, 4096, 36, None) in calls  # CPU: no ids

@@ -26,7 +26,7 @@ one GPU torch's SDPA flash). Per model shape and total sequence length, one row:
 * ``single_gpu``: ``mtraining`` and ``dense`` on one GPU, and its ``speedup``;
 * where both modes were timed at two depths, ``per_layer_speedup``: the ratio of one layer's time
   (``per_layer_s``, the slope between the two launches), which leaves out what does not grow with
-  depth (embedding, LM head, loss, optimizer).
+  depth (embedding, LM head, loss, optimizer: ``fixed_s``, the step less its layers).
 
 Model shapes (presets of :mod:`ds_mtraining.training.model`, built from their config with random
 weights, nothing downloaded): ``qwen2.5-3b`` (36 layers, hidden 2048, 16/2 heads of 128, MLP 11008,
@@ -289,12 +289,13 @@ class Bench:
         layers_a, layers_b = self.args.layers
         a, b = (self._launch(model, mode, seq_len, world, layers, full) for layers in (layers_a, layers_b))
         step_s = extrapolate(a["step_s"], b["step_s"], layers_a, layers_b, full)
+        per_layer = (b["step_s"] - a["step_s"]) / (layers_b - layers_a)
         peak = None
         if a["peak_memory_gib"] and b["peak_memory_gib"]:
             peak = [extrapolate(x, y, layers_a, layers_b, full) for x, y in zip(a["peak_memory_gib"], b["peak_memory_gib"])]
         return {"layers": full, "step_s": step_s, "tokens_per_s": a["tokens_per_s"] * a["step_s"] / step_s,
                 "peak_memory_gib": peak, "density": b["density"], "extrapolated": True,
-                "per_layer_s": (b["step_s"] - a["step_s"]) / (layers_b - layers_a), "runs": [a, b]}
+                "per_layer_s": per_layer, "fixed_s": a["step_s"] - layers_a * per_layer, "runs": [a, b]}
 
     # ------------------------------------------------------------------ rows
     def run(self):
