@@ -130,7 +130,7 @@ class IndexCache:
     MAX_ENTRIES = 8
 
     def __init__(self):
-        self._entries: list = []  # (step, key, index)
+        self._entries: list = []  # (step, key, (index, kept))
 
     def store(self, key, entry):
         """Adds (index, kept); a kept output releases the older entries' ones, so a module holds
