@@ -2,12 +2,15 @@
 
 The op is picked by ``q.device.type`` and loaded once per device type: prebuilt if the package
 was installed with ``DS_BUILD_MTRAINING=1``, otherwise JIT-compiled by the DeepSpeed op builder.
+Each call is a ``mtraining::<function>`` range for torch.profiler (on CPU the op's own time is
+only visible there).
 """
 from __future__ import annotations
 
 import threading
 
 import torch
+from torch.profiler import record_function
 
 from .index import SparseIndex, Stripe
 
@@ -61,7 +64,9 @@ def attention_forward(q, k, v, index: SparseIndex, scale: float, stripe: Stripe 
     for the same queries over other keys, the call merges its own into them in place (as
     :func:`ds_mtraining.ring.merge_partial` would) and returns them."""
     module = op_module(q.device.type)
-    return tuple(module.forward(q, k, v, _call_index(q, index, stripe, doc_start), float(scale), out=out, lse=lse))
+    with record_function("mtraining::forward"):
+        return tuple(module.forward(q, k, v, _call_index(q, index, stripe, doc_start), float(scale), out=out,
+                                    lse=lse))
 
 
 def attention_backward(dout, q, k, v, out, lse, index: SparseIndex, scale: float,
@@ -72,11 +77,13 @@ def attention_backward(dout, q, k, v, out, lse, index: SparseIndex, scale: float
     over earlier calls), the call adds its dq into it in place and returns it. Given ``delta``
     (:func:`attention_delta` of this ``dout`` and ``out``), the call does not compute it again."""
     module = op_module(q.device.type)
-    return tuple(module.backward(dout, q, k, v, out, lse, _call_index(q, index, stripe, doc_start),
-                                 float(scale), dq=dq, delta=delta))
+    with record_function("mtraining::backward"):
+        return tuple(module.backward(dout, q, k, v, out, lse, _call_index(q, index, stripe, doc_start),
+                                     float(scale), dq=dq, delta=delta))
 
 
 def attention_delta(dout, out) -> torch.Tensor:
     """rowsum(dout * out), float32 [B, H, S]: what every backward call computes first, computed
     once for several calls with the same ``dout`` and final ``out`` (a ring's steps)."""
-    return op_module(dout.device.type).delta(dout, out)
+    with record_function("mtraining::delta"):
+        return op_module(dout.device.type).delta(dout, out)

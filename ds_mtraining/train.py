@@ -71,6 +71,7 @@ from ds_mtraining.training import MTRAINING_KEY, ConfigError
 from ds_mtraining.training.export import export_hf
 from ds_mtraining.training.checkpoint import continue_metrics, resume_checkpoint, save_checkpoint
 from ds_mtraining.training.model import MTrainingCausalLM, build_model, model_config, use_fused_kernels
+from ds_mtraining.training.profile import describe, profiled, summarise, write_summary
 from ds_mtraining.training.progress import Progress, describe_run, monitor_dir, with_default_monitor
 from ds_mtraining.training.run_config import ULYSSES, load_run_config
 from ds_mtraining.training.watchdog import Watchdog
@@ -118,6 +119,9 @@ def parse_args(argv=None):
                              "save_pretrained to DIR, ZeRO partitions consolidated, loadable by from_pretrained")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--log_interval", type=int, default=1)
+    parser.add_argument("--profile_step", type=int, default=0, metavar="N",
+                        help="profile step N (torch.profiler): its time by kind of work, per rank, in "
+                             "SAVE_DIR/profile_stepN_rank<r>.json (0: none)")
     parser.add_argument("--no_progress", action="store_true", help="no progress output")
     parser.add_argument("--no_checkpoint", action="store_true",
                         help="save no checkpoint, not even at the end (benchmarks)")
@@ -202,15 +206,20 @@ def train(args, watchdog: Watchdog | None = None) -> dict:
         stats.reset()
         stats.enabled = (step + 1) % args.log_interval == 0
         losses = []
-        for micro in range(accumulation):
-            batch = batches.batch(position)
-            position += 1
-            loss = engine(**{k: v.to(engine.device) for k, v in batch.items()})
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.detach().float())
-            stats.enabled = False
+        with profiled(args.profile_step == step + 1) as profiler:
+            for micro in range(accumulation):
+                batch = batches.batch(position)
+                position += 1
+                loss = engine(**{k: v.to(engine.device) for k, v in batch.items()})
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.detach().float())
+                stats.enabled = False
         step += 1
+        if profiler is not None:
+            summary = summarise(profiler, step, dist.get_rank(), time.perf_counter() - started)
+            write_summary(summary, args.save_dir)
+            progress.print(describe(summary))
         if watchdog is not None:
             watchdog.step = step
         mean_loss = torch.stack(losses).mean()

@@ -101,9 +101,11 @@ def test_depth_choice_and_results_file(tmp_path):
 def test_smoke_end_to_end(tmp_path):
     """``--smoke`` (the W-rank pair here: one launch per mode, ~15 s each on 2 cores) through the real
     deepspeed launcher and ds_mtraining.train: the JSON has per seq_len the keys of both modes and
-    the speedup, from logged step times."""
+    the speedup, from logged step times; the profiled (warm-up) step's time by kind of work: the
+    sparse op's calls under MTraining only, matrix products in both."""
     command = [sys.executable, "-m", "ds_mtraining.bench.e2e", "--smoke", "--parts", "sp", "--out", str(tmp_path),
-               "--port", str(free_port())]  # not the fixed default: a port left busy by an earlier test
+               "--port", str(free_port()),  # not the fixed default: a port left busy by an earlier test
+               "--profile_step", "1"]
     done = subprocess.run(command, cwd=REPO, env=environment(), capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     record = json.loads((tmp_path / "e2e_smoke.json").read_text())
@@ -115,8 +117,24 @@ def test_smoke_end_to_end(tmp_path):
         assert row[mode]["step_s"] > 0 and row[mode]["layers"] == 2 and not row[mode]["extrapolated"]
         assert len(row[mode]["runs"][0]["losses"]) == 2 and row[mode]["peak_memory_gib"] is None  # CPU
     assert 0 < row["mtraining"]["density"] <= 1 and row["ulysses"]["density"] is None  # only an index has one
+    mtraining, ulysses = (row[mode]["runs"][0]["profile_ms_by_kind"] for mode in ("mtraining", "ulysses"))
+    assert mtraining["attention"] > 0 and mtraining["gemm"] > 0 and ulysses["gemm"] > 0
+    assert "attention" not in ulysses and ulysses["communication"] > 0  # SDPA, and Ulysses' all-to-alls
     assert row["speedup"] == pytest.approx(row["ulysses"]["step_s"] / row["mtraining"]["step_s"])
     assert "MTraining W" in done.stdout.split("e2e: tiny-qwen2 ulysses")[-1]  # the table, printed last
+
+
+def test_profile_kinds_by_name():
+    from ds_mtraining.training.profile import OTHER, kind_of
+    cases = {"void mtr::query_kernel<mtr::Sm90, __nv_bfloat16, 128, 128, 2, false>(mtr::AttentionParams)": "attention",
+             "void mtr::est::(anonymous namespace)::masses_kernel(mtr::est::ScoreParams)": "estimator",
+             "mtraining::backward": "attention", "nvjet_tst_192x192_64x4_2x1_v_bz_coopB_TNT": "gemm",
+             "sm90_xmma_gemm_bf16bf16_bf16f32": "gemm", "aten::mm": "gemm",
+             "ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)": "communication",
+             "c10d::allreduce_": "communication", "_rms_norm_forward_kernel": "liger",
+             "Memcpy DtoD (Device -> Device)": "copies and fills", "aten::copy_": "copies and fills",
+             "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>": OTHER}
+    assert {name: kind_of(name) for name in cases} == cases
 
 
 def test_density_pins_mtraining_caps_only():

@@ -148,16 +148,18 @@ def pinned_caps(density: float, seq_len: int, block_size: int, max_vertical: int
     return {"max_slash_diagonals": slash_cap_for_blocks(blocks), "max_vertical": max_vertical}
 
 
-def read_run(run_dir: Path, tokens_per_step: int, warmup: int, world: int) -> dict:
+def read_run(run_dir: Path, tokens_per_step: int, warmup: int, world: int, profiled_step: int = 0) -> dict:
     """Step times, tokens/s, peak memory per rank, losses and (sparse runs) the attention density
-    of a finished run."""
+    of a finished run; the median step time leaves out the warm-up steps and the profiled one."""
     def metric(name: str) -> list[float]:
         return read_metric(run_dir, name)[1].tolist() if metric_path(run_dir, name).is_file() else []
 
     steps = [tokens_per_step / rate for rate in metric("tokens_per_s")]
-    if len(steps) <= warmup:
-        raise LaunchFailed("error", f"{run_dir}: {len(steps)} logged step(s), none after the {warmup} warmup step(s)")
-    step_s = statistics.median(steps[warmup:])
+    timed = [s for number, s in enumerate(steps, start=1) if number > warmup and number != profiled_step]
+    if not timed:
+        raise LaunchFailed("error", f"{run_dir}: {len(steps)} logged step(s), none after the {warmup} warmup step(s)"
+                                    + (f" other than the profiled step {profiled_step}" if profiled_step else ""))
+    step_s = statistics.median(timed)
     peaks = [metric(f"peak_memory_gib_rank{r}") for r in range(world)]
     density = metric("density")[warmup:]
     return {"step_s": step_s, "tokens_per_s": tokens_per_step / step_s, "step_times_s": steps,
@@ -174,8 +176,9 @@ def launch(config: dict, gpus: list | None, world: int, folder: Path, port: int,
     config = {**config, "csv_monitor": monitor}  # where read_run looks, whatever --config says
     (folder / "config.json").write_text(json.dumps(config, indent=1))
     devices = ",".join(f"cuda:{gpu}" for gpu in gpus) if gpus else ",".join(["cpu"] * world)
+    profile = ("--profile_step", str(args.profile_step)) if args.profile_step else ()
     command = training_command(folder / "config.json", args.steps, folder / "run", devices, port, args.seed, 1,
-                               extra=("--no_checkpoint",))
+                               extra=("--no_checkpoint", *profile))
     env = launcher_env()
     if not gpus:
         env.setdefault("OMP_NUM_THREADS", "1")  # CPU ranks outnumber small machines' cores
@@ -190,7 +193,10 @@ def launch(config: dict, gpus: list | None, world: int, folder: Path, port: int,
                            str(error)) from None
     wall = time.monotonic() - started
     micro = config.get("train_micro_batch_size_per_gpu", 1) * config.get("gradient_accumulation_steps", 1)
-    result = read_run(folder / "run", micro * config["mtraining"]["seq_len"], args.warmup, world)
+    result = read_run(folder / "run", micro * config["mtraining"]["seq_len"], args.warmup, world, args.profile_step)
+    profile_path = folder / "run" / f"profile_step{args.profile_step}_rank0.json"
+    if args.profile_step and profile_path.is_file():  # rank 0's step time by kind of work
+        result["profile_ms_by_kind"] = json.loads(profile_path.read_text())["ms_by_kind"]
     return {**result, "wall_s": wall, "log": str(log)}
 
 
@@ -491,6 +497,10 @@ def parse_args(argv=None):
                         help="MTraining's sparse caps pinned for about this density on random weights "
                              "(default: the config's budgets, which keep nearly everything there)")
     parser.add_argument("--max_vertical", type=int, default=256, help="vertical cap with --density")
+    parser.add_argument("--profile_step", type=int, default=0, metavar="N",
+                        help="every launch profiles its step N (train.py --profile_step; give one more "
+                             "step, it is left out of the median); each run then reports rank 0's time by "
+                             "kind of work (profile_ms_by_kind)")
     parser.add_argument("--keep_attention_output", action="store_true",
                         help="MTraining launches keep each layer's attention output for the recompute "
                              "(mtraining.keep_attention_output: attention once per layer and step)")
