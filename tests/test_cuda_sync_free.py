@@ -95,8 +95,7 @@ def _scoped_to_our_calls(monkeypatch):
         monkeypatch.setattr(cls, "backward", staticmethod(scoped(cls.backward)))
 
 
-@pytest.mark.parametrize("checkpointing", [None, "reentrant", "non-reentrant"])
-def test_hf_qwen2_attention_does_not_synchronise(monkeypatch, checkpointing):
+def _tiny_qwen2_on_gpu(checkpointing: str | None, keep_output: bool = False):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from ds_mtraining.hf import use_mtraining_attention
@@ -104,11 +103,18 @@ def test_hf_qwen2_attention_does_not_synchronise(monkeypatch, checkpointing):
     config = Qwen2Config(vocab_size=512, hidden_size=4 * HEAD_DIM, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, intermediate_size=512, rope_theta=1e6, use_cache=False)
     model = Qwen2ForCausalLM(config).to("cuda", torch.bfloat16).train()
-    settings = MTrainingAttentionSettings(CONFIG, stats=AttentionStats())
+    settings = MTrainingAttentionSettings(CONFIG, stats=AttentionStats(), keep_output=keep_output)
     use_mtraining_attention(model, settings)
     if checkpointing is not None:
         model.gradient_checkpointing_enable(  # the name transformers 5.17 (the GPU machine) knows
             gradient_checkpointing_kwargs={"use_reentrant": checkpointing == "reentrant"})
+    return model, settings
+
+
+@pytest.mark.parametrize("checkpointing, keep_output", [(None, False), ("reentrant", False), ("non-reentrant", False),
+                                                        ("reentrant", True), ("non-reentrant", True)])
+def test_hf_qwen2_attention_does_not_synchronise(monkeypatch, checkpointing, keep_output):
+    model, settings = _tiny_qwen2_on_gpu(checkpointing, keep_output)
     ids = torch.randint(0, 512, (1, 1024), device="cuda")
     settings.stats.reset()
     model(input_ids=ids, labels=ids).loss.backward()  # warm-up step: op loads, the step's checks
@@ -117,6 +123,28 @@ def test_hf_qwen2_attention_does_not_synchronise(monkeypatch, checkpointing):
     model.zero_grad()
     model(input_ids=ids, labels=ids).loss.backward()
     torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("checkpointing", ["reentrant", "non-reentrant"])
+def test_hf_qwen2_keep_output_on_gpu(monkeypatch, checkpointing):
+    """keep_output in bf16 on a GPU: one sparse forward per layer and step instead of two, and
+    every gradient within 2% in norm of the checkpointed run that recomputes attention."""
+    from ds_mtraining import ops
+    ids = torch.randint(0, 512, (1, 1024), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    grads, calls = {}, {}
+    real = ops.attention_forward
+    for keep in (False, True):
+        counted = []
+        monkeypatch.setattr(ops, "attention_forward", lambda *a, **kw: counted.append(1) or real(*a, **kw))
+        model, settings = _tiny_qwen2_on_gpu(checkpointing, keep)
+        settings.stats.reset()
+        model(input_ids=ids, labels=ids).loss.backward()
+        grads[keep] = {n: p.grad.float() for n, p in model.named_parameters()}
+        calls[keep] = len(counted)
+    assert calls == {False: 4, True: 2}  # 2 layers
+    for name, grad in grads[False].items():
+        gap = float((grads[True][name] - grad).norm() / grad.norm().clamp(min=1e-12))
+        assert gap <= 2e-2, f"{name}: {gap:.3e}"
 
 
 # ---------------------------------------------------------------------------- two GPUs
