@@ -81,8 +81,19 @@ def environment_rows() -> list[tuple[str, str, str]]:
         ("TORCH_EXTENSIONS_DIR", "",
          extensions if extensions else f"unset; JIT builds go to {extension_root()}"),
         (NO_JIT_VAR, "", os.environ.get(NO_JIT_VAR, "unset (JIT allowed)")),
+        ("liger-kernel", *_optional_package("liger_kernel", "pip install liger-kernel: its fused RMSNorm, RoPE, "
+                                            "SwiGLU and loss on GPUs (mtraining.liger)")),
     ]
     return rows
+
+
+def _optional_package(name: str, absent: str) -> tuple[str, str]:
+    """(status, detail) of an optional package: its version, or what it would bring."""
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return "[green]found[/]", version(name.replace("_", "-"))
+    except PackageNotFoundError:
+        return "[yellow]optional[/]", absent
 
 
 def build_tables() -> list[Table]:

@@ -125,6 +125,7 @@ def test_prebuilt_install_imports_without_compiling(prebuilt_install, tmp_path):
     assert "PREBUILT OK" in run_python(code, env, tmp_path, timeout=300)
     report = run_python("from ds_mtraining.cli import main; main(['report'])", env, tmp_path, 120)
     assert "prebuilt" in report
+    assert "liger-kernel" in report  # the optional package's row: found with its version, or what it brings
     assert not any(extensions.iterdir()), "nothing may be compiled when the op is prebuilt"
 
 
