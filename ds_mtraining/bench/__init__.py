@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import datetime
 import statistics
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -57,4 +58,17 @@ def time_ms(fn, warmup: int = 3, repeats: int = 10) -> float:
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def wall_time_ms(fn, repeats: int, warmup: int = 1) -> float:
+    """Median wall-clock milliseconds of ``fn()`` over ``repeats`` runs after ``warmup`` runs (the
+    CPU benchmarks)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times)

@@ -20,30 +20,16 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-from . import fresh_output_dir, index_for_density
+from . import fresh_output_dir, index_for_density, wall_time_ms
 
 FWD_BWD_FLOP_FACTOR = 3.5
 SINK_TOKENS = 64
 LOCAL_DIAGONALS = 128  # token diagonals 0..127: the local window
-
-
-def time_ms(fn, repeats: int, warmup: int = 1) -> float:
-    """Median milliseconds of ``fn()`` over ``repeats`` runs after ``warmup`` runs."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
 
 
 def cpu_model() -> str:
@@ -85,8 +71,8 @@ def measure(seq, heads, kv_heads, dim, block, target, repeats):
         return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale,
                                                                 enable_gqa=True)
 
-    dense_fwd = time_ms(lambda: dense().detach(), repeats)
-    dense_fwd_bwd = time_ms(lambda: torch.autograd.grad(dense(), (qt, kt, vt), dt), repeats)
+    dense_fwd = wall_time_ms(lambda: dense().detach(), repeats)
+    dense_fwd_bwd = wall_time_ms(lambda: torch.autograd.grad(dense(), (qt, kt, vt), dt), repeats)
     causal_flops = 4.0 * heads * dim * seq * (seq + 1) / 2
     dense_row = dict(impl="dense", **shape, density=1.0, fwd_ms=dense_fwd, fwd_bwd_ms=dense_fwd_bwd,
                      fwd_gflops=causal_flops / dense_fwd / 1e6,
@@ -95,8 +81,8 @@ def measure(seq, heads, kv_heads, dim, block, target, repeats):
     index = index_for_density(lambda n: build_index(heads, seq, block, seq // 64, n, seq + heads),
                               seq // block, target)
     flops = 4.0 * dim * float(index.num_entries().sum())
-    sparse_fwd = time_ms(lambda: sparse_attention(q, k, v, index, scale).detach(), repeats)
-    sparse_fwd_bwd = time_ms(lambda: torch.autograd.grad(sparse_attention(q, k, v, index, scale), (q, k, v), dout),
+    sparse_fwd = wall_time_ms(lambda: sparse_attention(q, k, v, index, scale).detach(), repeats)
+    sparse_fwd_bwd = wall_time_ms(lambda: torch.autograd.grad(sparse_attention(q, k, v, index, scale), (q, k, v), dout),
                              repeats)
     sparse_row = dict(impl="mtraining", **shape, density=index.density(), target_density=target,
                       fwd_ms=sparse_fwd, fwd_bwd_ms=sparse_fwd_bwd,

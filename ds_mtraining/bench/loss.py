@@ -20,15 +20,13 @@ import argparse
 import datetime
 import importlib.util
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 from ..loss import token_cross_entropy_sum
-from . import fresh_output_dir, time_ms
+from . import fresh_output_dir, time_ms, wall_time_ms
 
 
 def implementations(chunk_tokens: list[int], device: str) -> dict:
@@ -67,17 +65,6 @@ def agreement(fn, h, w, y) -> dict:
     return errors
 
 
-def time_on_cpu_ms(fn, warmup: int = 1, repeats: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
-
-
 def run_case(tokens: int, args, impls: dict) -> dict:
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
@@ -93,7 +80,7 @@ def run_case(tokens: int, args, impls: dict) -> dict:
             row["fwd_bwd_ms"] = time_ms(lambda: fwd_bwd(fn, h, w, y), warmup=2, repeats=args.repeats)
             row["peak_extra_gib"] = (torch.cuda.max_memory_allocated() - base) / 2 ** 30
         else:
-            row["fwd_bwd_ms"] = time_on_cpu_ms(lambda: fwd_bwd(fn, h, w, y), repeats=args.repeats)
+            row["fwd_bwd_ms"] = wall_time_ms(lambda: fwd_bwd(fn, h, w, y), args.repeats)
         flops = 3 * 2 * tokens * args.hidden * args.vocab  # logits, grad hidden, grad weight
         row["tflops"] = flops / row["fwd_bwd_ms"] / 1e9
         case["results"][name] = row
