@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from ..loss import token_cross_entropy_sum
+from ..loss import IGNORE_INDEX, token_cross_entropy_sum
 from . import fresh_output_dir, time_ms, wall_time_ms
 
 
@@ -42,7 +42,7 @@ def inputs(tokens: int, hidden: int, vocab: int, dtype, device, seed: int = 0):
     h = (torch.randn(tokens, hidden, generator=generator) * 0.5).to(device, dtype)
     w = (torch.randn(vocab, hidden, generator=generator) * hidden ** -0.5).to(device, dtype)
     y = torch.randint(0, vocab, (tokens,), generator=generator).to(device)
-    y[::97] = -100  # some ignored labels, as padding and document ends give
+    y[::97] = IGNORE_INDEX  # some ignored labels, as padding and document ends give
     return h, w, y
 
 
