@@ -184,7 +184,6 @@ def _ring_worker(rank, world):
                 documents_differing=documents_differing, documents_total=documents_total)
 
 
-
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 def test_two_gpu_ring_does_not_synchronise():
     from ds_mtraining.distributed.spawn import run_on_ranks

@@ -146,7 +146,8 @@ def test_multi_gpu_check_script_launches_fake_nodes_of_several_gpus(tmp_path):
     done = subprocess.run(["bash", str(root / "scripts" / "multi_gpu_check.sh")], env=env, cwd=root,
                           capture_output=True, text=True, timeout=300)
     summary = (tmp_path / "multi_gpu_summary.txt").read_text()
-    assert done.returncode == 0 and "check_2x2       PASS" in summary and "overall: PASS" in summary, done.stdout[-3000:]
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert "check_2x2       PASS" in summary and "overall: PASS" in summary, summary
     reports = [json.loads(line) for line in (tmp_path / "multi_gpu.log").read_text().splitlines()
                if line.startswith('{"rank"')]
     assert sorted(r["rank"] for r in reports) == [0, 1, 2, 3]

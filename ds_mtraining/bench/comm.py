@@ -142,7 +142,8 @@ def main(argv=None):
             step_ms = total_ms * scale
             flat, hier, intra, inter = ring_times(step_ms, bytes_per_pass[name], args.nodes,
                                                   args.per_node, args.intra_gbps, args.inter_gbps)
-            rows.append(dict(density=density, direction=name, step_compute_ms=step_ms, step_mb=bytes_per_pass[name] / 2**20,
+            rows.append(dict(density=density, direction=name, step_compute_ms=step_ms,
+                             step_mb=bytes_per_pass[name] / 2**20,
                              intra_ms=intra, inter_ms=inter, flat_ms=flat, hierarchical_ms=hier,
                              speedup=flat / hier))
     table = Table(title=f"attention per layer, {args.seq_len // 1024}K tokens on {args.nodes} x "
@@ -162,7 +163,6 @@ def main(argv=None):
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     console.print(f"wrote {args.out}")
-
 
 
 def main_against_scaling(args, argv):

@@ -82,8 +82,8 @@ def measure(seq, heads, kv_heads, dim, block, target, repeats):
                               seq // block, target)
     flops = 4.0 * dim * float(index.num_entries().sum())
     sparse_fwd = wall_time_ms(lambda: sparse_attention(q, k, v, index, scale).detach(), repeats)
-    sparse_fwd_bwd = wall_time_ms(lambda: torch.autograd.grad(sparse_attention(q, k, v, index, scale), (q, k, v), dout),
-                             repeats)
+    sparse_fwd_bwd = wall_time_ms(
+        lambda: torch.autograd.grad(sparse_attention(q, k, v, index, scale), (q, k, v), dout), repeats)
     sparse_row = dict(impl="mtraining", **shape, density=index.density(), target_density=target,
                       fwd_ms=sparse_fwd, fwd_bwd_ms=sparse_fwd_bwd,
                       fwd_gflops=flops / sparse_fwd / 1e6,

@@ -22,9 +22,10 @@ around those calls); ``other`` = wall - all of those (launches, allocations, cas
 accumulation, host syncs). The out/LSE merge and the dQ sum run in the kernels' epilogues, so
 their cost is in the kernels' time, where the ring's kernels exceed the same kernels alone. Each
 step's kernels are also timed alone (no transfer in flight), which separates the cost of
-splitting the work from interference by concurrent NCCL traffic. Measured imbalance: worker level = max / mean over ranks of the kernel time; the
-ring-step tables give :func:`ds_mtraining.ring.work.imbalance`'s metrics, next to the index's
-prediction (:func:`~ds_mtraining.ring.work.pair_work`).
+splitting the work from interference by concurrent NCCL traffic. Measured imbalance: worker
+level = max / mean over ranks of the kernel time; the ring-step tables give
+:func:`ds_mtraining.ring.work.imbalance`'s metrics, next to the index's prediction
+(:func:`~ds_mtraining.ring.work.pair_work`).
 
 Launch (the form is recorded in the JSON):
 

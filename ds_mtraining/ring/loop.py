@@ -101,8 +101,7 @@ def ring_backward(schedule: RingSchedule, dout, q, k, v, out, lse, index: Sparse
     outer_comm = schedule.outer if schedule.nodes > 1 else None
     dq = inner_grads = outer_grads = None
     delta = ops.attention_delta(dout, out)  # the same for every step: computed once
-    for outer_step, inner_step, stripe, step_k, step_v in schedule.kv_steps(held_k, held_v,
-                                                                             reverse=True):
+    for outer_step, inner_step, stripe, step_k, step_v in schedule.kv_steps(held_k, held_v, reverse=True):
         dq, dk_step, dv_step = ops.attention_backward(dout, q, step_k, step_v, out, lse, index, scale, stripe,
                                                       doc_start=doc_start, dq=dq, delta=delta)
         node_done = inner_step == 0  # the inner ring's local step: the node's share is complete

@@ -33,4 +33,3 @@ def merge_partial(out: torch.Tensor, lse: torch.Tensor, step_out: torch.Tensor,
     step_weight = torch.exp(step_lse - anchor).transpose(1, 2).unsqueeze(-1)
     # one full-size temporary fewer: 5 tensor-sized reads/writes instead of 7 (memory-bound on GPUs)
     return torch.addcmul(out * weight, step_out, step_weight), merged
-
