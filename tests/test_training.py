@@ -309,3 +309,44 @@ def test_liger_is_off_on_cpu_with_its_reason_and_true_is_an_error():
                                           r"set it to 'auto' or false"):
         use_fused_kernels(model, True)
     assert type(model.model.norm) is norm  # nothing patched
+
+
+# ----------------------------------------------------------------------------- keep_attention_output
+def _keep_output_worker(rank, world, root):
+    """Three steps of the real training entry point (2 gloo ranks, ZeRO-2 + CPU offload, activation
+    checkpointing, the sparse ring), with and without keep_attention_output."""
+    from ds_mtraining import ops
+    from ds_mtraining.train import parse_args, train
+    results = {}
+    real = ops.attention_forward
+    for keep in (False, True):
+        path = Path(root) / f"keep{keep}.json"
+        if rank == 0:
+            path.write_text(json.dumps(demo_config(gradient_checkpointing=True, keep_attention_output=keep)))
+        dist.barrier()
+        calls = []
+        ops.attention_forward = lambda *a, **kw: calls.append(1) or real(*a, **kw)
+        args = parse_args(["--deepspeed_config", str(path), "--steps", "3", "--save_dir", str(Path(root) / f"run{keep}"),
+                           "--seed", "7", "--no_progress", "--no_checkpoint"])
+        result = train(args)
+        ops.attention_forward = real
+        results[keep] = {"losses": result["losses"], "kernel_forwards": len(calls),
+                         "params": {n: p.detach().clone() for n, p in result["model"].named_parameters()}}
+    return results
+
+
+@pytest.mark.usefixtures("cpu_op")  # DeepSpeed's shm op built before the ranks start
+def test_keep_attention_output_trains_bit_for_bit_like_recomputing(tmp_path):
+    """mtraining.keep_attention_output through ds_mtraining.train (2 ranks, ZeRO-2 + CPU offload,
+    checkpointing, fp32 on CPU): the same losses and parameters after three steps, bit for bit (the
+    kept output is the one the recompute would make), with half the kernel forwards (each rank's
+    ring runs W = 2 forward calls per layer and attention)."""
+    from ds_mtraining.training.model import PRESETS
+    results = run_on_ranks(_keep_output_worker, 2, str(tmp_path), timeout=TIMEOUT_S)
+    layers = PRESETS["tiny-qwen2"]["num_hidden_layers"]
+    for rank in range(2):
+        off, on = results[rank][False], results[rank][True]
+        assert on["losses"] == off["losses"] and len(on["losses"]) == 3
+        for name, value in off["params"].items():
+            assert torch.equal(on["params"][name], value), name
+        assert off["kernel_forwards"] == 3 * 2 * layers * 2 and on["kernel_forwards"] == 3 * layers * 2
