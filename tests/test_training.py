@@ -326,8 +326,8 @@ def _keep_output_worker(rank, world, root):
         dist.barrier()
         calls = []
         ops.attention_forward = lambda *a, **kw: calls.append(1) or real(*a, **kw)
-        args = parse_args(["--deepspeed_config", str(path), "--steps", "3", "--save_dir", str(Path(root) / f"run{keep}"),
-                           "--seed", "7", "--no_progress", "--no_checkpoint"])
+        args = parse_args(["--deepspeed_config", str(path), "--steps", "3", "--seed", "7", "--no_progress",
+                           "--save_dir", str(Path(root) / f"run{keep}"), "--no_checkpoint"])
         result = train(args)
         ops.attention_forward = real
         results[keep] = {"losses": result["losses"], "kernel_forwards": len(calls),
