@@ -397,8 +397,8 @@ class RankBatches:
     ``document_masking`` it also holds ``doc_start``, int32 [B, S] for the *whole* sequence
     (:mod:`ds_mtraining.documents`; every rank needs all of it), and the position ids restart at
     0 in each document (RoPE of packed documents); a batch whose samples are each one document
-    (e.g. passkey samples) has nothing to mask and carries no ``doc_start``. ``layout`` ``"contiguous"`` gives contiguous
-    shards instead of stripes (:class:`ContiguousLayout`, for DeepSpeed-Ulysses).
+    (e.g. passkey samples) has nothing to mask and carries no ``doc_start``. ``layout``
+    ``"contiguous"`` gives contiguous shards instead of stripes (:class:`ContiguousLayout`, for DeepSpeed-Ulysses).
     """
 
     samples: PackedSequences

@@ -42,11 +42,17 @@ elif [ "${visible:-0}" -lt 2 ]; then
 else
   ranks=${GPUS:-$visible}
   if [ "$ranks" -gt "$visible" ] || [ "$ranks" -lt 2 ]; then
-    echo "multi_gpu_check: GPUS=$ranks, but $visible GPU(s) are visible (2 or more needed)" | tee "$OUT/multi_gpu_summary.txt"
+    echo "multi_gpu_check: GPUS=$ranks, but $visible GPU(s) are visible (2 or more needed)" \
+      | tee "$OUT/multi_gpu_summary.txt"
     exit 1
   fi
 fi
-case $ranks in 2) default_shapes="2x1" ;; 4) default_shapes="2x2" ;; 8) default_shapes="2x4 4x2" ;; *) default_shapes="" ;; esac
+case $ranks in
+  2) default_shapes="2x1" ;;
+  4) default_shapes="2x2" ;;
+  8) default_shapes="2x4 4x2" ;;
+  *) default_shapes="" ;;
+esac
 NODE_SHAPES=${NODE_SHAPES:-$default_shapes}
 for shape in $NODE_SHAPES; do
   if ! [[ $shape =~ ^[0-9]+x[0-9]+$ ]] || [ $(( ${shape%x*} * ${shape#*x} )) -ne "$ranks" ]; then
@@ -77,7 +83,9 @@ stage() {
   STAGE_LIMIT=$limit timeout -k 15 "$limit" "$@" >>"$LOG" 2>&1
   local code=$?
   if [ $code -ne 0 ] && ls "$WORK"/node*.log >/dev/null 2>&1 && ! grep -q "^--- node 0" <(tail -c 200000 "$LOG"); then
-    for log in "$WORK"/node*.log; do echo "--- $(basename "$log" .log) (after exit code $code)"; cat "$log"; done >>"$LOG" 2>&1
+    for log in "$WORK"/node*.log; do
+      echo "--- $(basename "$log" .log) (after exit code $code)"; cat "$log"
+    done >>"$LOG" 2>&1
   fi
   local status=PASS
   if [ $code -eq 124 ] || [ $code -eq 137 ]; then status=TIMEOUT; elif [ $code -ne 0 ]; then status=FAIL:$code; fi

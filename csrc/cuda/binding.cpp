@@ -223,7 +223,8 @@ std::vector<at::Tensor> backward(const at::Tensor& dout_in, const at::Tensor& q,
     at::Tensor dq = running_dq.has_value() ? *running_dq : at::empty(q.sizes(), float_options);
     at::Tensor dk = at::empty(k.sizes(), float_options);
     at::Tensor dv = at::empty(v.sizes(), float_options);
-    const at::Tensor delta = given_delta.has_value() ? *given_delta : at::empty({q.size(0), q.size(2), q.size(1)}, float_options);
+    const at::Tensor delta =
+        given_delta.has_value() ? *given_delta : at::empty({q.size(0), q.size(2), q.size(1)}, float_options);
     const int query_blocks = static_cast<int>((q.size(1) + index.block_size - 1) / index.block_size);
     const std::vector<int64_t> partial_shape = {mtr::vertical_chunks(query_blocks), q.size(0), q.size(2),
                                                 index.vertical.size(2), q.size(3)};

@@ -401,7 +401,8 @@ def table(record: dict):
     return grid
 
 
-PLOTTED = (("mtraining", None, "MTraining, W GPUs", "tab:blue", "-"), ("ulysses", None, "Ulysses, W GPUs", "black", "-"),
+PLOTTED = (("mtraining", None, "MTraining, W GPUs", "tab:blue", "-"),
+           ("ulysses", None, "Ulysses, W GPUs", "black", "-"),
            ("single_gpu", "mtraining", "MTraining, 1 GPU", "tab:blue", ":"),
            ("single_gpu", "dense", "dense, 1 GPU", "black", ":"))
 

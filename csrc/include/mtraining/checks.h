@@ -182,8 +182,8 @@ inline Geometry check_call(const at::Tensor& q, const at::Tensor& k, const at::T
 inline void check_accumulator(const at::Tensor& q, const at::Tensor& t, at::IntArrayRef shape, const char* name,
                               const char* op_name) {
     TORCH_CHECK_VALUE(t.sizes() == shape, op_name, ": ", name, " must be ", text(shape), ", got ", text(t.sizes()));
-    TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat, op_name, ": ", name, " must be float32 (as the ops return it), got ",
-                     text(t.scalar_type()));
+    TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat, op_name, ": ", name,
+                     " must be float32 (as the ops return it), got ", text(t.scalar_type()));
     TORCH_CHECK_VALUE(t.device() == q.device(), op_name, ": ", name, " is on ", text(t.device()), " but q is on ",
                       text(q.device()));
     TORCH_CHECK_VALUE(t.is_contiguous(), op_name, ": ", name, " must be contiguous");
