@@ -28,6 +28,8 @@ bitwise reproducible for a given device and shape.
 """
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from .attention import resolve_softmax_scale
@@ -171,6 +173,11 @@ def estimate_vertical_slash_cuda(q: torch.Tensor, k: torch.Tensor, config: Spars
     return build_index(slash, s_count, vertical, v_count, s, config)
 
 
+def _kernels(passes):
+    """``passes`` where a test gives torch versions of the passes, else this module's kernels."""
+    return passes if passes is not None else sys.modules[__name__]
+
+
 def merge_columns(selected: torch.Tensor, extra: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The union of ``selected`` [B, H, a] (int32, ascending, ``PAD`` padded) and ``extra``
     [B, H, e] (any order, -1 or ``PAD`` padded), ascending without repeats and ``PAD`` padded to
@@ -193,8 +200,7 @@ def index_from_document_masses(columns: torch.Tensor, diagonals: torch.Tensor, c
     entries equal the torch rule's up to float summation order, as in
     :func:`estimate_vertical_slash_cuda`. ``passes``: ``select_top_p_pair`` and ``build_index``
     (default: this module's kernels; tests pass torch versions)."""
-    import sys
-    passes = passes if passes is not None else sys.modules[__name__]
+    passes = _kernels(passes)
     (vertical, vertical_count), (slash, slash_count) = passes.select_top_p_pair(
         columns, config.p_vertical, config.max_vertical, diagonals, config.p_slash, config.max_slash_diagonals)
     vertical, vertical_count = merge_columns(vertical, document_sink_columns(doc_start, columns.shape[1], config))
@@ -236,8 +242,7 @@ def document_masses(q: torch.Tensor, k: torch.Tensor, doc_start: torch.Tensor, l
     global positions (at least :func:`~ds_mtraining.estimate.document_query_positions`).
     ``passes``: an object with ``row_stats`` and ``masses`` (default: this module's kernels;
     tests pass torch versions)."""
-    import sys
-    passes = passes if passes is not None else sys.modules[__name__]
+    passes = _kernels(passes)
     b, s, h = k.shape[0], k.shape[1], q.shape[2]
     start, length, row = zip(*document_spans(doc_start))
     length = torch.tensor(length, dtype=torch.float64)  # host: the weights need no device

@@ -198,19 +198,25 @@ def ulysses_config(**mtraining) -> dict:
     return config
 
 
+def _train_in_process(rank: int, root, name: str, config: dict, steps: int, seed: int) -> dict:
+    """ds_mtraining.train on this spawned rank with ``config`` (rank 0 writes ROOT/NAME.json),
+    ``steps`` steps from ``seed``, no checkpoint; train()'s result."""
+    from ds_mtraining.train import parse_args, train
+    path = Path(root) / f"{name}.json"
+    if rank == 0:
+        path.write_text(json.dumps(config))
+    dist.barrier()
+    return train(parse_args(["--deepspeed_config", str(path), "--steps", str(steps), "--seed", str(seed),
+                             "--save_dir", str(Path(root) / f"run_{name}"), "--no_progress", "--no_checkpoint"]))
+
+
 def _ulysses_worker(rank, world, root):
     """One step of the real training entry point in the Ulysses mode on 2 ranks (W = 2), then the
     same in a fresh run at W = 1 (2 data-parallel replicas of plain dense SDPA)."""
-    from ds_mtraining.train import parse_args, train
     results = {}
     for sp in (2, 1):
-        path = Path(root) / f"ulysses{sp}.json"
-        if rank == 0:
-            path.write_text(json.dumps(ulysses_config(sequence_parallel_size=sp)))
-        dist.barrier()
-        args = parse_args(["--deepspeed_config", str(path), "--steps", "1", "--save_dir", str(Path(root) / f"run{sp}"),
-                           "--seed", str(ULYSSES_SEED), "--no_progress", "--no_checkpoint"])
-        result = train(args)
+        result = _train_in_process(rank, root, f"ulysses{sp}", ulysses_config(sequence_parallel_size=sp), 1,
+                                   ULYSSES_SEED)
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
         results[sp] = {"losses": result["losses"], "sdpa_module": ALL_ATTENTION_FUNCTIONS["sdpa"].__module__,
                        "params": {n: p.detach().clone() for n, p in result["model"].named_parameters()},
@@ -316,19 +322,13 @@ def _keep_output_worker(rank, world, root):
     """Three steps of the real training entry point (2 gloo ranks, ZeRO-2 + CPU offload, activation
     checkpointing, the sparse ring), with and without keep_attention_output."""
     from ds_mtraining import ops
-    from ds_mtraining.train import parse_args, train
     results = {}
     real = ops.attention_forward
     for keep in (False, True):
-        path = Path(root) / f"keep{keep}.json"
-        if rank == 0:
-            path.write_text(json.dumps(demo_config(gradient_checkpointing=True, keep_attention_output=keep)))
-        dist.barrier()
         calls = []
         ops.attention_forward = lambda *a, **kw: calls.append(1) or real(*a, **kw)
-        args = parse_args(["--deepspeed_config", str(path), "--steps", "3", "--seed", "7", "--no_progress",
-                           "--save_dir", str(Path(root) / f"run{keep}"), "--no_checkpoint"])
-        result = train(args)
+        result = _train_in_process(rank, root, f"keep{keep}",
+                                   demo_config(gradient_checkpointing=True, keep_attention_output=keep), 3, 7)
         ops.attention_forward = real
         results[keep] = {"losses": result["losses"], "kernel_forwards": len(calls),
                          "params": {n: p.detach().clone() for n, p in result["model"].named_parameters()}}

@@ -32,7 +32,7 @@ class RunConfig:
     attention: str = "sparse"  # sparse (MTraining) | dense | static: ds_mtraining.static | ulysses
     static: dict | None = None  # the static pattern's settings when attention is "static"
     document_masking: bool = False  # packed documents attend only within themselves (ds_mtraining.documents)
-    liger: str | bool = "auto"  # liger-kernel's RMSNorm/RoPE/SwiGLU (training.model.use_fused_kernels)
+    liger: str | bool = "auto"  # liger-kernel's RMSNorm/RoPE/SwiGLU and loss (training.model.use_fused_kernels)
     keep_attention_output: bool = False  # attention once per layer under checkpointing (layer.py keep_output)
 
     def to_dict(self) -> dict:
@@ -117,9 +117,7 @@ def parse_run_config(section: dict, world_size: int) -> RunConfig:
                         factors="sequence_parallel_size x stripe_block")
     except ValueError as error:
         raise ConfigError(str(error)) from None
-    checkpointing = section.get("gradient_checkpointing", False)
-    if not isinstance(checkpointing, bool):
-        raise ConfigError(f"{MTRAINING_KEY}.gradient_checkpointing={checkpointing!r} must be true or false")
+    checkpointing = _boolean(section, "gradient_checkpointing")
     liger = section.get("liger", "auto")
     check_liger_setting(liger)
     attention, static = _attention_mode(section, seq_len, sparse.block_size)
@@ -141,10 +139,15 @@ def parse_run_config(section: dict, world_size: int) -> RunConfig:
                      document_masking=documents, liger=liger, keep_attention_output=keep)
 
 
+def _boolean(section: dict, key: str) -> bool:
+    value = section.get(key, False)
+    if not isinstance(value, bool):
+        raise ConfigError(f"{MTRAINING_KEY}.{key}={value!r} must be true or false")
+    return value
+
+
 def _keep_attention_output(section: dict, checkpointing: bool) -> bool:
-    keep = section.get("keep_attention_output", False)
-    if not isinstance(keep, bool):
-        raise ConfigError(f"{MTRAINING_KEY}.keep_attention_output={keep!r} must be true or false")
+    keep = _boolean(section, "keep_attention_output")
     if keep and not checkpointing:
         raise ConfigError(f"{MTRAINING_KEY}.keep_attention_output=true keeps each layer's attention output "
                           f"for the forward that activation checkpointing recomputes, and checkpointing is "
