@@ -274,6 +274,25 @@ def test_backward_is_deterministic():
         assert torch.equal(a, b), "two runs differ"
 
 
+def test_kernel_split_names_each_pass():
+    """bench.kernel --kernel-split: the profiler's kernel names map to our four passes, each
+    with time, and no kernel of ours is left under another label."""
+    from ds_mtraining.bench import kernel_split_ms
+    from ds_mtraining.bench.kernel import OUR_PASSES, kernel_label
+    from ds_mtraining.attention import sparse_attention
+
+    generator = torch.Generator().manual_seed(5)
+    q, k, v = random_qkv(1, 2048, 8, 2, 128, torch.bfloat16, generator)
+    q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
+    index = random_index(1, 8, 2048, 128, 4, 100, generator)
+    dout = torch.randn(1, 2048, 8, 128, generator=generator).to("cuda", torch.bfloat16)
+    split = kernel_split_ms(lambda: torch.autograd.grad(sparse_attention(q, k, v, index, 0.1), (q, k, v), dout),
+                            kernel_label)
+    for name in OUR_PASSES.values():
+        assert split.get(name, 0.0) > 0.0, f"no time under {name}: {split}"
+    assert not [label for label in split if label in ("query_kernel", "key_kernel")], split
+
+
 def misaligned(t):
     """A contiguous copy of t that starts 2 bytes past a 16-byte boundary (a slice of a larger buffer)."""
     buffer = torch.empty(t.numel() + 1, device=t.device, dtype=t.dtype)

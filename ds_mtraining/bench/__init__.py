@@ -61,6 +61,25 @@ def time_ms(fn, warmup: int = 3, repeats: int = 10) -> float:
     return statistics.median(times)
 
 
+def kernel_split_ms(fn, label: Callable[[str], str], repeats: int = 3) -> dict:
+    """CUDA time per kernel of one ``fn()`` call (mean over ``repeats`` profiled calls after one
+    warm-up), in milliseconds, keyed by ``label(kernel name)`` (kernels with one label add up):
+    where a benchmark's time goes, beside its CUDA-event total."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiler:
+        for _ in range(repeats):
+            fn()
+        torch.cuda.synchronize()
+    split = {}
+    for event in profiler.key_averages():
+        microseconds = event.self_device_time_total
+        if microseconds > 0:
+            key = label(event.key)
+            split[key] = split.get(key, 0.0) + microseconds / 1e3 / repeats
+    return dict(sorted(split.items(), key=lambda item: -item[1]))
+
+
 def wall_time_ms(fn, repeats: int, warmup: int = 1) -> float:
     """Median wall-clock milliseconds of ``fn()`` over ``repeats`` runs after ``warmup`` runs (the
     CPU benchmarks)."""

@@ -22,8 +22,11 @@ combined mask: its block lists drop the key blocks before a query block's first 
 mask_mod adds ``kv >= doc_start[q]``). The FLOP counts stay those of the index without documents,
 so the TFLOP/s columns compare times, not work done.
 
+With ``--kernel-split`` every row also gets ``kernel_ms``: one forward+backward's CUDA time per
+kernel (torch.profiler; ours by pass: forward, dq, dkdv_slash, dkdv_vertical).
+
     python -m ds_mtraining.bench.kernel [--seq-lens 32768 65536 131072] [--densities 0.03 0.05 0.1]
-    python -m ds_mtraining.bench.kernel --seq-lens 131072 --documents 4096 32768
+    python -m ds_mtraining.bench.kernel --seq-lens 131072 --documents 4096 32768 --kernel-split
 """
 from __future__ import annotations
 
@@ -36,12 +39,24 @@ from pathlib import Path
 
 import torch
 
-from . import fresh_output_dir, index_for_density, time_ms
+from . import fresh_output_dir, index_for_density, kernel_split_ms, time_ms
 
 SINK_TOKENS = 64
 HOT_BLOCKS = 16           # key blocks holding clustered vertical columns, per head
 COLUMNS_PER_HOT_BLOCK = 16
 FWD_BWD_FLOP_FACTOR = 3.5
+OUR_PASSES = {("query_kernel", False): "forward", ("query_kernel", True): "dq",
+              ("key_kernel", False): "dkdv_slash", ("key_kernel", True): "dkdv_vertical"}
+
+
+def kernel_label(name: str) -> str:
+    """Our attention kernels by pass (their last template argument is kBackward / kVertical);
+    any other kernel by its name up to the template or argument list, at most 60 characters."""
+    base = name.split("<")[0].split("(")[0].replace("void ", "").split("::")[-1]
+    template = name.split("(")[0]
+    if base in ("query_kernel", "key_kernel") and template.endswith(">"):
+        return OUR_PASSES[(base, template.rstrip(">").rstrip().endswith("true"))]
+    return (base or name)[:60]
 
 
 def build_index(batch, heads, seq, block, n_slash, generator, document_starts=(0,)):
@@ -176,27 +191,41 @@ def run(args):
             fwd = time_ms(forward, repeats=args.repeats)
             return fwd, time_ms(lambda: torch.autograd.grad(forward(), inputs, grad_out), repeats=args.repeats)
 
+        def split(forward, inputs=(q, k, v), grad_out=dout):
+            """``kernel_ms`` of one forward+backward of ``forward`` (with --kernel-split)."""
+            if not args.kernel_split:
+                return {}
+            return dict(kernel_ms=kernel_split_ms(lambda: torch.autograd.grad(forward(), inputs, grad_out),
+                                                  kernel_label))
+
         def documents_rows(plain, index, doc_start, flex_masks):
             """Rows of the same index with document masking: ours (vs the plain row and vs flex
             with the combined mask) and flex's."""
-            ours = time_both(lambda: sparse_attention(q, k, v, index, scale, doc_start=doc_start))
+            def documents_forward():
+                return sparse_attention(q, k, v, index, scale, doc_start=doc_start)
+
+            ours = time_both(documents_forward)
             row = dict(plain, impl="mtraining_documents", fwd_ms=ours[0], fwd_bwd_ms=ours[1],
                        fwd_tflops=plain["fwd_tflops"] * plain["fwd_ms"] / ours[0],
                        fwd_bwd_tflops=plain["fwd_bwd_tflops"] * plain["fwd_bwd_ms"] / ours[1],
-                       speedup_vs_no_documents_fwd_bwd=plain["fwd_bwd_ms"] / ours[1])
+                       speedup_vs_no_documents_fwd_bwd=plain["fwd_bwd_ms"] / ours[1], **split(documents_forward))
             for key in ("speedup_vs_flex_fwd", "speedup_vs_flex_fwd_bwd", "speedup_vs_dense_fwd_bwd"):
                 row.pop(key, None)
             out = [row]
             if flex_masks is not None:
                 block_mask, block_density = flex_masks.for_index(index)
                 qf, kf, vf, df = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v, dout))
-                flex_ms = time_both(lambda: flex(qf, kf, vf, block_mask=block_mask, scale=scale, enable_gqa=True),
-                                    (qf, kf, vf), df)
+
+                def flex_forward():
+                    return flex(qf, kf, vf, block_mask=block_mask, scale=scale, enable_gqa=True)
+
+                flex_ms = time_both(flex_forward, (qf, kf, vf), df)
                 out.append(dict(impl="flex_documents", seq_len=plain["seq_len"], density=plain["density"],
                                 target_density=plain["target_density"], block_density=block_density,
                                 fwd_ms=flex_ms[0], fwd_bwd_ms=flex_ms[1],
                                 fwd_tflops=row["fwd_tflops"] * ours[0] / flex_ms[0],
-                                fwd_bwd_tflops=row["fwd_bwd_tflops"] * ours[1] / flex_ms[1]))
+                                fwd_bwd_tflops=row["fwd_bwd_tflops"] * ours[1] / flex_ms[1],
+                                **split(flex_forward, (qf, kf, vf), df)))
                 row["speedup_vs_flex_fwd"] = flex_ms[0] / ours[0]
                 row["speedup_vs_flex_fwd_bwd"] = flex_ms[1] / ours[1]
             print(json.dumps(row), flush=True)
@@ -235,7 +264,11 @@ def run(args):
                 seq // block - 2, target).to(device)
             density = index.density()
             flops = 4.0 * dim * float(index.num_entries().sum())
-            ours_fwd, ours_fwd_bwd = time_both(lambda: sparse_attention(q, k, v, index, scale))
+
+            def ours_forward():
+                return sparse_attention(q, k, v, index, scale)
+
+            ours_fwd, ours_fwd_bwd = time_both(ours_forward)
             index_ms = time_ms(lambda: module.step_index(ops.op_index(index), seq), repeats=args.repeats)
             row = dict(impl="mtraining", seq_len=seq, density=density, target_density=target,
                        **paths,
@@ -245,7 +278,7 @@ def run(args):
                        fwd_ms=ours_fwd, fwd_bwd_ms=ours_fwd_bwd, index_ms=index_ms,
                        index_share_of_fwd_bwd=index_ms / ours_fwd_bwd,
                        fwd_tflops=flops / ours_fwd / 1e9,
-                       fwd_bwd_tflops=FWD_BWD_FLOP_FACTOR * flops / ours_fwd_bwd / 1e9)
+                       fwd_bwd_tflops=FWD_BWD_FLOP_FACTOR * flops / ours_fwd_bwd / 1e9, **split(ours_forward))
             if flex is not None:
                 block_mask, flex_block_density = flex_masks.for_index(index)
                 qf, kf, vf, df = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v, dout))
@@ -257,7 +290,8 @@ def run(args):
                 rows.append(dict(impl="flex", seq_len=seq, density=density, target_density=target,
                                  block_density=flex_block_density, fwd_ms=flex_fwd, fwd_bwd_ms=flex_fwd_bwd,
                                  fwd_tflops=flops / flex_fwd / 1e9,
-                                 fwd_bwd_tflops=FWD_BWD_FLOP_FACTOR * flops / flex_fwd_bwd / 1e9))
+                                 fwd_bwd_tflops=FWD_BWD_FLOP_FACTOR * flops / flex_fwd_bwd / 1e9,
+                                 **split(flex_forward, (qf, kf, vf), df)))
                 row["speedup_vs_flex_fwd"] = flex_fwd / ours_fwd
                 row["speedup_vs_flex_fwd_bwd"] = flex_fwd_bwd / ours_fwd_bwd
                 del qf, kf, vf, df, block_mask
@@ -271,7 +305,7 @@ def run(args):
             print(json.dumps(row), flush=True)
         # free this length's tensors before the next: the closures above (time_both's defaults
         # among them) hold them too
-        q = k = v = dout = time_both = documents_rows = None
+        q = k = v = dout = time_both = split = documents_rows = None
         torch.cuda.empty_cache()
 
     table = Table(title=f"sparse attention, H={heads} HKV={kv_heads} D={dim} bf16, {result['device']}")
@@ -300,6 +334,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--skip-dense", action="store_true")
     parser.add_argument("--documents", type=int, nargs=2, metavar=("MIN", "MAX"), default=None,
                         help="also time the same indexes with documents of MIN..MAX tokens packed")
+    parser.add_argument("--kernel-split", action="store_true",
+                        help="also profile one forward+backward per row: CUDA ms per kernel (kernel_ms)")
     parser.add_argument("--out", default="bench_results/kernel-<time>/kernel.json",
                         help="JSON file; by default in a new directory")
     return parser
