@@ -120,6 +120,9 @@ def test_smoke_end_to_end(tmp_path):
     mtraining, ulysses = (row[mode]["runs"][0]["profile_ms_by_kind"] for mode in ("mtraining", "ulysses"))
     assert mtraining["attention"] > 0 and mtraining["gemm"] > 0 and ulysses["gemm"] > 0
     assert "attention" not in ulysses and ulysses["communication"] > 0  # SDPA, and Ulysses' all-to-alls
+    top = row["mtraining"]["runs"][0]["profile_top"]  # the costliest first, each with its kind
+    assert 0 < len(top) <= 10 and [t["ms"] for t in top] == sorted((t["ms"] for t in top), reverse=True)
+    assert any(t["kind"] == "attention" for t in top)
     assert row["speedup"] == pytest.approx(row["ulysses"]["step_s"] / row["mtraining"]["step_s"])
     assert "MTraining W" in done.stdout.split("e2e: tiny-qwen2 ulysses")[-1]  # the table, printed last
 

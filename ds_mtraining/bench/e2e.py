@@ -78,6 +78,7 @@ PARTS = ("sp", "single")  # the W-GPU pair (mtraining vs ulysses) and the one-GP
 DEFAULT_CONFIG = "ds_configs/e2e_zero2_offload_bf16.json"
 SMOKE = dict(config="ds_configs/cpu_demo.json", models=["tiny-qwen2"], seq_lens=[512], world=2, steps=2,
              warmup=1, layers=[1, 2], depth="full", single_depth="full", timeout=180.0)
+PROFILE_TOP = 10  # kernels of the profiled step copied into the results
 OUT_OF_MEMORY = re.compile(r"CUDA out of memory|OutOfMemoryError|out of memory", re.IGNORECASE)
 
 
@@ -195,8 +196,10 @@ def launch(config: dict, gpus: list | None, world: int, folder: Path, port: int,
     micro = config.get("train_micro_batch_size_per_gpu", 1) * config.get("gradient_accumulation_steps", 1)
     result = read_run(folder / "run", micro * config["mtraining"]["seq_len"], args.warmup, world, args.profile_step)
     profile_path = folder / "run" / f"profile_step{args.profile_step}_rank0.json"
-    if args.profile_step and profile_path.is_file():  # rank 0's step time by kind of work
-        result["profile_ms_by_kind"] = json.loads(profile_path.read_text())["ms_by_kind"]
+    if args.profile_step and profile_path.is_file():  # rank 0's step time by kind of work, its top kernels
+        profile = json.loads(profile_path.read_text())
+        result["profile_ms_by_kind"] = profile["ms_by_kind"]
+        result["profile_top"] = profile["top"][:PROFILE_TOP]
     return {**result, "wall_s": wall, "log": str(log)}
 
 
@@ -501,7 +504,7 @@ def parse_args(argv=None):
     parser.add_argument("--profile_step", type=int, default=0, metavar="N",
                         help="every launch profiles its step N (train.py --profile_step; give one more "
                              "step, it is left out of the median); each run then reports rank 0's time by "
-                             "kind of work (profile_ms_by_kind)")
+                             "kind of work (profile_ms_by_kind) and its 10 costliest kernels (profile_top)")
     parser.add_argument("--keep_attention_output", action="store_true",
                         help="MTraining launches keep each layer's attention output for the recompute "
                              "(mtraining.keep_attention_output: attention once per layer and step)")
