@@ -140,6 +140,42 @@ def test_profile_kinds_by_name():
     assert {name: kind_of(name) for name in cases} == cases
 
 
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_profile_counts_each_kernel_once():
+    """train.py --profile_step on a GPU: the kinds sum kernel time only. ops.py's record_function
+    ranges also appear on the GPU as annotations spanning their kernels; counted, they doubled
+    attention's share (seen on an H200). Kernels on one stream cannot add up to more than the
+    span they ran in, timed by CUDA events around the same calls."""
+    import torch
+
+    from ds_mtraining.attention import sparse_attention
+    from ds_mtraining.index import SparseIndex
+    from ds_mtraining.training.profile import profiled, summarise
+
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 8192, h, 128, generator=generator).to("cuda", torch.bfloat16).requires_grad_()
+               for h in (16, 2, 2))
+    slash = torch.arange(1, 9).expand(1, 16, 8)
+    index = SparseIndex.from_blocks(slash, torch.zeros(1, 16, 1, dtype=torch.long), 8192, 128, local_blocks=1)
+    index = index.to("cuda")
+
+    def step():
+        sparse_attention(q, k, v, index, 0.1).float().square().sum().backward()
+
+    step()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with profiled(True) as profiler:
+        start.record()
+        for _ in range(3):
+            step()
+        end.record()
+    summary = summarise(profiler, 1, 0, 0.0)
+    assert summary["ms_by_kind"]["attention"] > 0
+    assert not [row for row in summary["top"] if row["name"].startswith("mtraining::")], summary["top"]
+    assert summary["total_ms"] <= start.elapsed_time(end) * 1.02, (summary["total_ms"], start.elapsed_time(end))
+
+
 def test_density_pins_mtraining_caps_only():
     """--density D: MTraining's slash cap marks about D x S / block block diagonals (a scattered token
     diagonal marks one or two) and max_vertical is --max_vertical; the baselines keep the config's."""

@@ -74,7 +74,7 @@ def kernel_split_ms(fn, label: Callable[[str], str], repeats: int = 3) -> dict:
     split = {}
     for event in profiler.key_averages():
         microseconds = event.self_device_time_total
-        if microseconds > 0:
+        if microseconds > 0 and not event.is_user_annotation:  # ranges spanning kernels: not kernels
             key = label(event.key)
             split[key] = split.get(key, 0.0) + microseconds / 1e3 / repeats
     return dict(sorted(split.items(), key=lambda item: -item[1]))

@@ -68,7 +68,9 @@ def summarise(profiler, step: int, rank: int, step_s: float) -> dict:
     rows = []
     for event in profiler.key_averages():
         if on_gpu:
-            if event.device_type != torch.autograd.DeviceType.CUDA:
+            # a record_function range (ops.py's mtraining::*) also shows on the GPU as an annotation
+            # spanning its kernels: counting it would count those kernels twice
+            if event.device_type != torch.autograd.DeviceType.CUDA or event.is_user_annotation:
                 continue
             microseconds = event.self_device_time_total
         else:
