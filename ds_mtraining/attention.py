@@ -58,21 +58,20 @@ class SparseAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, index: SparseIndex, scale: float, doc_start=None, kept=None):
-        if kept is None:
-            out, lse = ops.attention_forward(q, k, v, index, scale, Stripe(), doc_start=doc_start)
-        else:  # saved as the kernel's (fp32): checkpointing checks the recomputed saved tensors
-            out, lse = kept[0].float(), kept[1]
+        # out (and dq) in q's dtype straight from the kernels: no float32 copy to convert
+        out, lse = kept if kept is not None else ops.attention_forward(q, k, v, index, scale, Stripe(),
+                                                                       doc_start=doc_start, input_dtype=True)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.index, ctx.scale, ctx.doc_start = index, scale, doc_start
         ctx.mark_non_differentiable(lse)
-        return (out.to(q.dtype) if kept is None else kept[0]), lse
+        return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = ops.attention_backward(dout, q, k, v, out, lse, ctx.index, ctx.scale, Stripe(),
-                                            doc_start=ctx.doc_start)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+                                            doc_start=ctx.doc_start, input_dtype=True)
+        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
 def sparse_attention_with_lse(q, k, v, index: SparseIndex, softmax_scale: float | None = None, *,

@@ -55,31 +55,36 @@ def _call_index(q: torch.Tensor, index: SparseIndex, stripe: Stripe, doc_start) 
 
 def attention_forward(q, k, v, index: SparseIndex, scale: float, stripe: Stripe = Stripe(), *,
                       doc_start: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                      lse: torch.Tensor | None = None):
+                      lse: torch.Tensor | None = None, input_dtype: bool = False):
     """Sparse attention of ``stripe.q_rank``'s queries over ``stripe.k_rank``'s keys, within the
     documents of ``doc_start`` when given.
 
     Returns (out float32 [B, Sq, H, D], lse float32 [B, H, Sq]); rows that see no key in this
     call get out 0 and lse -inf. Given ``out`` and ``lse``, the running result of earlier calls
     for the same queries over other keys, the call merges its own into them in place (as
-    :func:`ds_mtraining.ring.merge_partial` would) and returns them."""
+    :func:`ds_mtraining.ring.merge_partial` would) and returns them. ``input_dtype``: out in
+    q's dtype (rounded as ``.to(q.dtype)`` rounds; on CUDA written so by the kernel, with no
+    float32 copy), for a call with no running ``out``."""
     module = op_module(q.device.type)
     with record_function("mtraining::forward"):
         return tuple(module.forward(q, k, v, _call_index(q, index, stripe, doc_start), float(scale), out=out,
-                                    lse=lse))
+                                    lse=lse, input_dtype=input_dtype))
 
 
 def attention_backward(dout, q, k, v, out, lse, index: SparseIndex, scale: float,
                        stripe: Stripe = Stripe(), *, doc_start: torch.Tensor | None = None,
-                       dq: torch.Tensor | None = None, delta: torch.Tensor | None = None):
-    """Gradients (dq, dk, dv) of one call given the final output ``out``, its ``lse`` and
-    ``dout`` (``doc_start`` as in the forward); float32. Given ``dq`` (float32, a running sum
-    over earlier calls), the call adds its dq into it in place and returns it. Given ``delta``
-    (:func:`attention_delta` of this ``dout`` and ``out``), the call does not compute it again."""
+                       dq: torch.Tensor | None = None, delta: torch.Tensor | None = None,
+                       input_dtype: bool = False):
+    """Gradients (dq, dk, dv) of one call given the final output ``out`` (float32, or q's
+    dtype), its ``lse`` and ``dout`` (``doc_start`` as in the forward); float32. Given ``dq``
+    (float32, a running sum over earlier calls), the call adds its dq into it in place and
+    returns it. Given ``delta`` (:func:`attention_delta` of this ``dout`` and ``out``), the call
+    does not compute it again. ``input_dtype``: dq in q's dtype, for a call with no running
+    ``dq``."""
     module = op_module(q.device.type)
     with record_function("mtraining::backward"):
         return tuple(module.backward(dout, q, k, v, out, lse, _call_index(q, index, stripe, doc_start),
-                                     float(scale), dq=dq, delta=delta))
+                                     float(scale), dq=dq, delta=delta, input_dtype=input_dtype))
 
 
 def attention_delta(dout, out) -> torch.Tensor:

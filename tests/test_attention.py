@@ -176,6 +176,26 @@ def test_running_accumulators_are_checked(cpu_op, small_problem):
         cpu_op.delta(out, out[:, :64])
 
 
+def test_input_dtype_outputs_are_the_float32_ones_rounded(cpu_op, small_problem):
+    """input_dtype=True: out (forward) and dq (backward) in q's dtype, equal to the float32 results
+    rounded as .to() rounds; dk/dv stay float32. Refused with a running accumulator, which must
+    not be rounded."""
+    q, k, v, index = (t.to(torch.bfloat16) if isinstance(t, torch.Tensor) else t for t in small_problem)
+    call = _call_args(q, k, v, index)
+    out32, lse32 = cpu_op.forward(*call)
+    out, lse = cpu_op.forward(*call, input_dtype=True)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, out32.to(torch.bfloat16)) and torch.equal(lse, lse32)
+    dout = torch.randn(out.shape).to(torch.bfloat16)
+    dq32, dk32, dv32 = cpu_op.backward(dout, q, k, v, out, lse, *call[3:])
+    dq, dk, dv = cpu_op.backward(dout, q, k, v, out, lse, *call[3:], input_dtype=True)
+    assert dq.dtype == torch.bfloat16 and torch.equal(dq, dq32.to(torch.bfloat16))
+    assert dk.dtype == dv.dtype == torch.float32 and torch.equal(dk, dk32) and torch.equal(dv, dv32)
+    with pytest.raises(ValueError, match="input_dtype=True returns out in q's dtype, but a running out"):
+        cpu_op.forward(*call, out=out32, lse=lse32, input_dtype=True)
+    with pytest.raises(ValueError, match="input_dtype=True returns dq in q's dtype, but a running dq"):
+        cpu_op.backward(dout, q, k, v, out, lse, *call[3:], dq=dq32, input_dtype=True)
+
+
 def test_deterministic_across_runs_and_thread_counts(cpu_op, random_index):
     """Bit-identical results run to run and for 1 or 2 threads: each output element has one
     owner that sums in a fixed order (no atomics)."""

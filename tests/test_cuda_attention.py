@@ -274,6 +274,29 @@ def test_backward_is_deterministic():
         assert torch.equal(a, b), "two runs differ"
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_input_dtype_outputs_are_the_float32_ones_rounded(dtype):
+    """input_dtype=True: the kernels write out and dq in q's dtype, bit-equal to their float32
+    results rounded by .to(); delta reads an out in q's dtype as it is, and the float32 out's
+    rounding gives the same gradients within bf16/fp16 error."""
+    generator = torch.Generator().manual_seed(9)
+    q, k, v = random_qkv(1, 1000, 8, 2, 128, dtype, generator)
+    index = random_index(1, 8, 1000, 128, 3, 60, generator)
+    dout = torch.randn(1, 1000, 8, 128, generator=generator).to("cuda", dtype)
+    out32, lse32 = ops.attention_forward(q, k, v, index, 0.1)
+    out, lse = ops.attention_forward(q, k, v, index, 0.1, input_dtype=True)
+    assert out.dtype == dtype and torch.equal(out, out32.to(dtype)) and torch.equal(lse, lse32)
+    dq32, dk32, dv32 = ops.attention_backward(dout, q, k, v, out, lse, index, 0.1)
+    dq, dk, dv = ops.attention_backward(dout, q, k, v, out, lse, index, 0.1, input_dtype=True)
+    assert dq.dtype == dtype and torch.equal(dq, dq32.to(dtype))
+    assert dk.dtype == dv.dtype == torch.float32 and torch.equal(dk, dk32) and torch.equal(dv, dv32)
+    from_float32_out = ops.attention_backward(dout, q, k, v, out32, lse32, index, 0.1)
+    for name, a, b in zip(("dq", "dk", "dv"), (dq32, dk32, dv32), from_float32_out):
+        assert relative_error(a, b) < 1e-2, name
+    with pytest.raises(ValueError, match="input_dtype=True returns out in q's dtype, but a running out"):
+        ops.attention_forward(q, k, v, index, 0.1, out=out32, lse=lse32, input_dtype=True)
+
+
 def test_kernel_split_names_each_pass():
     """bench.kernel --kernel-split: the profiler's kernel names map to our four passes, each
     with time, and no kernel of ours is left under another label."""

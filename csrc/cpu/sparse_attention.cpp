@@ -724,13 +724,14 @@ void merge_into_running(const at::Tensor& out, const at::Tensor& lse, at::Tensor
 
 std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                 const OpIndex& index, double scale, const std::optional<at::Tensor>& running_out,
-                                const std::optional<at::Tensor>& running_lse) {
+                                const std::optional<at::Tensor>& running_lse, bool input_dtype) {
     const Prepared p = prepare(q, k, v, index, scale);
     const bool merge = check_running_output(q, running_out, running_lse, kOpName);
+    check_input_dtype_output(input_dtype, merge, "out", kOpName);
     auto out = at::zeros(q.sizes(), q.options().dtype(at::kFloat));
     auto lse = at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(at::kFloat));
     forward_kernel(p.inputs, out.data_ptr<float>(), lse.data_ptr<float>());
-    if (!merge) return {out, lse};
+    if (!merge) return {input_dtype ? out.to(q.scalar_type()) : out, lse};
     at::Tensor merged_out = *running_out, merged_lse = *running_lse;
     merge_into_running(out, lse, merged_out, merged_lse);
     return {merged_out, merged_lse};
@@ -750,9 +751,10 @@ at::Tensor row_delta(const at::Tensor& dout, const at::Tensor& out) {
 std::vector<at::Tensor> backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
                                  const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
                                  const OpIndex& index, double scale, const std::optional<at::Tensor>& running_dq,
-                                 const std::optional<at::Tensor>& given_delta) {
+                                 const std::optional<at::Tensor>& given_delta, bool input_dtype) {
     const Prepared p = prepare(q, k, v, index, scale);
     check_backward_tensors(q, dout, out, lse, kOpName);
+    check_input_dtype_output(input_dtype, running_dq.has_value(), "dq", kOpName);
     if (running_dq.has_value()) check_accumulator(q, *running_dq, q.sizes(), "the running dq", kOpName);
     if (given_delta.has_value()) check_accumulator(q, *given_delta, lse.sizes(), "delta", kOpName);
     const auto dout32 = dout.to(at::kFloat).contiguous();
@@ -766,7 +768,7 @@ std::vector<at::Tensor> backward(const at::Tensor& dout, const at::Tensor& q, co
     auto dv = at::zeros(v.sizes(), v.options().dtype(at::kFloat));
     dq_kernel(p.inputs, grad, dq.data_ptr<float>());
     dkdv_kernel(p.inputs, grad, dk.data_ptr<float>(), dv.data_ptr<float>());
-    return {dq, dk, dv};
+    return {input_dtype ? dq.to(q.scalar_type()) : dq, dk, dv};
 }
 
 }  // namespace

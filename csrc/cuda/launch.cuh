@@ -24,10 +24,16 @@ __global__ void __launch_bounds__(kDeltaThreads) delta_kernel(const AttentionPar
     if (row >= rows) return;
     const int lane = threadIdx.x & 31;
     const T* dout = static_cast<const T*>(p.dout) + row * D;
-    const float* out = p.out_in + row * D;
     float sum = 0.f;
+    if (p.out_in_q_dtype != nullptr) {  // uniform
+        const T* out = static_cast<const T*>(p.out_in_q_dtype) + row * D;
 #pragma unroll
-    for (int d = lane; d < D; d += 32) sum += to_float(dout[d]) * out[d];
+        for (int d = lane; d < D; d += 32) sum += to_float(dout[d]) * to_float(out[d]);
+    } else {
+        const float* out = p.out_in + row * D;
+#pragma unroll
+        for (int d = lane; d < D; d += 32) sum += to_float(dout[d]) * out[d];
+    }
 #pragma unroll
     for (int offset = 16; offset > 0; offset >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
     if (lane == 0) {

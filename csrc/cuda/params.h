@@ -17,19 +17,25 @@ struct AttentionParams {
     const void* q = nullptr;
     const void* k = nullptr;
     const void* v = nullptr;
-    // Backward inputs: dout [B, Sq, H, D] (q's dtype), the final out (fp32) and lse [B, H, Sq].
+    // Backward inputs: dout [B, Sq, H, D] (q's dtype), the final out (fp32 in out_in, or q's dtype
+    // in out_in_q_dtype: one of them is set) and lse [B, H, Sq].
     const void* dout = nullptr;
     const float* out_in = nullptr;
+    const void* out_in_q_dtype = nullptr;
     const float* lse_in = nullptr;
 
     // Forward outputs: out fp32 [B, Sq, H, D], lse fp32 [B, H, Sq]. merge_out: they hold the
     // running result of earlier calls (other keys, same queries), which the epilogue merges into.
+    // out_q_dtype (no merge): out in q's dtype there instead of `out`.
     float* out = nullptr;
+    void* out_q_dtype = nullptr;
     float* lse = nullptr;
     bool merge_out = false;
     // Backward outputs (fp32): dq [B, Sq, H, D], dk/dv [B, Sk, Hkv, D]. accumulate_dq: dq holds a
-    // running sum that the epilogue adds into.
+    // running sum that the epilogue adds into. dq_q_dtype (no accumulate_dq): dq in q's dtype there
+    // instead of `dq`.
     float* dq = nullptr;
+    void* dq_q_dtype = nullptr;
     bool accumulate_dq = false;
     float* dk = nullptr;
     float* dv = nullptr;

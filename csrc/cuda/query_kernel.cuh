@@ -155,12 +155,21 @@ __global__ void __launch_bounds__(QueryKernelConfig<Arch, T, D, BS, MA, kBackwar
     run_two_stage_pipeline<KeyTile, Arch::kAsyncProxy>(
         [&](KeyTile& tile) { return source.next(tile, p, bits, key_list, warp_counts); }, issue, compute);
 
-    auto query_out_row = [&](float* base, int row) -> float* {
+    // this CTA's row `row` of an output [B, Sq, H, D] (fp32, or q's dtype T); nullptr past the sequence
+    auto query_out_row = [&](auto* base, int row) -> decltype(base) {
         return row < query_rows ? base + q_head + static_cast<size_t>(query_first + row) * q_stride : nullptr;
     };
     if constexpr (!kBackward) {
-        store_forward_output<Arch, MA, D>(acc, softmax, query_first, row0, p.seq_q, p.scale, p.lse + lse_row,
-                                          p.merge_out, [&](int row) { return query_out_row(p.out, row); });
+        if (p.out_q_dtype != nullptr) {
+            store_forward_output<Arch, MA, D>(acc, softmax, query_first, row0, p.seq_q, p.scale, p.lse + lse_row,
+                                              false, [&](int row) { return query_out_row(static_cast<T*>(p.out_q_dtype), row); });
+        } else {
+            store_forward_output<Arch, MA, D>(acc, softmax, query_first, row0, p.seq_q, p.scale, p.lse + lse_row,
+                                              p.merge_out, [&](int row) { return query_out_row(p.out, row); });
+        }
+    } else if (p.dq_q_dtype != nullptr) {
+        store_rows<MA, D>(acc, row0, Arch::kSliceStride, p.scale,
+                          [&](int row) { return query_out_row(static_cast<T*>(p.dq_q_dtype), row); });
     } else {
         float keep_all[MA][2];  // accumulate_dq: the running dQ kept whole on every row
 #pragma unroll

@@ -13,6 +13,8 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include <type_traits>
+
 #include "params.h"
 
 namespace mtr {
@@ -356,28 +358,44 @@ __device__ __forceinline__ void orient_scores(float (&s)[MA][8][4], bool negate)
             for (int c = 0; c < 4; ++c) s[ma][nt][c] = -s[ma][nt][c];
 }
 
-// Writes a warp's fp32 accumulator rows (scaled) to global rows row_pointer(local_row) (nullptr: skip);
-// slice ma of the warp starts at row row0 + ma * slice_stride. With keep (per slice and fragment
-// half: one row each), the row becomes keep * its old value + the scaled accumulator instead.
+// Two adjacent output values of a row: fp32, or rounded to nearest into bf16/fp16 (as torch's
+// .to() rounds).
+__device__ __forceinline__ void store_pair(float* cell, float x, float y) {
+    *reinterpret_cast<float2*>(cell) = make_float2(x, y);
+}
+__device__ __forceinline__ void store_pair(__nv_bfloat16* cell, float x, float y) {
+    *reinterpret_cast<__nv_bfloat162*>(cell) = __floats2bfloat162_rn(x, y);
+}
+__device__ __forceinline__ void store_pair(__half* cell, float x, float y) {
+    *reinterpret_cast<__half2*>(cell) = __floats2half2_rn(x, y);
+}
+
+// Writes a warp's fp32 accumulator rows (scaled) to global rows row_pointer(local_row) (nullptr:
+// skip), float or the inputs' dtype (the pointer's type); slice ma of the warp starts at row
+// row0 + ma * slice_stride. With keep (per slice and fragment half: one row each; float rows
+// only), the row becomes keep * its old value + the scaled accumulator instead.
 template <int MA, int D, typename RowPointer>
 __device__ __forceinline__ void store_rows(const float (&acc)[MA][D / 8][4], int row0, int slice_stride, float scale,
                                            RowPointer row_pointer, const float (*keep)[2] = nullptr) {
+    using Out = std::remove_pointer_t<decltype(row_pointer(0))>;
 #pragma unroll
     for (int ma = 0; ma < MA; ++ma)
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-            float* dst = row_pointer(row0 + ma * slice_stride + fragment_row(2 * half));
+            Out* dst = row_pointer(row0 + ma * slice_stride + fragment_row(2 * half));
             if (dst == nullptr) continue;
 #pragma unroll
             for (int nt = 0; nt < D / 8; ++nt) {
-                float2* cell = reinterpret_cast<float2*>(dst + fragment_col(nt, 0));
-                float2 value = make_float2(acc[ma][nt][2 * half] * scale, acc[ma][nt][2 * half + 1] * scale);
-                if (keep != nullptr) {
-                    const float2 old = *cell;
-                    value.x += keep[ma][half] * old.x;
-                    value.y += keep[ma][half] * old.y;
+                Out* cell = dst + fragment_col(nt, 0);
+                float x = acc[ma][nt][2 * half] * scale, y = acc[ma][nt][2 * half + 1] * scale;
+                if constexpr (std::is_same_v<Out, float>) {
+                    if (keep != nullptr) {
+                        const float2 old = *reinterpret_cast<const float2*>(cell);
+                        x += keep[ma][half] * old.x;
+                        y += keep[ma][half] * old.y;
+                    }
                 }
-                *cell = value;
+                store_pair(cell, x, y);
             }
         }
 }

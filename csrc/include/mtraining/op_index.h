@@ -89,33 +89,39 @@ inline OpIndex op_index_from_python(const py::dict& fields, const char* op_name)
 
 // Defines `forward`, `backward` and `delta` in module m with the signature above. The first two
 // read their index from Python, then run forward(q, k, v, OpIndex, scale, running out, running
-// lse) / backward(dout, q, k, v, out, lse, OpIndex, scale, running dq, delta) without the GIL (the
-// optional tensors std::nullopt when not given); delta runs delta(dout, out).
+// lse, input_dtype) / backward(dout, q, k, v, out, lse, OpIndex, scale, running dq, delta,
+// input_dtype) without the GIL (the optional tensors std::nullopt when not given); delta runs
+// delta(dout, out). input_dtype: out (forward) or dq (backward) in q's dtype instead of float32,
+// for a call that merges into no running one (checks.h: check_input_dtype_output).
 template <typename Forward, typename Backward, typename Delta>
 void define_attention_ops(py::module_& m, const char* op_name, Forward forward, Backward backward, Delta delta) {
     m.def(
         "forward",
         [op_name, forward](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const py::dict& index,
-                           double scale, const std::optional<at::Tensor>& out, const std::optional<at::Tensor>& lse) {
+                           double scale, const std::optional<at::Tensor>& out, const std::optional<at::Tensor>& lse,
+                           bool input_dtype) {
             const OpIndex call_index = op_index_from_python(index, op_name);
             const py::gil_scoped_release no_gil;
-            return forward(q, k, v, call_index, scale, out, lse);
+            return forward(q, k, v, call_index, scale, out, lse, input_dtype);
         },
-        "sparse attention forward -> (out fp32, lse fp32), merged into the running out/lse when given",
+        "sparse attention forward -> (out fp32, or q's dtype with input_dtype; lse fp32), merged into the "
+        "running out/lse when given",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("index"), py::arg("scale"), py::arg("out") = py::none(),
-        py::arg("lse") = py::none());
+        py::arg("lse") = py::none(), py::arg("input_dtype") = false);
     m.def(
         "backward",
         [op_name, backward](const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const at::Tensor& out, const at::Tensor& lse, const py::dict& index, double scale,
-                            const std::optional<at::Tensor>& dq, const std::optional<at::Tensor>& delta) {
+                            const std::optional<at::Tensor>& dq, const std::optional<at::Tensor>& delta,
+                            bool input_dtype) {
             const OpIndex call_index = op_index_from_python(index, op_name);
             const py::gil_scoped_release no_gil;
-            return backward(dout, q, k, v, out, lse, call_index, scale, dq, delta);
+            return backward(dout, q, k, v, out, lse, call_index, scale, dq, delta, input_dtype);
         },
-        "sparse attention backward -> (dq, dk, dv), dq added into the running dq when given", py::arg("dout"),
-        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("index"), py::arg("scale"),
-        py::arg("dq") = py::none(), py::arg("delta") = py::none());
+        "sparse attention backward -> (dq, dk, dv) fp32 (dq in q's dtype with input_dtype), dq added into the "
+        "running dq when given",
+        py::arg("dout"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("index"),
+        py::arg("scale"), py::arg("dq") = py::none(), py::arg("delta") = py::none(), py::arg("input_dtype") = false);
     m.def(
         "delta",
         [delta](const at::Tensor& dout, const at::Tensor& out) {
