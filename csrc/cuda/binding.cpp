@@ -192,10 +192,10 @@ void launch(Call& call, bool backward) {
                  backward ? "backward" : "forward");
 }
 
-// The final out as the backward kernels read it: contiguous and 16-byte aligned (delta's vector
-// loads), in the inputs' dtype `input` when it is in it (no conversion), else float32.
+// The final out as the backward kernels read it: contiguous, in the inputs' dtype `input` when
+// it is in it (no conversion), else float32.
 at::Tensor final_output(const at::Tensor& out, at::ScalarType input) {
-    return contiguous_aligned(out.scalar_type() == input ? out : out.to(at::kFloat));
+    return (out.scalar_type() == input ? out : out.to(at::kFloat)).contiguous();
 }
 
 void set_final_output(mtr::AttentionParams& p, const at::Tensor& out) {
@@ -280,7 +280,7 @@ at::Tensor row_delta(const at::Tensor& dout_in, const at::Tensor& out_in) {
     TORCH_CHECK_VALUE(dout_in.size(3) == 64 || dout_in.size(3) == 128, kOpName, ": head_dim must be 64 or 128, got ",
                       text(dout_in.size(3)));
     const c10::cuda::OptionalCUDAGuard guard(dout_in.device());
-    const at::Tensor dout = contiguous_aligned(dout_in);
+    const at::Tensor dout = dout_in.contiguous();
     const at::Tensor out = final_output(out_in, dout.scalar_type());
     at::Tensor delta = at::empty({dout.size(0), dout.size(2), dout.size(1)}, dout.options().dtype(at::kFloat));
     mtr::AttentionParams p;

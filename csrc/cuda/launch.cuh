@@ -15,39 +15,8 @@ constexpr int kDeltaThreads = 256;
 
 __device__ __forceinline__ float to_float(__nv_bfloat16 value) { return __bfloat162float(value); }
 __device__ __forceinline__ float to_float(__half value) { return __half2float(value); }
-__device__ __forceinline__ float to_float(float value) { return value; }
 
-// N consecutive elements at src (aligned to their size, N * sizeof(E) in {4, 8, 16} bytes) as
-// floats, in one vector load.
-template <int N, typename E>
-__device__ __forceinline__ void load_as_float(const E* src, float (&dst)[N]) {
-    constexpr int kBytes = N * static_cast<int>(sizeof(E));
-    using Vector = std::conditional_t<kBytes == 16, uint4, std::conditional_t<kBytes == 8, uint2, uint32_t>>;
-    static_assert(kBytes == 4 || kBytes == 8 || kBytes == 16, "one vector load per lane");
-    const Vector raw = *reinterpret_cast<const Vector*>(src);
-    const E* values = reinterpret_cast<const E*>(&raw);
-#pragma unroll
-    for (int i = 0; i < N; ++i) dst[i] = to_float(values[i]);
-}
-
-// The dot product of a row's dout and out (E: float or T), one warp, each lane D/32 consecutive
-// elements (vector loads: 16-byte aligned rows).
-template <typename T, int D, typename E>
-__device__ __forceinline__ float row_dot(const T* dout, const E* out, int lane) {
-    constexpr int kPerLane = D / 32;
-    float g[kPerLane], o[kPerLane];
-    load_as_float<kPerLane>(dout + lane * kPerLane, g);
-    load_as_float<kPerLane>(out + lane * kPerLane, o);
-    float sum = 0.f;
-#pragma unroll
-    for (int i = 0; i < kPerLane; ++i) sum += g[i] * o[i];
-#pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-    return sum;
-}
-
-// delta[b, h, t] = sum_d dout[b, t, h, d] * out[b, t, h, d]: one warp per (b, t, h) row; out is
-// float32 (out_in) or q's dtype (out_in_q_dtype).
+// delta[b, h, t] = sum_d dout[b, t, h, d] * out[b, t, h, d]: one warp per (b, t, h) row.
 template <typename T, int D>
 __global__ void __launch_bounds__(kDeltaThreads) delta_kernel(const AttentionParams p) {
     const long long row = static_cast<long long>(blockIdx.x) * (kDeltaThreads / 32) + (threadIdx.x >> 5);
@@ -55,9 +24,18 @@ __global__ void __launch_bounds__(kDeltaThreads) delta_kernel(const AttentionPar
     if (row >= rows) return;
     const int lane = threadIdx.x & 31;
     const T* dout = static_cast<const T*>(p.dout) + row * D;
-    const float sum = p.out_in_q_dtype != nullptr  // uniform
-        ? row_dot<T, D>(dout, static_cast<const T*>(p.out_in_q_dtype) + row * D, lane)
-        : row_dot<T, D>(dout, p.out_in + row * D, lane);
+    float sum = 0.f;
+    if (p.out_in_q_dtype != nullptr) {  // uniform
+        const T* out = static_cast<const T*>(p.out_in_q_dtype) + row * D;
+#pragma unroll
+        for (int d = lane; d < D; d += 32) sum += to_float(dout[d]) * to_float(out[d]);
+    } else {
+        const float* out = p.out_in + row * D;
+#pragma unroll
+        for (int d = lane; d < D; d += 32) sum += to_float(dout[d]) * out[d];
+    }
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
     if (lane == 0) {
         const int head = static_cast<int>(row % p.heads);
         const long long token_row = row / p.heads;
