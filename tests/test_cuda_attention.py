@@ -336,10 +336,13 @@ def test_misaligned_views_give_the_aligned_results():
     grads = ops.attention_backward(dout, q, k, v, out, lse, index, 0.125)
     views = [misaligned(t) for t in (q, k, v, dout)]
     out_view, lse_view = ops.attention_forward(*views[:3], index, 0.125)
-    grads_view = ops.attention_backward(views[3], *views[:3], out_view, lse_view, index, 0.125)
+    grads_view = ops.attention_backward(views[3], *views[:3], misaligned(out_view), lse_view, index, 0.125)
     for name, expected, actual in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads),
                                       (out_view, lse_view, *grads_view)):
         assert torch.equal(expected, actual), f"{name} differs for misaligned inputs"
+    for out_dtype in (torch.float32, torch.bfloat16):  # delta on either kind of out
+        final = out.to(out_dtype)
+        assert torch.equal(ops.attention_delta(views[3], misaligned(final)), ops.attention_delta(dout, final))
 
 
 def test_long_sequence_against_row_chunks():
