@@ -14,10 +14,10 @@ namespace mtr {
 // Normalises acc by each row's softmax sum and writes lse (natural log, scaled logits; -inf for a
 // row without keys, whose out stays 0), then out. lse points at this head's [seq_q] row;
 // out_row(local row) is the row's output pointer (float, or q's dtype without merge; nullptr past
-// the sequence). With merge, out and
-// lse hold the running result of earlier calls over other keys: each row's lse becomes
-// log(exp(running) + exp(this call's)) and its out the two outputs weighted by exp(lse - merged),
-// read and written in place (the ring's merge, without a pass of its own).
+// the sequence). With merge, out and lse hold the running result of earlier calls over other
+// keys: each row's lse becomes log(exp(running) + exp(this call's)) and its out the two outputs
+// weighted by exp(lse - merged), read and written in place (the ring's merge, without a pass of
+// its own).
 template <typename Arch, int MA, int D, typename RowPointer>
 __device__ __forceinline__ void store_forward_output(float (&acc)[MA][D / 8][4], const OnlineSoftmax<MA>& softmax,
                                                      int query_first, int row0, int seq_q, float scale, float* lse,

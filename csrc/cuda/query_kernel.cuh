@@ -161,8 +161,9 @@ __global__ void __launch_bounds__(QueryKernelConfig<Arch, T, D, BS, MA, kBackwar
     };
     if constexpr (!kBackward) {
         if (p.out_q_dtype != nullptr) {
+            T* out = static_cast<T*>(p.out_q_dtype);
             store_forward_output<Arch, MA, D>(acc, softmax, query_first, row0, p.seq_q, p.scale, p.lse + lse_row,
-                                              false, [&](int row) { return query_out_row(static_cast<T*>(p.out_q_dtype), row); });
+                                              false, [&](int row) { return query_out_row(out, row); });
         } else {
             store_forward_output<Arch, MA, D>(acc, softmax, query_first, row0, p.seq_q, p.scale, p.lse + lse_row,
                                               p.merge_out, [&](int row) { return query_out_row(p.out, row); });
