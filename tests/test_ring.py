@@ -96,6 +96,23 @@ def check_ring_equals_references(rank_in_group, world, group, seed):
                    tols=(DENSE_TOL,) * 4)
 
 
+def check_ring_in_bf16(rank_in_group, world, group):
+    """bf16 shards (the ring merges in fp32, then saves its bf16 out for the backward's delta):
+    outputs and gradients within 2% (relative Frobenius error) of float64 dense causal attention
+    on the same bf16 values, with the full index."""
+    config = SparseConfig(block_size=BLOCK)
+    seq_len = world * BLOCK * 3
+    q, k, v, dout = global_qkv(seq_len, seed=4, dtype=torch.bfloat16)
+    causal = torch.ones(seq_len, seq_len, dtype=torch.bool).tril().expand(1, 4, -1, -1)
+    expected = outputs_and_grads(lambda a, b, c: dense_attention(a, b, c, causal), q.double(), k.double(),
+                                 v.double(), dout.double())
+    got, shard = ring_on_shards(rank_in_group, world, group, config, q, k, v, dout, full_index(seq_len))
+    for name, g, e in zip(("out", "dq", "dk", "dv"), got, expected):
+        assert g.dtype == torch.bfloat16 and torch.isfinite(g).all(), f"bf16 ring: {name}"
+        error = float((g.double() - shard(e)).norm() / shard(e).norm())
+        assert error < 2e-2, f"bf16 ring vs float64 dense: {name} relative error {error:.2e}"
+
+
 def check_estimation_equals_single_device(rank_in_group, world, group):
     """The distributed estimator returns the single-device index of the unstriped sequence, on
     a planted RoPE pattern and on noise whose vertical top-p needs the second candidate round."""
@@ -215,6 +232,7 @@ def check_group_of_one_is_single_device(rank, world):
 
 def world_2(rank, world):
     check_ring_equals_references(rank, world, None, seed=0)
+    check_ring_in_bf16(rank, world, None)
     check_estimation_equals_single_device(rank, world, None)
     check_fused_estimator_scheme_on_cpu(rank, world, None)
     check_bad_inputs_fail_everywhere(rank, world)

@@ -91,9 +91,9 @@ def _accumulate_and_pass(comm: RingComm | None, in_flight, dk, dv, stream) -> Pe
 
 def ring_backward(schedule: RingSchedule, dout, q, k, v, out, lse, index: SparseIndex, scale: float,
                   held_k=None, held_v=None, doc_start=None):
-    """(dq, dk, dv) float32 for this rank's shards; ``out``/``lse`` are the merged forward ones,
-    ``held_k``/``held_v`` the K/V this rank held at the forward's last step (:func:`ring_forward`;
-    None: fetched here, one exposed transfer)."""
+    """(dq, dk, dv) float32 for this rank's shards; ``out``/``lse`` are the merged forward ones
+    (``out`` in q's dtype or float32), ``held_k``/``held_v`` the K/V this rank held at the
+    forward's last step (:func:`ring_forward`; None: fetched here, one exposed transfer)."""
     if held_k is None:
         held_k, held_v = _fetch_last_step_kv(schedule, k, v)
     stream = _grad_stream(q.device)
@@ -142,14 +142,16 @@ class RingSparseAttentionFunction(torch.autograd.Function):
                 kept=None):
         if kept is None:
             out, lse, (held_k, held_v) = ring_forward(schedule, q, k, v, index, scale, doc_start)
+            # the merged fp32 out, rounded once: returned, and saved for the backward's delta
+            out = out.to(q.dtype)
         else:  # the tensors the forward saved, alike (non-reentrant checkpointing's backward pairs
-            # them with the first forward's ctx): fp32 out, the last step's K/V (one hop back)
-            out, lse = kept[0].float(), kept[1]
+            # them with the first forward's ctx): out, the last step's K/V (one hop back)
+            out, lse = kept
             held_k, held_v = _fetch_last_step_kv(schedule, k, v)
         ctx.save_for_backward(q, k, v, out, lse, held_k, held_v)
         ctx.index, ctx.scale, ctx.schedule, ctx.doc_start = index, scale, schedule, doc_start
         ctx.mark_non_differentiable(lse)
-        return (out.to(q.dtype) if kept is None else kept[0]), lse
+        return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
