@@ -20,8 +20,20 @@ from setuptools import find_packages, setup
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 OP_BUILDER = "ds_mtraining_op_builder"
-BUILD_VAR = "DS_BUILD_MTRAINING"
 CSRC_PATTERNS = ["**/*.h", "**/*.hpp", "**/*.cpp", "**/*.cu", "**/*.cuh"]
+
+
+def op_builder_shared():
+    """``op_builder/mtraining.py`` alone (standard library imports only, so no torch or deepspeed
+    is needed to read it): where the prebuild variable's name is defined."""
+    path = os.path.join(HERE, "op_builder", "mtraining.py")
+    spec = importlib.util.spec_from_file_location(f"{OP_BUILDER}_shared", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+BUILD_VAR = op_builder_shared().BUILD_VAR  # DS_BUILD_MTRAINING
 
 
 def import_op_builder():
