@@ -98,8 +98,8 @@ cudaError_t run_forward(const AttentionParams& params, cudaStream_t stream);
 template <DType dtype, int kHeadDim>
 cudaError_t run_backward(const AttentionParams& params, cudaStream_t stream);
 
-// delta = rowsum(dout * out) into params.delta (reads dout, out_in, batch, seq_q, heads); run_backward
-// runs it first unless delta_given.
+// delta = rowsum(dout * out) into params.delta (reads dout, out_in or out_in_q_dtype, batch, seq_q,
+// heads); run_backward runs it first unless delta_given.
 template <DType dtype, int kHeadDim>
 cudaError_t run_delta(const AttentionParams& params, cudaStream_t stream);
 
