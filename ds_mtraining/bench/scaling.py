@@ -127,11 +127,12 @@ class Spans:
 
 @contextlib.contextmanager
 def instrumented(spans: Spans):
-    """Wraps, for the duration, the ring's kernels (``ops.attention_forward/backward``), transfer
-    waits (``PendingRotation.wait``), distributed estimation and rank-agreement check wherever a
-    ds_mtraining module holds them."""
+    """Wraps, for the duration, the ring's kernels (``ops.attention_forward/backward``, and
+    ``ops.attention_delta``, which the ring runs once per backward where a single call computes it
+    inside its backward), transfer waits (``PendingRotation.wait``), distributed estimation and
+    rank-agreement check wherever a ds_mtraining module holds them."""
     targets = {"attention_forward": "kernel_fwd", "attention_backward": "kernel_bwd",
-               "estimate_on_comm": "estimate", "check_ranks_agree": "agreement"}
+               "attention_delta": "kernel_delta", "estimate_on_comm": "estimate", "check_ranks_agree": "agreement"}
     originals = {name: {getattr(module, name) for module in _our_modules()
                         if callable(getattr(module, name, None))} for name in targets}
     patched = []
