@@ -1,12 +1,13 @@
 // The signature of the compiled op, defined once for the CPU and CUDA modules
 // (docs/KERNEL_CONTRACT.md):
 //
-//   forward(q, k, v, index, scale, out=None, lse=None) -> [out, lse]
-//   backward(dout, q, k, v, out, lse, index, scale, dq=None, delta=None) -> [dq, dk, dv]
+//   forward(q, k, v, index, scale, out=None, lse=None, input_dtype=False) -> [out, lse]
+//   backward(dout, q, k, v, out, lse, index, scale, dq=None, delta=None, input_dtype=False) -> [dq, dk, dv]
 //   delta(dout, out) -> delta
 //
 // Given a running out and lse (forward) or dq (backward), float32, a call adds its own result into
 // them in place (the ring's steps: one accumulation, no separate merge pass) and returns them.
+// input_dtype returns out (dq) in q's dtype instead of float32.
 // delta = rowsum(dout * out) [B, H, S] float32 is what backward computes first; given to backward
 // (the ring computes it once for all its steps), it is not computed again.
 //
