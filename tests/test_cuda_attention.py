@@ -168,6 +168,33 @@ def test_tensor_core_paths_agree(mma, tma, documents, kernel_env):
                        f"{paths} D{dim} bs{block}")
 
 
+@pytest.mark.parametrize("running_dq", [False, True], ids=["dq", "running_dq"])
+def test_concurrent_dq_gives_the_serial_gradients(running_dq, kernel_env):
+    """The backward's dQ kernel on a second stream, beside the dK/dV kernels (the default), gives
+    bit for bit the serial order's dq, dk and dv, read at once on the current stream (which must
+    wait for it): at a size where dQ runs for milliseconds, from a zero or a running dq (the
+    ring's), with document masking. Small sizes against float64 are in the tests above."""
+    generator = torch.Generator().manual_seed(41)
+    seq, heads = 32768, 8
+    q, k, v = random_qkv(1, seq, heads, 2, 128, torch.bfloat16, generator)
+    index = random_index(1, heads, seq, 128, 24, 400, generator)
+    dout = torch.randn(1, seq, heads, 128, generator=generator).to("cuda", torch.bfloat16)
+    doc_start = random_doc_start(1, seq, generator)
+    out, lse = ops.attention_forward(q, k, v, index, 0.09, doc_start=doc_start)
+    start = torch.randn(1, seq, heads, 128, generator=generator).cuda()
+    results = {}
+    for concurrent in ("0", "1"):
+        kernel_env(CONCURRENT_DQ=concurrent)
+        assert ops.op_module("cuda").kernel_paths(torch.cuda.current_device())["concurrent_dq"] == (concurrent == "1")
+        poison_allocator()
+        grads = ops.attention_backward(dout, q, k, v, out, lse, index, 0.09, doc_start=doc_start,
+                                       dq=start.clone() if running_dq else None)
+        results[concurrent] = [grad.clone() for grad in grads]  # read on the current stream at once
+    for name, serial, concurrent in zip(("dq", "dk", "dv"), results["0"], results["1"]):
+        assert torch.isfinite(serial).all(), name
+        assert torch.equal(serial, concurrent), f"{name} differs with dQ on its own stream"
+
+
 def merge(outs, lses):
     """Exact merge of partial results over key ranks (float64); rows no rank saw stay 0 / -inf."""
     lse = torch.logsumexp(torch.stack([part.double() for part in lses]), dim=0)

@@ -69,21 +69,25 @@ StepLists set_index_params(mtr::AttentionParams& p, const OpIndex& index) {
 //  * DS_MTRAINING_CUDA_MMA=warp: mma.sync even on compute capability 9.x (else wgmma there);
 //  * DS_MTRAINING_CUDA_TMA=0: on the wgmma path, cp.async for every tile (else TMA copies the
 //    contiguous ones);
-//  * DS_MTRAINING_CUDA_FORWARD_ROWS=16: 16 forward query rows per warp at block 128 (else 32).
+//  * DS_MTRAINING_CUDA_FORWARD_ROWS=16: 16 forward query rows per warp at block 128 (else 32);
+//  * DS_MTRAINING_CUDA_CONCURRENT_DQ=0: the backward's dQ kernel after the dK/dV kernels on the
+//    current stream (else on a second stream, beside them).
 // Read at the module's first forward, backward or kernel_paths call, and again only by
 // reload_kernel_options: every call in between takes the same kernels.
 struct KernelOptions {
     bool force_warp_mma;
     bool tma;
     int forward_rows_per_warp;  // 0: the default
+    bool concurrent_dq;
 };
 
 KernelOptions read_kernel_options() {
     const char* mma = std::getenv("DS_MTRAINING_CUDA_MMA");
     const char* tma = std::getenv("DS_MTRAINING_CUDA_TMA");
     const char* rows = std::getenv("DS_MTRAINING_CUDA_FORWARD_ROWS");
+    const char* concurrent_dq = std::getenv("DS_MTRAINING_CUDA_CONCURRENT_DQ");
     return {mma != nullptr && std::string(mma) == "warp", !(tma != nullptr && std::string(tma) == "0"),
-            rows != nullptr ? std::atoi(rows) : 0};
+            rows != nullptr ? std::atoi(rows) : 0, !(concurrent_dq != nullptr && std::string(concurrent_dq) == "0")};
 }
 
 std::mutex kernel_options_mutex;
@@ -100,16 +104,18 @@ void reload_kernel_options() {
     kernel_options_read = read_kernel_options();
 }
 
-// Which kernels run on `device`: wgmma (sm_90a) on compute capability 9.x unless the options force
-// mma.sync; TMA on the wgmma path unless the options turn it off.
+// Which kernels run on `device`, and how: wgmma (sm_90a) on compute capability 9.x unless the
+// options force mma.sync; TMA on the wgmma path unless the options turn it off; the backward's dQ
+// on a second stream unless the options turn it off.
 struct KernelPaths {
     bool warpgroup_mma;
     bool tma;
+    bool concurrent_dq;
 };
 
 KernelPaths kernel_paths_for(int device, const KernelOptions& options) {
     const bool warpgroup = at::cuda::getDeviceProperties(device)->major == 9 && !options.force_warp_mma;
-    return {warpgroup, warpgroup && options.tma};
+    return {warpgroup, warpgroup && options.tma, options.concurrent_dq};
 }
 
 // One call of the kernels: its inputs (contiguous, q/k/v 16-byte aligned), the per-call lists, the
@@ -182,11 +188,14 @@ void launch(Call& call, bool backward) {
         check_status(mtr::encode_tensor_maps(p, dtype), "encoding the TMA tensor maps of q/k/v/dout");
     }
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+    // A pool stream: the tensors it touches belong to `stream`'s pool, which waits for it in run_backward.
+    const cudaStream_t dq_stream = backward && call.paths.concurrent_dq
+        ? c10::cuda::getStreamFromPool(false, call.q.get_device()).stream() : nullptr;
     check_status(mtr::build_step_index(p, stream), "build_step_index");
     check_status(dispatch(call.q, [&](auto dtype, auto dim) {
                      constexpr mtr::DType kType = decltype(dtype)::value;
                      constexpr int kDim = decltype(dim)::value;
-                     return backward ? mtr::run_backward<kType, kDim>(p, stream)
+                     return backward ? mtr::run_backward<kType, kDim>(p, stream, dq_stream)
                                      : mtr::run_forward<kType, kDim>(p, stream);
                  }),
                  backward ? "backward" : "forward");
@@ -314,12 +323,14 @@ std::vector<at::Tensor> step_index(const OpIndex& index_in, int64_t seq_k) {
     return {lists.local_offsets, lists.num_offsets, lists.local_keys, lists.num_keys};
 }
 
-// The kernel paths a call on CUDA device `device` takes: {"tensor_cores": "wgmma" | "mma.sync", "tma": bool}.
+// The kernel paths a call on CUDA device `device` takes:
+// {"tensor_cores": "wgmma" | "mma.sync", "tma": bool, "concurrent_dq": bool}.
 py::dict kernel_paths(int64_t device) {
     const KernelPaths paths = kernel_paths_for(static_cast<int>(device), kernel_options());
     py::dict result;
     result["tensor_cores"] = paths.warpgroup_mma ? "wgmma" : "mma.sync";
     result["tma"] = paths.tma;
+    result["concurrent_dq"] = paths.concurrent_dq;
     return result;
 }
 

@@ -56,14 +56,35 @@ cudaError_t forward_with(const AttentionParams& p, cudaStream_t stream) {
     return launch_query_kernel<Arch, T, D, BS, 1, false>(p, stream);
 }
 
-// dK/dV (vertical pass first: it writes the scratch partials the slash pass adds), then dQ.
+// Makes `waiter` wait for the work queued on `signaller` so far, through an event.
+inline cudaError_t wait_for_stream(cudaStream_t waiter, cudaStream_t signaller) {
+    cudaEvent_t event;
+    cudaError_t status = cudaEventCreateWithFlags(&event, cudaEventDisableTiming);
+    if (status != cudaSuccess) return status;
+    status = cudaEventRecord(event, signaller);
+    if (status == cudaSuccess) status = cudaStreamWaitEvent(waiter, event, 0);
+    const cudaError_t destroyed = cudaEventDestroy(event);  // its resources go once it has completed
+    return status != cudaSuccess ? status : destroyed;
+}
+
+// dK/dV (vertical pass first: it writes the scratch partials the slash pass adds) and dQ. dQ
+// neither reads nor writes what the dK/dV passes do, so with a dq_stream it runs there, beside
+// them: its short CTAs fill the SMs that the slash pass's long CTAs leave idle towards its end.
+// `stream` waits for dq_stream before it returns, so later work on `stream` sees dq.
 template <typename Arch, typename T, int D, int BS>
-cudaError_t backward_kernels(const AttentionParams& p, cudaStream_t stream) {
-    cudaError_t status = launch_key_kernel<Arch, T, D, BS, true>(p, stream);
+cudaError_t backward_kernels(const AttentionParams& p, cudaStream_t stream, cudaStream_t dq_stream) {
+    cudaError_t status = cudaSuccess;
+    if (dq_stream != nullptr) {
+        status = wait_for_stream(dq_stream, stream);  // delta and the per-call lists
+        if (status != cudaSuccess) return status;
+    }
+    status = launch_key_kernel<Arch, T, D, BS, true>(p, stream);
     if (status != cudaSuccess) return status;
     status = launch_key_kernel<Arch, T, D, BS, false>(p, stream);
     if (status != cudaSuccess) return status;
-    return launch_query_kernel<Arch, T, D, BS, 1, true>(p, stream);
+    status = launch_query_kernel<Arch, T, D, BS, 1, true>(p, dq_stream != nullptr ? dq_stream : stream);
+    if (status != cudaSuccess || dq_stream == nullptr) return status;
+    return wait_for_stream(stream, dq_stream);
 }
 
 // Calls run(Arch{}, std::integral_constant<int, BS>{}) for the params' tensor-core path and index
@@ -96,7 +117,7 @@ cudaError_t run_delta(const AttentionParams& p, cudaStream_t stream) {
 }
 
 template <DType dtype, int kHeadDim>
-cudaError_t run_backward(const AttentionParams& p, cudaStream_t stream) {
+cudaError_t run_backward(const AttentionParams& p, cudaStream_t stream, cudaStream_t dq_stream) {
     using T = typename ElementOf<dtype>::type;
     if (p.head_dim != kHeadDim) return cudaErrorInvalidValue;
     if (!p.delta_given) {
@@ -104,7 +125,7 @@ cudaError_t run_backward(const AttentionParams& p, cudaStream_t stream) {
         if (status != cudaSuccess) return status;
     }
     return with_path_and_block(p, [&](auto arch, auto block) {
-        return backward_kernels<decltype(arch), T, kHeadDim, decltype(block)::value>(p, stream);
+        return backward_kernels<decltype(arch), T, kHeadDim, decltype(block)::value>(p, stream, dq_stream);
     });
 }
 

@@ -89,14 +89,15 @@ cudaError_t encode_tensor_maps(AttentionParams& params, DType dtype);
 // Derives local_offsets/num_offsets and local_keys/num_keys from the compact index.
 cudaError_t build_step_index(const AttentionParams& params, cudaStream_t stream);
 
-// Forward: out, lse. Backward: dq, dk, dv (uses delta/vertical_dk/vertical_dv as scratch).
+// Forward: out, lse. Backward: dq, dk, dv (uses delta/vertical_dk/vertical_dv as scratch); with
+// a dq_stream (not nullptr) dQ runs there, beside dK/dV, and `stream` waits for it.
 // Both expect build_step_index to have run on the same stream with the same params.
 // Defined for DType in {kBF16, kFP16} and head_dim in {64, 128}, one instantiation file each.
 template <DType dtype, int kHeadDim>
 cudaError_t run_forward(const AttentionParams& params, cudaStream_t stream);
 
 template <DType dtype, int kHeadDim>
-cudaError_t run_backward(const AttentionParams& params, cudaStream_t stream);
+cudaError_t run_backward(const AttentionParams& params, cudaStream_t stream, cudaStream_t dq_stream = nullptr);
 
 // delta = rowsum(dout * out) into params.delta (reads dout, out_in or out_in_q_dtype, batch, seq_q,
 // heads); run_backward runs it first unless delta_given.
