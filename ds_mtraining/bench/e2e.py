@@ -90,13 +90,20 @@ class LaunchFailed(RuntimeError):
         self.kind = kind
 
 
-def extrapolate(value_a: float, value_b: float, layers_a: int, layers_b: int, layers: int) -> float:
-    """The value at ``layers`` layers on the line through (``layers_a``, ``value_a``) and
-    (``layers_b``, ``value_b``): what is not per layer (embedding, LM head, loss, optimizer of those)
-    is the intercept, each layer adds the slope."""
+def fit_layers(value_a: float, value_b: float, layers_a: int, layers_b: int) -> tuple[float, float]:
+    """(intercept, slope) of the line through (``layers_a``, ``value_a``) and (``layers_b``,
+    ``value_b``): what is not per layer (embedding, LM head, loss, optimizer of those) is the
+    intercept, each layer adds the slope."""
     if layers_a == layers_b:
         raise ValueError(f"extrapolation needs two different depths, got {layers_a} twice")
-    return value_a + (layers - layers_a) * (value_b - value_a) / (layers_b - layers_a)
+    slope = (value_b - value_a) / (layers_b - layers_a)
+    return value_a - layers_a * slope, slope
+
+
+def extrapolate(value_a: float, value_b: float, layers_a: int, layers_b: int, layers: int) -> float:
+    """The value at ``layers`` layers on the line of :func:`fit_layers`."""
+    intercept, slope = fit_layers(value_a, value_b, layers_a, layers_b)
+    return intercept + layers * slope
 
 
 def depth_arg(text: str):
@@ -297,14 +304,14 @@ class Bench:
         """Times ``--layers`` L_a and L_b and extrapolates step time and peak memory to ``full``."""
         layers_a, layers_b = self.args.layers
         a, b = (self._launch(model, mode, seq_len, world, layers, full) for layers in (layers_a, layers_b))
-        step_s = extrapolate(a["step_s"], b["step_s"], layers_a, layers_b, full)
-        per_layer = (b["step_s"] - a["step_s"]) / (layers_b - layers_a)
+        fixed, per_layer = fit_layers(a["step_s"], b["step_s"], layers_a, layers_b)
+        step_s = fixed + full * per_layer
         peak = None
         if a["peak_memory_gib"] and b["peak_memory_gib"]:
             peak = [extrapolate(x, y, layers_a, layers_b, full) for x, y in zip(a["peak_memory_gib"], b["peak_memory_gib"])]
         return {"layers": full, "step_s": step_s, "tokens_per_s": a["tokens_per_s"] * a["step_s"] / step_s,
                 "peak_memory_gib": peak, "density": b["density"], "extrapolated": True,
-                "per_layer_s": per_layer, "fixed_s": a["step_s"] - layers_a * per_layer, "runs": [a, b]}
+                "per_layer_s": per_layer, "fixed_s": fixed, "runs": [a, b]}
 
     # ------------------------------------------------------------------ rows
     def run(self):
