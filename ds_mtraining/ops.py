@@ -64,7 +64,8 @@ def attention_forward(q, k, v, index: SparseIndex, scale: float, stripe: Stripe 
     for the same queries over other keys, the call merges its own into them in place (as
     :func:`ds_mtraining.ring.merge_partial` would) and returns them. ``input_dtype``: out in
     q's dtype (rounded as ``.to(q.dtype)`` rounds; on CUDA written so by the kernel, with no
-    float32 copy), for a call with no running ``out``."""
+    float32 copy); with a running ``out`` and ``lse``, the merged out in a new tensor (the
+    running ``out`` read, not written; ``lse`` merged in place): a ring's last step."""
     module = op_module(q.device.type)
     with record_function("mtraining::forward"):
         return tuple(module.forward(q, k, v, _call_index(q, index, stripe, doc_start), float(scale), out=out,
@@ -79,8 +80,8 @@ def attention_backward(dout, q, k, v, out, lse, index: SparseIndex, scale: float
     dtype), its ``lse`` and ``dout`` (``doc_start`` as in the forward); float32. Given ``dq``
     (float32, a running sum over earlier calls), the call adds its dq into it in place and
     returns it. Given ``delta`` (:func:`attention_delta` of this ``dout`` and ``out``), the call
-    does not compute it again. ``input_dtype``: dq in q's dtype, for a call with no running
-    ``dq``."""
+    does not compute it again. ``input_dtype``: dq in q's dtype; with a running ``dq``, the sum
+    in a new tensor (the running ``dq`` read, not written): a ring's last step."""
     module = op_module(q.device.type)
     with record_function("mtraining::backward"):
         return tuple(module.backward(dout, q, k, v, out, lse, _call_index(q, index, stripe, doc_start),

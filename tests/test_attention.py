@@ -178,8 +178,9 @@ def test_running_accumulators_are_checked(cpu_op, small_problem):
 
 def test_input_dtype_outputs_are_the_float32_ones_rounded(cpu_op, small_problem):
     """input_dtype=True: out (forward) and dq (backward) in q's dtype, equal to the float32 results
-    rounded as .to() rounds; dk/dv stay float32. Refused with a running accumulator, which must
-    not be rounded."""
+    rounded as .to() rounds; dk/dv stay float32. With a running out/lse (dq), the merged out (the
+    sum) in q's dtype, equal to the float32 merge (sum) rounded, in a new tensor: the running out
+    (dq) is left as it was, the running lse is merged in place (a ring's last step)."""
     q, k, v, index = (t.to(torch.bfloat16) if isinstance(t, torch.Tensor) else t for t in small_problem)
     call = _call_args(q, k, v, index)
     out32, lse32 = cpu_op.forward(*call)
@@ -190,10 +191,18 @@ def test_input_dtype_outputs_are_the_float32_ones_rounded(cpu_op, small_problem)
     dq, dk, dv = cpu_op.backward(dout, q, k, v, out, lse, *call[3:], input_dtype=True)
     assert dq.dtype == torch.bfloat16 and torch.equal(dq, dq32.to(torch.bfloat16))
     assert dk.dtype == dv.dtype == torch.float32 and torch.equal(dk, dk32) and torch.equal(dv, dv32)
-    with pytest.raises(ValueError, match="input_dtype=True returns out in q's dtype, but a running out"):
-        cpu_op.forward(*call, out=out32, lse=lse32, input_dtype=True)
-    with pytest.raises(ValueError, match="input_dtype=True returns dq in q's dtype, but a running dq"):
-        cpu_op.backward(dout, q, k, v, out, lse, *call[3:], dq=dq32, input_dtype=True)
+    running_out, running_lse = torch.randn(out32.shape), torch.randn(lse32.shape)
+    merged_out, merged_lse = cpu_op.forward(*call, out=running_out.clone(), lse=running_lse.clone())
+    kept_out, lse_in_place = running_out.clone(), running_lse.clone()
+    out, lse = cpu_op.forward(*call, out=kept_out, lse=lse_in_place, input_dtype=True)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, merged_out.to(torch.bfloat16))
+    assert lse is lse_in_place and torch.equal(lse, merged_lse) and torch.equal(kept_out, running_out)
+    running_dq = torch.randn(dq32.shape)
+    summed_dq = cpu_op.backward(dout, q, k, v, out, lse, *call[3:], dq=running_dq.clone())[0]
+    kept_dq = running_dq.clone()
+    dq = cpu_op.backward(dout, q, k, v, out, lse, *call[3:], dq=kept_dq, input_dtype=True)[0]
+    assert dq.dtype == torch.bfloat16 and torch.equal(dq, summed_dq.to(torch.bfloat16))
+    assert torch.equal(kept_dq, running_dq)
 
 
 def test_deterministic_across_runs_and_thread_counts(cpu_op, random_index):

@@ -305,7 +305,9 @@ def test_backward_is_deterministic():
 def test_input_dtype_outputs_are_the_float32_ones_rounded(dtype):
     """input_dtype=True: the kernels write out and dq in q's dtype, bit-equal to their float32
     results rounded by .to(); delta reads an out in q's dtype as it is, and the float32 out's
-    rounding gives the same gradients within bf16/fp16 error."""
+    rounding gives the same gradients within bf16/fp16 error. With a running out/lse (dq) the
+    kernels merge (add) into it and write the result in q's dtype, bit-equal to the float32 merge
+    (sum) rounded, leaving the running out (dq) as it was (a ring's last step)."""
     generator = torch.Generator().manual_seed(9)
     q, k, v = random_qkv(1, 1000, 8, 2, 128, dtype, generator)
     index = random_index(1, 8, 1000, 128, 3, 60, generator)
@@ -320,8 +322,19 @@ def test_input_dtype_outputs_are_the_float32_ones_rounded(dtype):
     from_float32_out = ops.attention_backward(dout, q, k, v, out32, lse32, index, 0.1)
     for name, a, b in zip(("dq", "dk", "dv"), (dq32, dk32, dv32), from_float32_out):
         assert relative_error(a, b) < 1e-2, name
-    with pytest.raises(ValueError, match="input_dtype=True returns out in q's dtype, but a running out"):
-        ops.attention_forward(q, k, v, index, 0.1, out=out32, lse=lse32, input_dtype=True)
+    running_out = torch.randn(out32.shape, generator=generator).cuda()
+    running_lse = torch.randn(lse32.shape, generator=generator).cuda()
+    merged_out, merged_lse = ops.attention_forward(q, k, v, index, 0.1, out=running_out.clone(),
+                                                   lse=running_lse.clone())
+    kept_out, lse_in_place = running_out.clone(), running_lse.clone()
+    out, lse = ops.attention_forward(q, k, v, index, 0.1, out=kept_out, lse=lse_in_place, input_dtype=True)
+    assert out.dtype == dtype and torch.equal(out, merged_out.to(dtype))
+    assert lse is lse_in_place and torch.equal(lse, merged_lse) and torch.equal(kept_out, running_out)
+    running_dq = torch.randn(dq32.shape, generator=generator).cuda()
+    summed_dq = ops.attention_backward(dout, q, k, v, out, lse, index, 0.1, dq=running_dq.clone())[0]
+    kept_dq = running_dq.clone()
+    dq = ops.attention_backward(dout, q, k, v, out, lse, index, 0.1, dq=kept_dq, input_dtype=True)[0]
+    assert dq.dtype == dtype and torch.equal(dq, summed_dq.to(dtype)) and torch.equal(kept_dq, running_dq)
 
 
 def test_kernel_split_names_each_pass():

@@ -727,14 +727,14 @@ std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const 
                                 const std::optional<at::Tensor>& running_lse, bool input_dtype) {
     const Prepared p = prepare(q, k, v, index, scale);
     const bool merge = check_running_output(q, running_out, running_lse, kOpName);
-    check_input_dtype_output(input_dtype, merge, "out", kOpName);
     auto out = at::zeros(q.sizes(), q.options().dtype(at::kFloat));
     auto lse = at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(at::kFloat));
     forward_kernel(p.inputs, out.data_ptr<float>(), lse.data_ptr<float>());
     if (!merge) return {input_dtype ? out.to(q.scalar_type()) : out, lse};
-    at::Tensor merged_out = *running_out, merged_lse = *running_lse;
+    // input_dtype: the merged out in q's dtype, the running one left as it was
+    at::Tensor merged_out = input_dtype ? running_out->clone() : *running_out, merged_lse = *running_lse;
     merge_into_running(out, lse, merged_out, merged_lse);
-    return {merged_out, merged_lse};
+    return {input_dtype ? merged_out.to(q.scalar_type()) : merged_out, merged_lse};
 }
 
 // delta(dout, out): rowsum(dout * out), float32 [B, H, S].
@@ -754,7 +754,6 @@ std::vector<at::Tensor> backward(const at::Tensor& dout, const at::Tensor& q, co
                                  const std::optional<at::Tensor>& given_delta, bool input_dtype) {
     const Prepared p = prepare(q, k, v, index, scale);
     check_backward_tensors(q, dout, out, lse, kOpName);
-    check_input_dtype_output(input_dtype, running_dq.has_value(), "dq", kOpName);
     if (running_dq.has_value()) check_accumulator(q, *running_dq, q.sizes(), "the running dq", kOpName);
     if (given_delta.has_value()) check_accumulator(q, *given_delta, lse.sizes(), "delta", kOpName);
     const auto dout32 = dout.to(at::kFloat).contiguous();
@@ -762,8 +761,10 @@ std::vector<at::Tensor> backward(const at::Tensor& dout, const at::Tensor& q, co
     const at::Tensor delta = given_delta.has_value() ? *given_delta : row_delta(dout32, out);
     const GradInputs grad{dout32.data_ptr<float>(), lse32.data_ptr<float>(),
                           delta.data_ptr<float>()};
-    // dq_kernel adds into its rows: the running dq when given
-    auto dq = running_dq.has_value() ? *running_dq : at::zeros(q.sizes(), q.options().dtype(at::kFloat));
+    // dq_kernel adds into its rows: the running dq when given (a copy of it with input_dtype, which
+    // leaves the running one as it was)
+    auto dq = running_dq.has_value() ? (input_dtype ? running_dq->clone() : *running_dq)
+                                     : at::zeros(q.sizes(), q.options().dtype(at::kFloat));
     auto dk = at::zeros(k.sizes(), k.options().dtype(at::kFloat));
     auto dv = at::zeros(v.sizes(), v.options().dtype(at::kFloat));
     dq_kernel(p.inputs, grad, dq.data_ptr<float>());

@@ -201,18 +201,17 @@ void launch(Call& call, bool backward) {
                  backward ? "backward" : "forward");
 }
 
-// The final out as the backward kernels read it: contiguous, in the inputs' dtype `input` when
-// it is in it (no conversion), else float32.
-at::Tensor final_output(const at::Tensor& out, at::ScalarType input) {
-    return (out.scalar_type() == input ? out : out.to(at::kFloat)).contiguous();
-}
-
-void set_final_output(mtr::AttentionParams& p, const at::Tensor& out) {
+// Points p at the final out as the backward kernels read it (out_in float32, or out_in_q_dtype
+// when it is in the inputs' dtype `input`: no conversion) and returns the contiguous tensor it
+// points into, which the caller keeps until the launch.
+at::Tensor set_final_output(mtr::AttentionParams& p, const at::Tensor& out_in, at::ScalarType input) {
+    const at::Tensor out = (out_in.scalar_type() == input ? out_in : out_in.to(at::kFloat)).contiguous();
     if (out.scalar_type() == at::kFloat) {
         p.out_in = out.data_ptr<float>();
     } else {
         p.out_in_q_dtype = out.data_ptr();
     }
+    return out;
 }
 
 std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const OpIndex& index,
@@ -221,13 +220,13 @@ std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const 
     const c10::cuda::OptionalCUDAGuard guard(q.device());
     Call call = prepare_call(q, k, v, index, scale);
     call.p.merge_out = check_running_output(q, running_out, running_lse, kOpName);
-    check_input_dtype_output(input_dtype, call.p.merge_out, "out", kOpName);
     const auto float_options = call.q.options().dtype(at::kFloat);
-    at::Tensor out = call.p.merge_out ? *running_out
-                                      : at::empty(call.q.sizes(), input_dtype ? call.q.options() : float_options);
+    at::Tensor out = call.p.merge_out && !input_dtype
+        ? *running_out : at::empty(call.q.sizes(), input_dtype ? call.q.options() : float_options);
     at::Tensor lse = call.p.merge_out ? *running_lse : at::empty({q.size(0), q.size(2), q.size(1)}, float_options);
     if (input_dtype) {
         call.p.out_q_dtype = out.data_ptr();
+        if (call.p.merge_out) call.p.out = running_out->data_ptr<float>();  // read, not written
     } else {
         call.p.out = out.data_ptr<float>();
     }
@@ -243,14 +242,12 @@ std::vector<at::Tensor> backward(const at::Tensor& dout_in, const at::Tensor& q,
     const c10::cuda::OptionalCUDAGuard guard(q.device());
     Call call = prepare_call(q, k, v, index, scale);
     check_backward_tensors(call.q, dout_in, out_in, lse_in, kOpName);
-    check_input_dtype_output(input_dtype, running_dq.has_value(), "dq", kOpName);
     if (running_dq.has_value()) check_accumulator(q, *running_dq, q.sizes(), "the running dq", kOpName);
     if (given_delta.has_value()) check_accumulator(q, *given_delta, lse_in.sizes(), "delta", kOpName);
     const at::Tensor dout = contiguous_aligned(dout_in.to(q.scalar_type()));
-    const at::Tensor out = final_output(out_in, q.scalar_type());
     const at::Tensor lse = lse_in.contiguous();
     const auto float_options = call.q.options().dtype(at::kFloat);
-    at::Tensor dq = running_dq.has_value()
+    at::Tensor dq = running_dq.has_value() && !input_dtype
         ? *running_dq : at::empty(q.sizes(), input_dtype ? call.q.options() : float_options);
     at::Tensor dk = at::empty(k.sizes(), float_options);
     at::Tensor dv = at::empty(v.sizes(), float_options);
@@ -263,10 +260,11 @@ std::vector<at::Tensor> backward(const at::Tensor& dout_in, const at::Tensor& q,
     at::Tensor vertical_dv = at::empty(partial_shape, float_options);
     mtr::AttentionParams& p = call.p;
     p.dout = dout.data_ptr();
-    set_final_output(p, out);
+    const at::Tensor out = set_final_output(p, out_in, q.scalar_type());
     p.lse_in = lse.data_ptr<float>();
     if (input_dtype) {
         p.dq_q_dtype = dq.data_ptr();
+        if (running_dq.has_value()) p.dq = running_dq->data_ptr<float>();  // read, not written
     } else {
         p.dq = dq.data_ptr<float>();
     }
@@ -290,11 +288,10 @@ at::Tensor row_delta(const at::Tensor& dout_in, const at::Tensor& out_in) {
                       text(dout_in.size(3)));
     const c10::cuda::OptionalCUDAGuard guard(dout_in.device());
     const at::Tensor dout = dout_in.contiguous();
-    const at::Tensor out = final_output(out_in, dout.scalar_type());
     at::Tensor delta = at::empty({dout.size(0), dout.size(2), dout.size(1)}, dout.options().dtype(at::kFloat));
     mtr::AttentionParams p;
     p.dout = dout.data_ptr();
-    set_final_output(p, out);
+    const at::Tensor out = set_final_output(p, out_in, dout.scalar_type());
     p.delta = delta.data_ptr<float>();
     p.batch = static_cast<int>(dout.size(0));
     p.seq_q = static_cast<int>(dout.size(1));

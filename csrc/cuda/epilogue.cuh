@@ -17,11 +17,12 @@ namespace mtr {
 // the sequence). With merge, out and lse hold the running result of earlier calls over other
 // keys: each row's lse becomes log(exp(running) + exp(this call's)) and its out the two outputs
 // weighted by exp(lse - merged), read and written in place (the ring's merge, without a pass of
-// its own).
-template <typename Arch, int MA, int D, typename RowPointer>
+// its own); or, given running_row (store_rows), the merged out goes to out_row in q's dtype and
+// the running out is only read (the ring's last step).
+template <typename Arch, int MA, int D, typename RowPointer, typename RunningRow = SameRow>
 __device__ __forceinline__ void store_forward_output(float (&acc)[MA][D / 8][4], const OnlineSoftmax<MA>& softmax,
                                                      int query_first, int row0, int seq_q, float scale, float* lse,
-                                                     bool merge, RowPointer out_row) {
+                                                     bool merge, RowPointer out_row, RunningRow running_row = {}) {
     float keep[MA][2];  // merge: the running output's weight per row
 #pragma unroll
     for (int ma = 0; ma < MA; ++ma)
@@ -52,7 +53,7 @@ __device__ __forceinline__ void store_forward_output(float (&acc)[MA][D / 8][4],
             __syncwarp();  // the row's four lanes have read the running lse before one rewrites it
             if ((threadIdx.x & 3) == 0 && t < seq_q) lse[t] = row_lse;
         }
-    store_rows<MA, D>(acc, row0, Arch::kSliceStride, 1.f, out_row, merge ? keep : nullptr);
+    store_rows<MA, D>(acc, row0, Arch::kSliceStride, 1.f, out_row, merge ? keep : nullptr, running_row);
 }
 
 // Slash pass, after the CTA's own dK/dV rows are written and visible to all its threads: adds the

@@ -26,14 +26,15 @@ struct AttentionParams {
 
     // Forward outputs: out fp32 [B, Sq, H, D], lse fp32 [B, H, Sq]. merge_out: they hold the
     // running result of earlier calls (other keys, same queries), which the epilogue merges into.
-    // out_q_dtype (no merge): out in q's dtype there instead of `out`.
+    // out_q_dtype: out in q's dtype there instead; with merge_out the merged one, `out` (the
+    // running one) being read and not written.
     float* out = nullptr;
     void* out_q_dtype = nullptr;
     float* lse = nullptr;
     bool merge_out = false;
     // Backward outputs (fp32): dq [B, Sq, H, D], dk/dv [B, Sk, Hkv, D]. accumulate_dq: dq holds a
-    // running sum that the epilogue adds into. dq_q_dtype (no accumulate_dq): dq in q's dtype there
-    // instead of `dq`.
+    // running sum that the epilogue adds into. dq_q_dtype: dq in q's dtype there instead; with
+    // accumulate_dq the sum, `dq` (the running one) being read and not written.
     float* dq = nullptr;
     void* dq_q_dtype = nullptr;
     bool accumulate_dq = false;

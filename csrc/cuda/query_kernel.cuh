@@ -159,24 +159,31 @@ __global__ void __launch_bounds__(QueryKernelConfig<Arch, T, D, BS, MA, kBackwar
     auto query_out_row = [&](auto* base, int row) -> decltype(base) {
         return row < query_rows ? base + q_head + static_cast<size_t>(query_first + row) * q_stride : nullptr;
     };
+    // with an output in q's dtype, the running fp32 out (dQ) is read there, not written
+    auto running_row = [&](float* base) { return [=](int row) -> const float* { return query_out_row(base, row); }; };
     if constexpr (!kBackward) {
         if (p.out_q_dtype != nullptr) {
             T* out = static_cast<T*>(p.out_q_dtype);
             store_forward_output<Arch, MA, D>(acc, softmax, query_first, row0, p.seq_q, p.scale, p.lse + lse_row,
-                                              false, [&](int row) { return query_out_row(out, row); });
+                                              p.merge_out, [&](int row) { return query_out_row(out, row); },
+                                              running_row(p.out));
         } else {
             store_forward_output<Arch, MA, D>(acc, softmax, query_first, row0, p.seq_q, p.scale, p.lse + lse_row,
                                               p.merge_out, [&](int row) { return query_out_row(p.out, row); });
         }
-    } else if (p.dq_q_dtype != nullptr) {
-        store_rows<MA, D>(acc, row0, Arch::kSliceStride, p.scale,
-                          [&](int row) { return query_out_row(static_cast<T*>(p.dq_q_dtype), row); });
     } else {
         float keep_all[MA][2];  // accumulate_dq: the running dQ kept whole on every row
 #pragma unroll
         for (int ma = 0; ma < MA; ++ma) keep_all[ma][0] = keep_all[ma][1] = 1.f;
-        store_rows<MA, D>(acc, row0, Arch::kSliceStride, p.scale, [&](int row) { return query_out_row(p.dq, row); },
-                          p.accumulate_dq ? keep_all : nullptr);
+        const float(*keep)[2] = p.accumulate_dq ? keep_all : nullptr;
+        if (p.dq_q_dtype != nullptr) {
+            store_rows<MA, D>(acc, row0, Arch::kSliceStride, p.scale,
+                              [&](int row) { return query_out_row(static_cast<T*>(p.dq_q_dtype), row); }, keep,
+                              running_row(p.dq));
+        } else {
+            store_rows<MA, D>(acc, row0, Arch::kSliceStride, p.scale,
+                              [&](int row) { return query_out_row(p.dq, row); }, keep);
+        }
     }
 }
 

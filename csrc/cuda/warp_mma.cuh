@@ -370,30 +370,44 @@ __device__ __forceinline__ void store_pair(__half* cell, float x, float y) {
     *reinterpret_cast<__half2*>(cell) = __floats2half2_rn(x, y);
 }
 
+// store_rows' running row by default: the destination row itself (float rows), read before it is
+// written.
+struct SameRow {};
+
 // Writes a warp's fp32 accumulator rows (scaled) to global rows row_pointer(local_row) (nullptr:
 // skip), float or the inputs' dtype (the pointer's type); slice ma of the warp starts at row
-// row0 + ma * slice_stride. With keep (per slice and fragment half: one row each; float rows
-// only), the row becomes keep * its old value + the scaled accumulator instead.
-template <int MA, int D, typename RowPointer>
+// row0 + ma * slice_stride. With keep (per slice and fragment half: one row each), the row becomes
+// keep * the running row + the scaled accumulator instead. The running row is float: the
+// destination row itself (SameRow, float rows only), or running_row(local_row), read and not
+// written (a result in the inputs' dtype from a float32 running one: the ring's last step).
+template <int MA, int D, typename RowPointer, typename RunningRow = SameRow>
 __device__ __forceinline__ void store_rows(const float (&acc)[MA][D / 8][4], int row0, int slice_stride, float scale,
-                                           RowPointer row_pointer, const float (*keep)[2] = nullptr) {
+                                           RowPointer row_pointer, const float (*keep)[2] = nullptr,
+                                           RunningRow running_row = {}) {
     using Out = std::remove_pointer_t<decltype(row_pointer(0))>;
 #pragma unroll
     for (int ma = 0; ma < MA; ++ma)
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-            Out* dst = row_pointer(row0 + ma * slice_stride + fragment_row(2 * half));
+            const int row = row0 + ma * slice_stride + fragment_row(2 * half);
+            Out* dst = row_pointer(row);
             if (dst == nullptr) continue;
+            const float* running = nullptr;
+            if (keep != nullptr) {
+                if constexpr (!std::is_same_v<RunningRow, SameRow>) {
+                    running = running_row(row);
+                } else if constexpr (std::is_same_v<Out, float>) {
+                    running = dst;
+                }
+            }
 #pragma unroll
             for (int nt = 0; nt < D / 8; ++nt) {
                 Out* cell = dst + fragment_col(nt, 0);
                 float x = acc[ma][nt][2 * half] * scale, y = acc[ma][nt][2 * half + 1] * scale;
-                if constexpr (std::is_same_v<Out, float>) {
-                    if (keep != nullptr) {
-                        const float2 old = *reinterpret_cast<const float2*>(cell);
-                        x += keep[ma][half] * old.x;
-                        y += keep[ma][half] * old.y;
-                    }
+                if (running != nullptr) {
+                    const float2 old = *reinterpret_cast<const float2*>(running + fragment_col(nt, 0));
+                    x += keep[ma][half] * old.x;
+                    y += keep[ma][half] * old.y;
                 }
                 store_pair(cell, x, y);
             }

@@ -4,18 +4,19 @@ Every step calls the sparse kernel with the *global* compact index and the step'
 :class:`~ds_mtraining.index.Stripe` (query rank, key rank); the kernel derives that pair's blocks
 and columns in O(selected). Each step after the first merges its partial output exactly in fp32
 through the LSEs into the running (out, lse) the first step made, in the kernel's epilogue (the
-op's running ``out``/``lse`` arguments): no merge pass of its own.
+op's running ``out``/``lse`` arguments): no merge pass of its own. The last step writes the merged
+out in q's dtype (the op's ``input_dtype``), reading the fp32 running one: no cast pass.
 
 Backward runs the forward's steps in reverse order (:meth:`RingSchedule.kv_steps`, ``reverse``),
 starting from the K/V this rank held at the forward's last step (saved, so no transfer precedes
 the first kernel) and ending on the local pair. dQ stays home (the first step's dQ, into which
-each later step's kernel adds its own: the op's running ``dq``); delta = rowsum(dout * out) is
-computed once for all steps. The dK/dV accumulators (fp32) travel with the K/V, the other way
-round the ring, each rank adding its share for the keys it holds; since the last step is the
-local pair, every accumulator is home after the last step: no dK/dV hop follows the last
-kernel. In the hierarchical ring the same holds per level: a node's share for the keys of its
-outer step is complete at the local step of its inner ring and joins the outer accumulator,
-which ends at the keys' node at outer step 0.
+each later step's kernel adds its own: the op's running ``dq``; the last step writes the sum in
+q's dtype); delta = rowsum(dout * out) is computed once for all steps. The dK/dV accumulators
+(fp32) travel with the K/V, the other way round the ring, each rank adding its share for the
+keys it holds; since the last step is the local pair, every accumulator is home after the last
+step: no dK/dV hop follows the last kernel. In the hierarchical ring the same holds per level: a
+node's share for the keys of its outer step is complete at the local step of its inner ring and
+joins the outer accumulator, which ends at the keys' node at outer step 0.
 
 On CUDA the additions into arriving accumulators and their sends run on a side stream
 (``DS_MTRAINING_RING_GRAD_STREAM=0`` puts them back on the current stream): the next step's
@@ -38,13 +39,14 @@ _grad_streams: dict = {}
 
 
 def ring_forward(schedule: RingSchedule, q, k, v, index: SparseIndex, scale: float, doc_start=None):
-    """(out float32 [B, S/W, H, D], lse float32 [B, H, S/W], (k, v) held at the last step) of
-    this rank's queries over all keys (within their documents when ``doc_start`` [B, S] is given)."""
+    """(out in q's dtype [B, S/W, H, D], lse float32 [B, H, S/W], (k, v) held at the last step)
+    of this rank's queries over all keys (within their documents when ``doc_start`` [B, S] is
+    given)."""
     out = lse = None
     held = (k, v)
-    for _, _, stripe, step_k, step_v in schedule.kv_steps(k, v):
+    for step, (_, _, stripe, step_k, step_v) in enumerate(schedule.kv_steps(k, v)):
         out, lse = ops.attention_forward(q, step_k, step_v, index, scale, stripe, doc_start=doc_start,
-                                         out=out, lse=lse)
+                                         out=out, lse=lse, input_dtype=step == schedule.world - 1)
         held = (step_k, step_v)
     return out, lse, held
 
@@ -91,9 +93,9 @@ def _accumulate_and_pass(comm: RingComm | None, in_flight, dk, dv, stream) -> Pe
 
 def ring_backward(schedule: RingSchedule, dout, q, k, v, out, lse, index: SparseIndex, scale: float,
                   held_k=None, held_v=None, doc_start=None):
-    """(dq, dk, dv) float32 for this rank's shards; ``out``/``lse`` are the merged forward ones
-    (``out`` in q's dtype or float32), ``held_k``/``held_v`` the K/V this rank held at the
-    forward's last step (:func:`ring_forward`; None: fetched here, one exposed transfer)."""
+    """(dq in q's dtype, dk and dv float32) for this rank's shards; ``out``/``lse`` are the merged
+    forward ones (``out`` in q's dtype or float32), ``held_k``/``held_v`` the K/V this rank held
+    at the forward's last step (:func:`ring_forward`; None: fetched here, one exposed transfer)."""
     if held_k is None:
         held_k, held_v = _fetch_last_step_kv(schedule, k, v)
     stream = _grad_stream(q.device)
@@ -101,9 +103,11 @@ def ring_backward(schedule: RingSchedule, dout, q, k, v, out, lse, index: Sparse
     outer_comm = schedule.outer if schedule.nodes > 1 else None
     dq = inner_grads = outer_grads = None
     delta = ops.attention_delta(dout, out)  # the same for every step: computed once
-    for outer_step, inner_step, stripe, step_k, step_v in schedule.kv_steps(held_k, held_v, reverse=True):
+    steps = schedule.kv_steps(held_k, held_v, reverse=True)
+    for step, (outer_step, inner_step, stripe, step_k, step_v) in enumerate(steps):
         dq, dk_step, dv_step = ops.attention_backward(dout, q, step_k, step_v, out, lse, index, scale, stripe,
-                                                      doc_start=doc_start, dq=dq, delta=delta)
+                                                      doc_start=doc_start, dq=dq, delta=delta,
+                                                      input_dtype=step == schedule.world - 1)
         node_done = inner_step == 0  # the inner ring's local step: the node's share is complete
         inner_grads = _accumulate_and_pass(None if node_done else inner_comm, inner_grads,
                                            dk_step, dv_step, stream)
@@ -141,9 +145,9 @@ class RingSparseAttentionFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, index: SparseIndex, scale: float, schedule: RingSchedule, doc_start=None,
                 kept=None):
         if kept is None:
+            # out: the merged fp32 out rounded once, by the last step's kernel; returned, and
+            # saved for the backward's delta
             out, lse, (held_k, held_v) = ring_forward(schedule, q, k, v, index, scale, doc_start)
-            # the merged fp32 out, rounded once: returned, and saved for the backward's delta
-            out = out.to(q.dtype)
         else:  # the tensors the forward saved, alike (non-reentrant checkpointing's backward pairs
             # them with the first forward's ctx): out, the last step's K/V (one hop back)
             out, lse = kept
@@ -158,4 +162,4 @@ class RingSparseAttentionFunction(torch.autograd.Function):
         q, k, v, out, lse, held_k, held_v = ctx.saved_tensors
         dq, dk, dv = ring_backward(ctx.schedule, dout.contiguous(), q, k, v, out, lse, ctx.index,
                                    ctx.scale, held_k, held_v, ctx.doc_start)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None

@@ -200,14 +200,6 @@ inline bool check_running_output(const at::Tensor& q, const std::optional<at::Te
     return true;
 }
 
-// input_dtype (forward's out, backward's dq in q's dtype) rounds the result, which a running
-// accumulator must not be: the two exclude each other.
-inline void check_input_dtype_output(bool input_dtype, bool running, const char* what, const char* op_name) {
-    TORCH_CHECK_VALUE(!(input_dtype && running), op_name, ": input_dtype=True returns ", what,
-                      " in q's dtype, but a running ", what,
-                      " was given to accumulate into (float32); pass one or the other");
-}
-
 // Validates delta's inputs: dout and out of one shape [batch, seq, heads, head_dim], float types,
 // on one device of `device_type`.
 inline void check_delta_inputs(const at::Tensor& dout, const at::Tensor& out, c10::DeviceType device_type,

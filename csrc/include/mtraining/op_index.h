@@ -7,7 +7,9 @@
 //
 // Given a running out and lse (forward) or dq (backward), float32, a call adds its own result into
 // them in place (the ring's steps: one accumulation, no separate merge pass) and returns them.
-// input_dtype returns out (dq) in q's dtype instead of float32.
+// input_dtype returns out (dq) in q's dtype instead of float32; with a running out (dq), the merged
+// out (the sum) in a new tensor in q's dtype, the running out (dq) read and not written, the
+// running lse updated in place (the ring's last step).
 // delta = rowsum(dout * out) [B, H, S] float32 is what backward computes first; given to backward
 // (the ring computes it once for all its steps), it is not computed again.
 //
@@ -92,8 +94,8 @@ inline OpIndex op_index_from_python(const py::dict& fields, const char* op_name)
 // read their index from Python, then run forward(q, k, v, OpIndex, scale, running out, running
 // lse, input_dtype) / backward(dout, q, k, v, out, lse, OpIndex, scale, running dq, delta,
 // input_dtype) without the GIL (the optional tensors std::nullopt when not given); delta runs
-// delta(dout, out). input_dtype: out (forward) or dq (backward) in q's dtype instead of float32,
-// for a call that merges into no running one (checks.h: check_input_dtype_output).
+// delta(dout, out). input_dtype: out (forward) or dq (backward) in q's dtype instead of float32
+// (see the top of this file).
 template <typename Forward, typename Backward, typename Delta>
 void define_attention_ops(py::module_& m, const char* op_name, Forward forward, Backward backward, Delta delta) {
     m.def(
