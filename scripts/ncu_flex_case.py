@@ -1,0 +1,45 @@
+"""One forward+backward of FlexAttention and of our kernels on the kernel benchmark's mask (256K,
+5%, H=16, HKV=2, D=128, bf16), profiled between cudaProfilerStart/Stop after a warm-up, so that
+ncu sees each kernel once (docs/CUDA_NOTES.md, "ncu: FlexAttention against ours"):
+
+    ncu --clock-control none --profile-from-start off -k regex:"flex_attention|query_kernel|key_kernel" \\
+        --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \\
+        --section ComputeWorkloadAnalysis --print-details all python3 scripts/ncu_flex_case.py
+"""
+import torch
+from torch.nn.attention.flex_attention import flex_attention
+
+from ds_mtraining.attention import resolve_softmax_scale, sparse_attention
+from ds_mtraining.bench import index_for_density
+from ds_mtraining.bench.kernel import FlexMask, build_index
+
+SEQ, HEADS, KV_HEADS, DIM, BLOCK, DENSITY = 262144, 16, 2, 128, 128, 0.05
+
+
+def main():
+    index = index_for_density(
+        lambda n: build_index(1, HEADS, SEQ, BLOCK, n, torch.Generator().manual_seed(SEQ + int(DENSITY * 1000))),
+        SEQ // BLOCK - 2, DENSITY).to("cuda")
+    q, dout = (torch.randn(1, SEQ, HEADS, DIM, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(1, SEQ, KV_HEADS, DIM, device="cuda", dtype=torch.bfloat16).requires_grad_() for _ in range(2))
+    q.requires_grad_()
+    scale = resolve_softmax_scale(DIM)
+    block_mask, block_density = FlexMask(1, HEADS, SEQ, BLOCK, "cuda").for_index(index)
+    print(f"density: ours {index.density():.4f}, flex's blocks {block_density:.4f}")
+    flex = torch.compile(flex_attention, dynamic=False)
+    qf, kf, vf, df = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v, dout))
+
+    def run():
+        torch.autograd.grad(flex(qf, kf, vf, block_mask=block_mask, scale=scale, enable_gqa=True), (qf, kf, vf), df)
+        torch.autograd.grad(sparse_attention(q, k, v, index, scale), (q, k, v), dout)
+
+    run()  # compiles flex and loads our op
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    run()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+
+
+if __name__ == "__main__":
+    main()
