@@ -385,6 +385,20 @@ def test_misaligned_views_give_the_aligned_results():
         assert torch.equal(ops.attention_delta(views[3], misaligned(final)), ops.attention_delta(dout, final))
 
 
+@pytest.mark.parametrize("dim", [64, 128])
+def test_delta_matches_float64_rowsums(dim):
+    """attention_delta = rowsum(dout * out) against float64, for out in q's dtype or float32 (a
+    ring's running out), over a row count that leaves the last block partly empty."""
+    generator = torch.Generator().manual_seed(dim)
+    dout = torch.randn(2, 37, 3, dim, generator=generator).to("cuda", torch.bfloat16)
+    out = torch.randn(2, 37, 3, dim, generator=generator).cuda()
+    for final in (out, out.to(torch.bfloat16)):
+        expected = (dout.double() * final.double()).sum(-1).transpose(1, 2)
+        delta = ops.attention_delta(dout, final)
+        assert delta.shape == expected.shape and delta.dtype == torch.float32
+        assert float((delta.double() - expected).abs().max()) <= 1e-4 * dim ** 0.5
+
+
 def test_long_sequence_against_row_chunks():
     """32K tokens: the float64 reference runs over query chunks (mask_between rows), with autograd."""
     seq, heads, kv_heads, dim, block = 32768, 2, 1, 128, 128

@@ -202,10 +202,11 @@ void launch(Call& call, bool backward) {
 }
 
 // Points p at the final out as the backward kernels read it (out_in float32, or out_in_q_dtype
-// when it is in the inputs' dtype `input`: no conversion) and returns the contiguous tensor it
-// points into, which the caller keeps until the launch.
+// when it is in the inputs' dtype `input`: no conversion) and returns the contiguous, 16-byte
+// aligned tensor it points into (delta reads it in 16-byte chunks), which the caller keeps until
+// the launch.
 at::Tensor set_final_output(mtr::AttentionParams& p, const at::Tensor& out_in, at::ScalarType input) {
-    const at::Tensor out = (out_in.scalar_type() == input ? out_in : out_in.to(at::kFloat)).contiguous();
+    const at::Tensor out = contiguous_aligned(out_in.scalar_type() == input ? out_in : out_in.to(at::kFloat));
     if (out.scalar_type() == at::kFloat) {
         p.out_in = out.data_ptr<float>();
     } else {
@@ -287,7 +288,7 @@ at::Tensor row_delta(const at::Tensor& dout_in, const at::Tensor& out_in) {
     TORCH_CHECK_VALUE(dout_in.size(3) == 64 || dout_in.size(3) == 128, kOpName, ": head_dim must be 64 or 128, got ",
                       text(dout_in.size(3)));
     const c10::cuda::OptionalCUDAGuard guard(dout_in.device());
-    const at::Tensor dout = dout_in.contiguous();
+    const at::Tensor dout = contiguous_aligned(dout_in);
     at::Tensor delta = at::empty({dout.size(0), dout.size(2), dout.size(1)}, dout.options().dtype(at::kFloat));
     mtr::AttentionParams p;
     p.dout = dout.data_ptr();

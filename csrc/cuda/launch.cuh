@@ -12,36 +12,64 @@
 namespace mtr {
 
 constexpr int kDeltaThreads = 256;
+constexpr int kDeltaRowsPerThread = 4;  // independent 16-byte loads in flight per thread and tensor
 
 __device__ __forceinline__ float to_float(__nv_bfloat16 value) { return __bfloat162float(value); }
 __device__ __forceinline__ float to_float(__half value) { return __half2float(value); }
 
-// delta[b, h, t] = sum_d dout[b, t, h, d] * out[b, t, h, d]: one warp per (b, t, h) row.
-template <typename T, int D>
-__global__ void __launch_bounds__(kDeltaThreads) delta_kernel(const AttentionParams p) {
-    const long long row = static_cast<long long>(blockIdx.x) * (kDeltaThreads / 32) + (threadIdx.x >> 5);
+// Elements 8 c..8 c + 7 of a row as floats, read with 16-byte loads (rows 16-byte aligned).
+template <typename T>
+__device__ __forceinline__ void load_eight(float (&x)[8], const T* row, int c) {
+    const uint4 packed = reinterpret_cast<const uint4*>(row)[c];
+    const T* values = reinterpret_cast<const T*>(&packed);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) x[i] = to_float(values[i]);
+}
+__device__ __forceinline__ void load_eight(float (&x)[8], const float* row, int c) {
+    const float4 low = reinterpret_cast<const float4*>(row)[2 * c];
+    const float4 high = reinterpret_cast<const float4*>(row)[2 * c + 1];
+    x[0] = low.x, x[1] = low.y, x[2] = low.z, x[3] = low.w, x[4] = high.x, x[5] = high.y, x[6] = high.z, x[7] = high.w;
+}
+
+// delta[b, h, t] = sum_d dout[b, t, h, d] * out[b, t, h, d] over the [B x S x H] rows of D
+// elements: D / 8 lanes per row, each reading 8 elements of dout and out with 16-byte loads, and
+// kDeltaRowsPerThread rows per thread issued before any is summed, so that enough loads are in
+// flight to stream at memory bandwidth. Out is q's dtype T or float (a ring's running out).
+template <typename T, typename Out, int D>
+__global__ void __launch_bounds__(kDeltaThreads) delta_kernel(const AttentionParams p, const Out* out) {
+    constexpr int kLanes = D / 8;                           // lanes per row
+    constexpr int kRowsPerPass = kDeltaThreads / kLanes;    // rows a block covers per pass
     const long long rows = static_cast<long long>(p.batch) * p.seq_q * p.heads;
-    if (row >= rows) return;
-    const int lane = threadIdx.x & 31;
-    const T* dout = static_cast<const T*>(p.dout) + row * D;
-    float sum = 0.f;
-    if (p.out_in_q_dtype != nullptr) {  // uniform
-        const T* out = static_cast<const T*>(p.out_in_q_dtype) + row * D;
+    const long long first = static_cast<long long>(blockIdx.x) * kRowsPerPass * kDeltaRowsPerThread +
+                            threadIdx.x / kLanes;
+    const int c = threadIdx.x % kLanes;
+    float dout[kDeltaRowsPerThread][8], value[kDeltaRowsPerThread][8];
 #pragma unroll
-        for (int d = lane; d < D; d += 32) sum += to_float(dout[d]) * to_float(out[d]);
-    } else {
-        const float* out = p.out_in + row * D;
+    for (int r = 0; r < kDeltaRowsPerThread; ++r) {
+        const long long row = first + r * kRowsPerPass;
+        if (row < rows) {
+            load_eight(dout[r], static_cast<const T*>(p.dout) + row * D, c);
+            load_eight(value[r], out + row * D, c);
+        } else {
 #pragma unroll
-        for (int d = lane; d < D; d += 32) sum += to_float(dout[d]) * out[d];
+            for (int i = 0; i < 8; ++i) dout[r][i] = value[r][i] = 0.f;
+        }
     }
 #pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-    if (lane == 0) {
-        const int head = static_cast<int>(row % p.heads);
-        const long long token_row = row / p.heads;
-        const int t = static_cast<int>(token_row % p.seq_q);
-        const int batch = static_cast<int>(token_row / p.seq_q);
-        p.delta[(static_cast<size_t>(batch) * p.heads + head) * p.seq_q + t] = sum;
+    for (int r = 0; r < kDeltaRowsPerThread; ++r) {
+        const long long row = first + r * kRowsPerPass;
+        float sum = 0.f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) sum += dout[r][i] * value[r][i];
+#pragma unroll
+        for (int offset = kLanes / 2; offset > 0; offset >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+        if (c == 0 && row < rows) {
+            const int head = static_cast<int>(row % p.heads);
+            const long long token_row = row / p.heads;
+            const int t = static_cast<int>(token_row % p.seq_q);
+            const int batch = static_cast<int>(token_row / p.seq_q);
+            p.delta[(static_cast<size_t>(batch) * p.heads + head) * p.seq_q + t] = sum;
+        }
     }
 }
 
@@ -111,8 +139,15 @@ cudaError_t run_delta(const AttentionParams& p, cudaStream_t stream) {
     using T = typename ElementOf<dtype>::type;
     if (p.head_dim != kHeadDim) return cudaErrorInvalidValue;
     const long long rows = static_cast<long long>(p.batch) * p.seq_q * p.heads;
-    const long long delta_blocks = (rows + kDeltaThreads / 32 - 1) / (kDeltaThreads / 32);
-    if (delta_blocks > 0) delta_kernel<T, kHeadDim><<<static_cast<unsigned>(delta_blocks), kDeltaThreads, 0, stream>>>(p);
+    const long long rows_per_block = static_cast<long long>(kDeltaThreads / (kHeadDim / 8)) * kDeltaRowsPerThread;
+    const long long blocks = (rows + rows_per_block - 1) / rows_per_block;
+    if (blocks == 0) return cudaSuccess;
+    if (p.out_in_q_dtype != nullptr) {
+        delta_kernel<T, T, kHeadDim><<<static_cast<unsigned>(blocks), kDeltaThreads, 0, stream>>>(
+            p, static_cast<const T*>(p.out_in_q_dtype));
+    } else {
+        delta_kernel<T, float, kHeadDim><<<static_cast<unsigned>(blocks), kDeltaThreads, 0, stream>>>(p, p.out_in);
+    }
     return cudaGetLastError();
 }
 
