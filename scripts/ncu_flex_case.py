@@ -10,16 +10,13 @@ import torch
 from torch.nn.attention.flex_attention import flex_attention
 
 from ds_mtraining.attention import resolve_softmax_scale, sparse_attention
-from ds_mtraining.bench import index_for_density
-from ds_mtraining.bench.kernel import FlexMask, build_index
+from ds_mtraining.bench.kernel import FlexMask, benchmark_index
 
 SEQ, HEADS, KV_HEADS, DIM, BLOCK, DENSITY = 262144, 16, 2, 128, 128, 0.05
 
 
 def main():
-    index = index_for_density(
-        lambda n: build_index(1, HEADS, SEQ, BLOCK, n, torch.Generator().manual_seed(SEQ + int(DENSITY * 1000))),
-        SEQ // BLOCK - 2, DENSITY).to("cuda")
+    index = benchmark_index(1, HEADS, SEQ, BLOCK, DENSITY).to("cuda")
     q, dout = (torch.randn(1, SEQ, HEADS, DIM, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     k, v = (torch.randn(1, SEQ, KV_HEADS, DIM, device="cuda", dtype=torch.bfloat16).requires_grad_() for _ in range(2))
     q.requires_grad_()

@@ -13,6 +13,10 @@ namespace mtr {
 
 constexpr int kDeltaThreads = 256;
 constexpr int kDeltaRowsPerThread = 4;  // independent 16-byte loads in flight per thread and tensor
+template <int D>
+constexpr int kDeltaLanes = D / 8;  // lanes per row, 8 elements (16 bytes of bf16/fp16) each
+template <int D>
+constexpr int kDeltaRowsPerBlock = kDeltaThreads / kDeltaLanes<D> * kDeltaRowsPerThread;
 
 __device__ __forceinline__ float to_float(__nv_bfloat16 value) { return __bfloat162float(value); }
 __device__ __forceinline__ float to_float(__half value) { return __half2float(value); }
@@ -37,11 +41,10 @@ __device__ __forceinline__ void load_eight(float (&x)[8], const float* row, int 
 // flight to stream at memory bandwidth. Out is q's dtype T or float (a ring's running out).
 template <typename T, typename Out, int D>
 __global__ void __launch_bounds__(kDeltaThreads) delta_kernel(const AttentionParams p, const Out* out) {
-    constexpr int kLanes = D / 8;                           // lanes per row
-    constexpr int kRowsPerPass = kDeltaThreads / kLanes;    // rows a block covers per pass
+    constexpr int kLanes = kDeltaLanes<D>;
+    constexpr int kRowsPerPass = kDeltaThreads / kLanes;  // rows a block covers per pass
     const long long rows = static_cast<long long>(p.batch) * p.seq_q * p.heads;
-    const long long first = static_cast<long long>(blockIdx.x) * kRowsPerPass * kDeltaRowsPerThread +
-                            threadIdx.x / kLanes;
+    const long long first = static_cast<long long>(blockIdx.x) * kDeltaRowsPerBlock<D> + threadIdx.x / kLanes;
     const int c = threadIdx.x % kLanes;
     float dout[kDeltaRowsPerThread][8], value[kDeltaRowsPerThread][8];
 #pragma unroll
@@ -139,8 +142,7 @@ cudaError_t run_delta(const AttentionParams& p, cudaStream_t stream) {
     using T = typename ElementOf<dtype>::type;
     if (p.head_dim != kHeadDim) return cudaErrorInvalidValue;
     const long long rows = static_cast<long long>(p.batch) * p.seq_q * p.heads;
-    const long long rows_per_block = static_cast<long long>(kDeltaThreads / (kHeadDim / 8)) * kDeltaRowsPerThread;
-    const long long blocks = (rows + rows_per_block - 1) / rows_per_block;
+    const long long blocks = (rows + kDeltaRowsPerBlock<kHeadDim> - 1) / kDeltaRowsPerBlock<kHeadDim>;
     if (blocks == 0) return cudaSuccess;
     if (p.out_in_q_dtype != nullptr) {
         delta_kernel<T, T, kHeadDim><<<static_cast<unsigned>(blocks), kDeltaThreads, 0, stream>>>(

@@ -77,6 +77,15 @@ def build_index(batch, heads, seq, block, n_slash, generator, document_starts=(0
     return SparseIndex.from_blocks(slash, vertical, seq, block, local_blocks=2)
 
 
+def benchmark_index(batch, heads, seq, block, target, document_starts=(0,)):
+    """The benchmark's index at one (length, target density): build_index with the number of
+    slash diagonals that comes closest to ``target``, from a seed of the length and density."""
+    seed = seq + int(target * 1000)
+    return index_for_density(
+        lambda n: build_index(batch, heads, seq, block, n, torch.Generator().manual_seed(seed), document_starts),
+        seq // block - 2, target)
+
+
 def random_doc_start(seq, shortest, longest, generator):
     """int32 [1, S] doc_start of documents with lengths uniform in [shortest, longest] (the last
     one cut at S)."""
@@ -258,10 +267,7 @@ def run(args):
                                                            sinks="the first 64 tokens of every document")
             flex_documents = FlexMask(batch, heads, seq, block, device, doc_start) if flex is not None else None
         for target in args.densities:
-            seed = seq + int(target * 1000)
-            index = index_for_density(
-                lambda n: build_index(batch, heads, seq, block, n, torch.Generator().manual_seed(seed), starts),
-                seq // block - 2, target).to(device)
+            index = benchmark_index(batch, heads, seq, block, target, starts).to(device)
             density = index.density()
             flops = 4.0 * dim * float(index.num_entries().sum())
 
