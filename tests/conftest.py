@@ -8,9 +8,17 @@ of CPU to compile), so that no launched rank compiles it: a launch killed or tim
 leaves the cache's lock file behind, and every later launch waits on it forever. (A subprocess,
 not a thread: a build in a thread of this process broke pytest's output capture of the test
 running beside it, "Bad file descriptor" at its teardown; DeepSpeed's builder redirects file
-descriptor 2 while it probes the compiler.)"""
+descriptor 2 while it probes the compiler.)
+
+Background builds: a test marked ``background_build(command=...)`` waits for a build that starts at
+collection, niced, and the test runs last. Such a build (the prebuilt install, every CUDA source
+under nvcc: minutes of CPU) takes the CPU time the rest of the suite leaves idle instead of
+running beside the JIT build or in a test of its own; the niced build barely slows the timed
+multi-process tests. The ``background_build`` fixture hands the test its (process, log, directory)."""
 import multiprocessing
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -33,6 +41,9 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "slow: builds or installs the package (minutes); CI runs it, "
                    "deselect locally with -m 'not slow'")
+    config.addinivalue_line(
+        "markers", "background_build(command=f): f(directory) -> (argv, env) or None (nothing to "
+                   "build here); started niced at collection, the test runs last (module docstring)")
     # the forkserver (Python 3.11) imports its preload before it takes this process's sys.path:
     # without tests/ on PYTHONPATH it would skip helpers and forkserver_ops (ImportError is ignored)
     tests = str(Path(__file__).parent)
@@ -42,10 +53,41 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(session, config, items):
-    items.sort(key=lambda item: item.path.name != "test_op_builder.py")  # stable: the rest keep their order
+    def place(item):  # the op-builder tests first, the background builds' tests last; stable otherwise
+        return 2 if item.get_closest_marker("background_build") else int(item.path.name != "test_op_builder.py")
+    items.sort(key=place)
 
 
 _op_build: dict = {}
+_background: dict = {}  # test node id -> (process, log, directory)
+
+
+def _start_background_builds(items):
+    for item in items:
+        marker = item.get_closest_marker("background_build")
+        if marker is None:
+            continue
+        directory = Path(tempfile.mkdtemp(prefix="ds_mtraining-background-"))
+        job = marker.kwargs["command"](directory)
+        if job is None:
+            shutil.rmtree(directory)
+            continue
+        command, env = job
+        log = directory / "build.log"
+        niced = ["nice", "-n", "19", *command] if shutil.which("nice") else command
+        with log.open("w") as output:
+            process = subprocess.Popen(niced, env=env, stdout=output, stderr=subprocess.STDOUT,
+                                       start_new_session=True)
+        _background[item.nodeid] = (process, log, directory)
+
+
+@pytest.fixture
+def background_build(request):
+    """(process, log, directory) of the build this test's ``background_build`` marker started."""
+    job = _background.get(request.node.nodeid)
+    if job is None:
+        pytest.fail(f"no background build was started for {request.node.nodeid}")
+    return job
 
 
 def _build_ops_code(with_cpu_op: bool) -> str:
@@ -54,9 +96,11 @@ def _build_ops_code(with_cpu_op: bool) -> str:
 
 
 def pytest_collection_finish(session):
-    """When a selected test asks for ``cpu_op``: starts the ops' build (or cache load) in a
-    subprocess, the CPU op's only when the JIT test (which may build it) is not selected, and lets
-    the forkserver preload both for the ranks it forks."""
+    """Starts the selected tests' background builds. When a selected test asks for ``cpu_op``:
+    starts the ops' build (or cache load) in a subprocess, the CPU op's only when the JIT test
+    (which may build it) is not selected, and lets the forkserver preload both for the ranks it
+    forks."""
+    _start_background_builds(session.items)
     if any("cpu_op" in getattr(item, "fixturenames", ()) for item in session.items):
         jit_test = any(item.name == JIT_TEST for item in session.items)
         log = tempfile.NamedTemporaryFile("w", prefix="ds_mtraining-ops-build-", suffix=".log", delete=False)
@@ -67,8 +111,14 @@ def pytest_collection_finish(session):
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """Lets a build that no test waited for finish: killed mid-build it would leave the cache's
-    lock file behind, on which every later build waits forever."""
+    """Ends the background builds that no test waited for (they write only their own directory).
+    Lets an ops' build that no test waited for finish: killed mid-build it would leave the
+    cache's lock file behind, on which every later build waits forever."""
+    for process, _, directory in _background.values():
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+        shutil.rmtree(directory, ignore_errors=True)
     process = _op_build.get("process")
     if process is not None:
         try:

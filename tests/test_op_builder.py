@@ -1,9 +1,9 @@
 """The DeepSpeed op builder: a JIT build from an empty extension cache, and a prebuilt
-install (DS_BUILD_MTRAINING=1 pip install) that imports without compiling. Each runs in a
-subprocess and checks the op's forward and gradients against float64 dense attention."""
+install (DS_BUILD_MTRAINING=1 pip install, a background build: conftest) that imports without
+compiling. Each runs in a subprocess and checks the op's forward and gradients against float64
+dense attention."""
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import textwrap
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import REPO, finish, start
+from helpers import REPO, finish
 
 from ds_mtraining_op_builder import MTrainingCPUBuilder, extension_root
 
@@ -52,23 +52,12 @@ def run_python(code: str, env: dict, cwd: Path, timeout: int) -> str:
 INSTALL_TIMEOUT_S = 1200
 
 
-@pytest.fixture(scope="module", autouse=True)
-def prebuilt_install(request, tmp_path_factory):
-    """``DS_BUILD_MTRAINING=1 pip install --target`` started in the background as soon as this
-    module starts (when the prebuilt test is selected), so that its compile runs beside the JIT
-    test's instead of after it. Yields (target, process, log) or None."""
-    if not any(item.name == "test_prebuilt_install_imports_without_compiling" for item in request.session.items):
-        yield None
-        return
-    directory = tmp_path_factory.mktemp("prebuilt")
-    target, log = directory / "site", directory / "pip.log"
-    process = start([sys.executable, "-m", "pip", "install", "--no-build-isolation", "--no-deps",
-                     "--no-cache-dir", "--target", str(target), str(REPO)], log,
-                    env=dict(os.environ, DS_BUILD_MTRAINING="1", DS_BUILD_MTRAINING_CUDA="0"))
-    yield target, process, log
-    if process.poll() is None:  # the test failed or was deselected before waiting for it
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
+def prebuilt_install(directory: Path):
+    """``DS_BUILD_MTRAINING=1 pip install --target directory/site`` of the checkout (the CPU op
+    only), the prebuilt test's background build (conftest)."""
+    command = [sys.executable, "-m", "pip", "install", "--no-build-isolation", "--no-deps", "--no-cache-dir",
+               "--target", str(directory / "site"), str(REPO)]
+    return command, dict(os.environ, DS_BUILD_MTRAINING="1", DS_BUILD_MTRAINING_CUDA="0")
 
 
 def test_jit_build_in_fresh_extension_dir(tmp_path):
@@ -102,9 +91,11 @@ def test_jit_build_in_fresh_extension_dir(tmp_path):
 
 
 @pytest.mark.slow
-def test_prebuilt_install_imports_without_compiling(prebuilt_install, tmp_path):
-    target, process, log = prebuilt_install
+@pytest.mark.background_build(command=prebuilt_install)
+def test_prebuilt_install_imports_without_compiling(background_build, tmp_path):
+    process, log, directory = background_build
     finish(process, log, INSTALL_TIMEOUT_S)
+    target = directory / "site"
     extensions = tmp_path / "torch_extensions"
     extensions.mkdir()
     assert list((target / "ds_mtraining").glob("mtraining_cpu_op*.so")), "the op was not prebuilt"
