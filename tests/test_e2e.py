@@ -120,11 +120,39 @@ def test_smoke_end_to_end(tmp_path):
     mtraining, ulysses = (row[mode]["runs"][0]["profile_ms_by_kind"] for mode in ("mtraining", "ulysses"))
     assert mtraining["attention"] > 0 and mtraining["gemm"] > 0 and ulysses["gemm"] > 0
     assert "attention" not in ulysses and ulysses["communication"] > 0  # SDPA, and Ulysses' all-to-alls
+    assert ulysses["dense attention"] > 0 and "dense attention" not in mtraining
+    free = row["mtraining"]["attention_free_s"]  # the step less the profiled sparse op's (and estimator's) time
+    spent = sum(mtraining.get(kind, 0.0) for kind in ("attention", "estimator")) / 1e3
+    assert free == pytest.approx(row["mtraining"]["step_s"] - spent)
+    assert row["speedup_bound"] == pytest.approx(row["ulysses"]["step_s"] / free)
+    assert row["speedup_bound"] >= row["speedup"]
     top = row["mtraining"]["runs"][0]["profile_top"]  # the costliest first, each with its kind
     assert 0 < len(top) <= 10 and [t["ms"] for t in top] == sorted((t["ms"] for t in top), reverse=True)
     assert any(t["kind"] == "attention" for t in top)
     assert row["speedup"] == pytest.approx(row["ulysses"]["step_s"] / row["mtraining"]["step_s"])
     assert "MTraining W" in done.stdout.split("e2e: tiny-qwen2 ulysses")[-1]  # the table, printed last
+
+
+def test_speedup_bound_from_the_attention_free_step(tmp_path):
+    """attention_free_step: the step less the profiled attention kinds (sparse, estimator, SDPA),
+    by hand; a row's speedup_bound is the baseline's step over MTraining's attention-free step, and
+    is left out where MTraining's launch had no profile."""
+    kinds = {"gemm": 900.0, "attention": 300.0, "estimator": 20.0, "dense attention": 5.0, "liger": 50.0}
+    assert e2e.attention_free_step(2.0, kinds) == pytest.approx(2.0 - 0.325)
+    assert e2e.attention_free_step(0.2, kinds) is None  # more attention than step: not this step's profile
+
+    def profiled(config, gpus, world, folder, port, args, inner=fake_launcher([])):
+        result = inner(config, gpus, world, folder, port, args)
+        if config["mtraining"]["attention"] == "sparse":
+            result["attention_free_s"] = FIXED_S
+        return result
+    argv = ["--cpu", "--models", "qwen2.5-3b", "--seq_lens", "1024", "--depth", "2", "--single_depth", "2",
+            "--out", str(tmp_path), "--tag", "t"]
+    row = e2e.Bench(e2e.parse_args(argv), profiled).run()["rows"][0]
+    assert row["speedup_bound"] == pytest.approx(row["ulysses"]["step_s"] / FIXED_S)
+    assert row["single_gpu"]["speedup_bound"] == pytest.approx(row["single_gpu"]["dense"]["step_s"] / FIXED_S)
+    plain = e2e.Bench(e2e.parse_args(argv[:-1] + ["plain"]), fake_launcher([])).run()["rows"][0]
+    assert plain["speedup_bound"] is None and plain["single_gpu"]["speedup_bound"] is None
 
 
 def test_profile_kinds_by_name():
@@ -136,6 +164,11 @@ def test_profile_kinds_by_name():
              "ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)": "communication",
              "c10d::allreduce_": "communication", "_rms_norm_forward_kernel": "liger",
              "Memcpy DtoD (Device -> Device)": "copies and fills", "aten::copy_": "copies and fills",
+             "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4>, true>(Flash_fwd_params)":
+                 "dense attention",
+             "void flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits<128>>(Flash_bwd_params)":
+                 "dense attention",
+             "aten::_scaled_dot_product_flash_attention_for_cpu": "dense attention",
              "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>": OTHER}
     assert {name: kind_of(name) for name in cases} == cases
 

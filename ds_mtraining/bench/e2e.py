@@ -26,7 +26,12 @@ one GPU torch's SDPA flash). Per model shape and total sequence length, one row:
 * ``single_gpu``: ``mtraining`` and ``dense`` on one GPU, and its ``speedup``;
 * where both modes were timed at two depths, ``per_layer_speedup``: the ratio of one layer's time
   (``per_layer_s``, the slope between the two launches), which leaves out what does not grow with
-  depth (embedding, LM head, loss, optimizer: ``fixed_s``, the step less its layers).
+  depth (embedding, LM head, loss, optimizer: ``fixed_s``, the step less its layers);
+* with ``--profile_step``, at a measured depth, ``attention_free_s``: the step less its profiled
+  attention kernels (sparse, estimator, SDPA), about what it would take if attention cost nothing,
+  and ``speedup_bound``: the baseline's step / MTraining's attention-free step, the most that any
+  attention kernel could give this step (kernels that overlapped other work are subtracted whole,
+  so the bound errs high).
 
 Model shapes (presets of :mod:`ds_mtraining.training.model`, built from their config with random
 weights, nothing downloaded): ``qwen2.5-3b`` (36 layers, hidden 2048, 16/2 heads of 128, MLP 11008,
@@ -69,6 +74,7 @@ import time
 from pathlib import Path
 
 from ..config import slash_cap_for_blocks
+from ..training.profile import ATTENTION_KINDS
 from .launch import LaunchTimeout, launcher_env, metric_path, read_metric, run_logged, training_command
 
 MODES = {"mtraining": "sparse", "ulysses": "ulysses", "dense": "dense"}
@@ -207,7 +213,15 @@ def launch(config: dict, gpus: list | None, world: int, folder: Path, port: int,
         profile = json.loads(profile_path.read_text())
         result["profile_ms_by_kind"] = profile["ms_by_kind"]
         result["profile_top"] = profile["top"][:PROFILE_TOP]
+        result["attention_free_s"] = attention_free_step(result["step_s"], profile["ms_by_kind"])
     return {**result, "wall_s": wall, "log": str(log)}
+
+
+def attention_free_step(step_s: float, ms_by_kind: dict) -> float | None:
+    """``step_s`` less the attention kernels' time of the profiled step (``ATTENTION_KINDS``); None
+    when that leaves nothing (a profile that does not describe this step)."""
+    rest = step_s - sum(ms_by_kind.get(kind, 0.0) for kind in ATTENTION_KINDS) / 1e3
+    return rest if rest > 0 else None
 
 
 def speedup(slow: dict | None, fast: dict | None, key: str = "step_s") -> float | None:
@@ -216,6 +230,13 @@ def speedup(slow: dict | None, fast: dict | None, key: str = "step_s") -> float 
     if not slow or not fast or not slow.get(key) or not fast.get(key):
         return None
     return slow[key] / fast[key]
+
+
+def speedup_bound(slow: dict | None, fast: dict | None) -> float | None:
+    """slow's step / fast's attention-free step: what no attention kernel in ``fast`` can pass."""
+    if not slow or not fast or not slow.get("step_s") or not fast.get("attention_free_s"):
+        return None
+    return slow["step_s"] / fast["attention_free_s"]
 
 
 class Bench:
@@ -298,7 +319,8 @@ class Bench:
     @staticmethod
     def _measured(run: dict, layers: int) -> dict:
         return {"layers": layers, "step_s": run["step_s"], "tokens_per_s": run["tokens_per_s"],
-                "peak_memory_gib": run["peak_memory_gib"], "density": run["density"]}
+                "peak_memory_gib": run["peak_memory_gib"], "density": run["density"],
+                "attention_free_s": run.get("attention_free_s")}
 
     def _partial(self, model: str, mode: str, seq_len: int, world: int, full: int) -> dict:
         """Times ``--layers`` L_a and L_b and extrapolates step time and peak memory to ``full``."""
@@ -346,10 +368,12 @@ class Bench:
         for row in merged.values():
             row["speedup"] = speedup(row.get("ulysses"), row.get("mtraining"))
             row["per_layer_speedup"] = speedup(row.get("ulysses"), row.get("mtraining"), "per_layer_s")
+            row["speedup_bound"] = speedup_bound(row.get("ulysses"), row.get("mtraining"))
             single = row.get("single_gpu")
             if single:
                 single["speedup"] = speedup(single.get("dense"), single.get("mtraining"))
                 single["per_layer_speedup"] = speedup(single.get("dense"), single.get("mtraining"), "per_layer_s")
+                single["speedup_bound"] = speedup_bound(single.get("dense"), single.get("mtraining"))
             row["extrapolated"] = sorted(name for name, result in _results(row) if result.get("extrapolated"))
         return sorted(merged.values(), key=lambda r: (r["model"], r["seq_len"], r["world"]))
 
@@ -385,7 +409,8 @@ def table(record: dict):
     from rich.table import Table
     world = ", ".join(sorted({str(r["world"]) for r in record["rows"]}))
     grid = Table(title=f"e2e: training step, {record['device']} (W = {world}; * = extrapolated per layer; "
-                       f"x/layer: one layer's time, from the two partial launches)")
+                       f"x/layer: one layer's time, from the two partial launches; <= x: the bound with "
+                       f"attention free, from the profiled step)")
     for name in ("model", "seq_len", "MTraining W", "Ulysses W", "speedup", "MTraining 1 GPU", "dense 1 GPU",
                  "speedup 1 GPU"):
         grid.add_column(name, justify="left" if name == "model" else "right")
@@ -400,14 +425,16 @@ def table(record: dict):
         sparse = f", density {density:.2f}" if density is not None else ""
         return f"{result['step_s']:.2f} s{'*' if result.get('extrapolated') else ''}{memory}{sparse}"
 
-    def ratio(value, per_layer=None):
-        return (f"{value:.1f}x" if value else "-") + (f" ({per_layer:.1f}x/layer)" if per_layer else "")
+    def ratio(value, per_layer=None, bound=None):
+        return ((f"{value:.1f}x" if value else "-") + (f" ({per_layer:.1f}x/layer)" if per_layer else "")
+                + (f" (<= {bound:.1f}x)" if bound else ""))
     for row in record["rows"]:
         single = row.get("single_gpu", {})
         length = row["seq_len"]
         grid.add_row(row["model"], f"{length // 1024}K" if length % 1024 == 0 else str(length), cell(row.get("mtraining")), cell(row.get("ulysses")),
-                     ratio(row.get("speedup"), row.get("per_layer_speedup")), cell(single.get("mtraining")),
-                     cell(single.get("dense")), ratio(single.get("speedup"), single.get("per_layer_speedup")))
+                     ratio(row.get("speedup"), row.get("per_layer_speedup"), row.get("speedup_bound")),
+                     cell(single.get("mtraining")), cell(single.get("dense")),
+                     ratio(single.get("speedup"), single.get("per_layer_speedup"), single.get("speedup_bound")))
     return grid
 
 

@@ -8,6 +8,8 @@ time (what the device ran, in the step); on CPU the CPU operators' self time. Ki
   the op's calls (``mtraining::*`` ranges);
 * ``estimator``: the fused estimator's kernels (on CPU the torch rule's operators count under
   their own kinds);
+* ``dense attention``: torch SDPA's attention (its flash, memory-efficient and cuDNN kernels, on
+  CPU the SDPA operators), what the dense and Ulysses baselines run;
 * ``gemm``: matrix products (cuBLAS/CUTLASS kernels, ``aten::mm``...), the layers' projections
   and the LM head;
 * ``communication``: NCCL kernels / gloo collectives;
@@ -26,6 +28,7 @@ KINDS = (  # (kind, name fragments, lower case), first match wins
     ("estimator", ("mtr::est::",)),
     ("attention", ("mtr::query_kernel", "mtr::key_kernel", "mtr::delta_kernel", "mtr::build_step_index",
                    "mtraining::")),
+    ("dense attention", ("flash_fwd", "flash_bwd", "fmha", "sdpa", "scaled_dot_product", "efficient_attention")),
     ("communication", ("nccl", "gloo", "c10d::")),
     ("liger", ("liger", "_rms_norm", "_swiglu", "_triton_rope", "element_mul_kernel", "cross_entropy_kernel")),
     ("gemm", ("gemm", "cutlass", "nvjet", "xmma", "cublas", "aten::mm", "aten::addmm", "aten::bmm",
@@ -34,6 +37,8 @@ KINDS = (  # (kind, name fragments, lower case), first match wins
                           "aten::contiguous")),
 )
 OTHER = "elementwise and other"
+# What a step would not spend with attention that cost nothing (bench.e2e's attention-free step).
+ATTENTION_KINDS = ("attention", "estimator", "dense attention")
 TOP = 20
 
 
