@@ -1,5 +1,6 @@
 """Shared fixtures: the compiled ops (built or loaded once per session, only for the tests that ask
-for ``cpu_op``) and random sparse indices. Shared helper functions live in helpers.py.
+for ``cpu_op``, in this process, or ``built_ops``, for their launched ranks) and random sparse
+indices. Shared helper functions live in helpers.py.
 
 Run order: the op-builder tests run first. With an empty extension cache the JIT test's build (into
 the session's cache) is the session's build of the CPU op: one compile, not two. Beside it a
@@ -101,10 +102,10 @@ def pytest_collection_finish(session):
     (which may build it) is not selected, and lets the forkserver preload both for the ranks it
     forks."""
     _start_background_builds(session.items)
-    if any("cpu_op" in getattr(item, "fixturenames", ()) for item in session.items):
+    if any({"cpu_op", "built_ops"} & set(getattr(item, "fixturenames", ())) for item in session.items):
         jit_test = any(item.name == JIT_TEST for item in session.items)
         log = tempfile.NamedTemporaryFile("w", prefix="ds_mtraining-ops-build-", suffix=".log", delete=False)
-        _op_build.update(log=log.name, process=subprocess.Popen(
+        _op_build.update(log=log.name, builds_cpu_op=not jit_test, process=subprocess.Popen(
             [sys.executable, "-c", _build_ops_code(not jit_test)], stdout=log, stderr=subprocess.STDOUT))
         log.close()
         multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD + ["forkserver_ops"])
@@ -129,13 +130,12 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 @pytest.fixture(scope="session")
-def cpu_op():
-    """The compiled CPU module (prebuilt, or JIT-compiled once into the extension cache). Tests
-    that call the op in this process ask for it; multi-process tests ask for it too
-    (``usefixtures``), so that it and DeepSpeed's shm comm op are built before their spawned
-    ranks or launched processes start and they all load them from the cache instead of compiling
-    at once. (Tests that call the op without asking wait for the same build: ``ops.op_module``
-    holds a lock while it builds.)"""
+def built_ops():
+    """The compiled CPU module (prebuilt, or JIT-compiled once into the extension cache) and
+    DeepSpeed's shm comm op, both built: multi-process tests ask for it (``usefixtures``), so that
+    their spawned ranks or launched processes load both from the cache instead of compiling at
+    once. (Tests that call the op without asking wait for the same build: ``ops.op_module`` holds
+    a lock while it builds.)"""
     from ds_mtraining import ops
     process = _op_build.get("process")
     if process is None:
@@ -152,6 +152,17 @@ def cpu_op():
             pytest.fail(f"the ops' build failed (exit {code}); {_op_build['log']}:\n"
                         + Path(_op_build["log"]).read_text()[-3000:])
     return ops.op_module("cpu")  # from the cache: the subprocess or the JIT test built it
+
+
+@pytest.fixture(scope="session")
+def cpu_op(request):
+    """The compiled CPU module, for tests that call the op in this process. When the JIT test
+    built it (it runs first), loaded from the cache at once, while the shm op may still be
+    building beside the in-process tests; otherwise it waits for ``built_ops``."""
+    from ds_mtraining import ops
+    if _op_build.get("builds_cpu_op", True):
+        return request.getfixturevalue("built_ops")
+    return ops.op_module("cpu")
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -94,7 +94,7 @@ def test_documents_training_refuses_a_folder_holding_runs(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.usefixtures("cpu_op")  # built before the launched ranks start
+@pytest.mark.usefixtures("built_ops")  # built before the launched ranks start
 def test_documents_training_end_to_end(tmp_path):
     """Both runs (2 steps each, 2 CPU ranks, one lane) through the launcher: the JSON holds each
     run's logged losses, densities and speeds, and the closing means compare the two."""

@@ -97,7 +97,7 @@ def test_depth_choice_and_results_file(tmp_path):
     assert not short_again["single_gpu"]["dense"]["extrapolated"] and len(again["invocations"]) == 2
 
 
-@pytest.mark.usefixtures("cpu_op")  # built before the launched ranks start
+@pytest.mark.usefixtures("built_ops")  # built before the launched ranks start
 def test_smoke_end_to_end(tmp_path):
     """``--smoke`` (the W-rank pair here: one launch per mode, ~15 s each on 2 cores) through the real
     deepspeed launcher and ds_mtraining.train: the JSON has per seq_len the keys of both modes and

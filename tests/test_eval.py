@@ -286,7 +286,7 @@ def _metric(root, mode, name) -> list[float]:
         return [float(row[1]) for row in csv.reader(f) if row and row[0] != "step"]
 
 
-@pytest.mark.usefixtures("cpu_op")  # built before the ranks start
+@pytest.mark.usefixtures("built_ops")  # built before the ranks start
 def test_attention_modes_through_the_training_path(tmp_path):
     """Same data, seed and init per mode: dense mode's first loss is the dense HF model's loss on
     that batch; static mode's index has the requested density (nearest achievable, within half a

@@ -74,7 +74,7 @@ def _full_index_worker(rank, world):
 
 
 @pytest.fixture(scope="module")
-def full_index_results(cpu_op):  # the op is built before the ranks start
+def full_index_results(built_ops):  # the ops are built before the ranks start
     return run_on_ranks(_full_index_worker, WORLD, timeout=TIMEOUT_S)
 
 
@@ -135,7 +135,7 @@ def _sparse_training_worker(rank, world):
     return {"losses": losses, **stats.summary()}
 
 
-@pytest.mark.usefixtures("cpu_op")  # built before the ranks start
+@pytest.mark.usefixtures("built_ops")  # built before the ranks start
 def test_sparse_two_ranks_track_dense_training():
     """A genuinely sparse index (density checked) keeps the loss within SPARSE_LOSS_RTOL of dense
     training with the same data and optimizer for STEPS steps, while the loss falls."""

@@ -48,7 +48,7 @@ def _packed_worker(rank, world):
 
 
 @pytest.fixture(scope="module")
-def packed_results(cpu_op):  # the op is built before the ranks start
+def packed_results(built_ops):  # the ops are built before the ranks start
     return run_on_ranks(_packed_worker, WORLD, timeout=TIMEOUT_S)
 
 

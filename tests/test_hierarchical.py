@@ -53,7 +53,7 @@ def compare_topologies(rank, world, topologies):
 
 
 @pytest.mark.parametrize("world,topologies", [(4, [(2, 2), (1, 4), (4, 1)]), (6, [(2, 3), (3, 2)])])
-@pytest.mark.usefixtures("cpu_op")  # built before the ranks start
+@pytest.mark.usefixtures("built_ops")  # built before the ranks start
 def test_hierarchical_ring_equals_flat_ring_and_single_process(world, topologies):
     results = run_on_ranks(compare_topologies, world, topologies, timeout=240)
     for rank, members in enumerate(results):
@@ -96,7 +96,7 @@ def test_bad_topologies_fail_before_any_communication(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.usefixtures("cpu_op")  # built before the launched ranks start
+@pytest.mark.usefixtures("built_ops")  # built before the launched ranks start
 def test_deepspeed_launcher_two_fake_nodes_build_groups_and_match_flat_ring(tmp_path):
     """Two `deepspeed --hostfile --no_ssh --node_rank N` commands on one machine = 2 nodes x 2
     (2 blocks of 64 tokens per rank: every ring step still has work)."""
@@ -130,7 +130,7 @@ def test_deepspeed_launcher_two_fake_nodes_build_groups_and_match_flat_ring(tmp_
 
 
 @pytest.mark.slow
-@pytest.mark.usefixtures("cpu_op")
+@pytest.mark.usefixtures("built_ops")
 def test_multi_gpu_check_script_launches_fake_nodes_of_several_gpus(tmp_path):
     """scripts/multi_gpu_check.sh's fake nodes, dry run on CPU (ALLOW_CPU=1 GPUS=4: 2 nodes x 2):
     the --include list gives node 0 GPUs 0,1 and node 1 GPUs 2,3, and every rank's hierarchical

@@ -309,7 +309,7 @@ class NoneScale(torch.nn.Module):
     softmax_scale = None  # flash-attn / Megatron convention: 1/sqrt(D)
 
 
-@pytest.mark.usefixtures("cpu_op")  # calls the op in this process
+@pytest.mark.usefixtures("built_ops")  # calls the op in this process
 @pytest.mark.parametrize("local_attention, kwargs, expected_scale", [
     (F.scaled_dot_product_attention, dict(is_causal=True), 1 / math.sqrt(DIM)),
     (F.scaled_dot_product_attention, dict(is_causal=True, scale=0.2), 0.2),
@@ -327,7 +327,7 @@ def test_softmax_scale_sources(local_attention, kwargs, expected_scale):
     torch.testing.assert_close(out.double(), dense_reference(q, k, v, expected_scale), **DENSE_TOL)
 
 
-@pytest.mark.usefixtures("cpu_op")  # calls the op in this process
+@pytest.mark.usefixtures("built_ops")  # calls the op in this process
 def test_one_process_rotary_and_sequence_first_equal_dense():
     q, k, v = single_inputs()
     cos, sin = rope_angles(S1)

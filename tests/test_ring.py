@@ -258,7 +258,7 @@ def world_4_and_sub_groups(rank, world):
 
 @pytest.mark.parametrize("world, check", [(2, world_2), (3, world_3), (4, world_4_and_sub_groups)],
                          ids=["world2", "world3", "world4-and-subgroups-0-1-2-3"])
-@pytest.mark.usefixtures("cpu_op")  # built before the ranks start
+@pytest.mark.usefixtures("built_ops")  # built before the ranks start
 def test_ring_on_gloo(world, check):
     run_on_ranks(check, world, timeout=HANG_TIMEOUT_S)
 

@@ -50,7 +50,7 @@ def ring_worker(rank, world):
     return flat, hier, ulysses
 
 
-@pytest.mark.usefixtures("cpu_op")  # built before the ranks start
+@pytest.mark.usefixtures("built_ops")  # built before the ranks start
 def test_ring_and_hierarchical_ring_with_documents_equal_one_process():
     q, k, v, dout, index, doc_start = inputs()
     single = outputs_and_grads(lambda a, b, c: sparse_attention(a, b, c, index, doc_start=doc_start), q, k, v, dout)

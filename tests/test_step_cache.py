@@ -54,7 +54,7 @@ def batch():
     return [sequence(batch=1)]
 
 
-@pytest.mark.usefixtures("cpu_op")
+@pytest.mark.usefixtures("built_ops")
 @pytest.mark.parametrize("mode", ["reentrant", "non-reentrant"])
 def test_one_estimation_per_layer_and_step(monkeypatch, batch, mode):
     plain, plain_counts, _ = train_steps(monkeypatch, None, batch)
@@ -67,7 +67,7 @@ def test_one_estimation_per_layer_and_step(monkeypatch, batch, mode):
         torch.testing.assert_close(grad, plain[name], **GRAD_TOL, msg=lambda m: f"{name}: {m}")
 
 
-@pytest.mark.usefixtures("cpu_op")
+@pytest.mark.usefixtures("built_ops")
 @pytest.mark.parametrize("mode", ["reentrant", "non-reentrant"])
 def test_keep_output_runs_attention_once_per_layer_and_step(monkeypatch, batch, mode):
     """keep_output: the recomputed forward takes its forward's output, so the kernel's forward
@@ -83,7 +83,7 @@ def test_keep_output_runs_attention_once_per_layer_and_step(monkeypatch, batch, 
         torch.testing.assert_close(grad, plain[name], **GRAD_TOL, msg=lambda m: f"{name}: {m}")
 
 
-@pytest.mark.usefixtures("cpu_op")
+@pytest.mark.usefixtures("built_ops")
 @pytest.mark.parametrize("mode", ["reentrant", "non-reentrant"])
 def test_keep_output_in_bf16(monkeypatch, batch, mode):
     """bf16: the kept output is the rounded one (the recompute saves it upcast, with the forward's
@@ -99,7 +99,7 @@ def test_keep_output_in_bf16(monkeypatch, batch, mode):
         assert gap <= 2e-2, f"{name}: {gap:.3e}"
 
 
-@pytest.mark.usefixtures("cpu_op")
+@pytest.mark.usefixtures("built_ops")
 def test_without_the_cache_the_recompute_estimates_again(monkeypatch, batch):
     """The count above is what the cache saves: without it each layer estimates twice."""
     monkeypatch.setattr(IndexCache, "take", lambda self, key: None)
@@ -107,7 +107,7 @@ def test_without_the_cache_the_recompute_estimates_again(monkeypatch, batch):
     assert counts == [2 * LAYERS] * STEPS
 
 
-@pytest.mark.usefixtures("cpu_op")
+@pytest.mark.usefixtures("built_ops")
 def test_two_micro_batches_before_one_backward_stay_exact(monkeypatch):
     """Two forwards before one backward hold two entries per module: the recompute estimates
     again (same index) rather than guessing, and the gradients stay exact."""

@@ -145,7 +145,7 @@ def _engine_worker(rank, world):
 
 
 @pytest.mark.slow
-@pytest.mark.usefixtures("cpu_op")  # built before the ranks start
+@pytest.mark.usefixtures("built_ops")  # built before the ranks start
 def test_mpu_groups_drive_a_zero2_engine_like_one_process():
     """ZeRO-2 with the mpu sums gradients over the sequence-parallel ranks and averages over the
     data-parallel replicas: after one SGD step (gradient norm clipped to 1, DeepSpeed's default,
@@ -224,7 +224,7 @@ def _ulysses_worker(rank, world, root):
     return results
 
 
-@pytest.mark.usefixtures("cpu_op")  # DeepSpeed's shm op built before the ranks start
+@pytest.mark.usefixtures("built_ops")  # DeepSpeed's shm op built before the ranks start
 def test_ulysses_mode_equals_the_single_process_dense_model(tmp_path):
     """``attention: "ulysses"`` through ds_mtraining.train (DeepSpeed's UlyssesSPAttentionHF over
     SDPA, contiguous shards, ZeRO-2 + CPU offload, activation checkpointing) on 2 gloo ranks: the
@@ -335,7 +335,7 @@ def _keep_output_worker(rank, world, root):
     return results
 
 
-@pytest.mark.usefixtures("cpu_op")  # DeepSpeed's shm op built before the ranks start
+@pytest.mark.usefixtures("built_ops")  # DeepSpeed's shm op built before the ranks start
 def test_keep_attention_output_trains_bit_for_bit_like_recomputing(tmp_path):
     """mtraining.keep_attention_output through ds_mtraining.train (2 ranks, ZeRO-2 + CPU offload,
     checkpointing, fp32 on CPU): the same losses and parameters after three steps, bit for bit (the
