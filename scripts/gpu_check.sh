@@ -189,13 +189,11 @@ fi
 # One forward and one backward at 128K, 5% density (each kernel launches once): the case of the
 # per-kernel time split (torch.profiler, into bench.log) and of the ncu stage.
 cat >/tmp/case_128k.py <<'PY'
-# One forward and one backward at 128K, 5% density: each kernel launches once.
+# One forward and one backward at 128K, 5% density (the kernel benchmark's mask): each kernel launches once.
 import torch
 from ds_mtraining import ops
-from ds_mtraining.bench import index_for_density
-from ds_mtraining.bench.kernel import build_index
-index = index_for_density(lambda n: build_index(1, 16, 131072, 128, n, torch.Generator().manual_seed(1)),
-                          131072 // 128 - 2, 0.05).to("cuda")
+from ds_mtraining.bench.kernel import benchmark_index
+index = benchmark_index(1, 16, 131072, 128, 0.05).to("cuda")
 q, dout = (torch.randn(1, 131072, 16, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
 k, v = (torch.randn(1, 131072, 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
 out, lse = ops.attention_forward(q, k, v, index, 0.088)
