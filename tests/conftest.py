@@ -76,9 +76,13 @@ def _start_background_builds(items):
         command, env = job
         log = directory / "build.log"
         niced = ["nice", "-n", "19", *command] if shutil.which("nice") else command
-        with log.open("w") as output:
+        with log.open("w") as output:  # a session of its own: killed whole at the end
             process = subprocess.Popen(niced, env=env, stdout=output, stderr=subprocess.STDOUT,
                                        start_new_session=True)
+        try:  # a new session is a scheduler autogroup, weighted by its own nice, not its processes'
+            Path(f"/proc/{process.pid}/autogroup").write_text("19")
+        except OSError:  # no autogroups here: the processes' nice is what counts
+            pass
         _background[item.nodeid] = (process, log, directory)
 
 
