@@ -86,6 +86,12 @@ def benchmark_index(batch, heads, seq, block, target, document_starts=(0,)):
         seq // block - 2, target)
 
 
+def benchmark_doc_start(seq, shortest, longest):
+    """The benchmark's documents at one length (``--documents SHORTEST LONGEST``): random_doc_start
+    from a seed of the length."""
+    return random_doc_start(seq, shortest, longest, torch.Generator().manual_seed(seq))
+
+
 def random_doc_start(seq, shortest, longest, generator):
     """int32 [1, S] doc_start of documents with lengths uniform in [shortest, longest] (the last
     one cut at S)."""
@@ -261,7 +267,7 @@ def run(args):
         flex_masks = FlexMask(batch, heads, seq, block, device) if flex is not None else None
         doc_start, starts = None, (0,)
         if args.documents:
-            doc_start = random_doc_start(seq, *args.documents, torch.Generator().manual_seed(seq)).to(device)
+            doc_start = benchmark_doc_start(seq, *args.documents).to(device)
             starts = torch.unique(doc_start).tolist()
             result.setdefault("documents", {})[seq] = dict(lengths=args.documents, count=len(starts),
                                                            sinks="the first 64 tokens of every document")
