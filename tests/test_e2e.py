@@ -135,22 +135,28 @@ def test_smoke_end_to_end(tmp_path):
 
 def test_speedup_bound_from_the_attention_free_step(tmp_path):
     """attention_free_step: the step less the profiled attention kinds (sparse, estimator, SDPA),
-    by hand; a row's speedup_bound is the baseline's step over MTraining's attention-free step, and
-    is left out where MTraining's launch had no profile."""
+    by hand; a row's speedup_bound is the baseline's step over MTraining's attention-free step
+    (extrapolated per layer at a partial depth), and is left out where MTraining's launch had no
+    profile."""
     kinds = {"gemm": 900.0, "attention": 300.0, "estimator": 20.0, "dense attention": 5.0, "liger": 50.0}
     assert e2e.attention_free_step(2.0, kinds) == pytest.approx(2.0 - 0.325)
     assert e2e.attention_free_step(0.2, kinds) is None  # more attention than step: not this step's profile
 
     def profiled(config, gpus, world, folder, port, args, inner=fake_launcher([])):
         result = inner(config, gpus, world, folder, port, args)
-        if config["mtraining"]["attention"] == "sparse":
-            result["attention_free_s"] = FIXED_S
+        if config["mtraining"]["attention"] == "sparse":  # FIXED_S + 1 s per layer
+            result["attention_free_s"] = FIXED_S + config["mtraining"]["model"]["config_overrides"]["num_hidden_layers"]
         return result
     argv = ["--cpu", "--models", "qwen2.5-3b", "--seq_lens", "1024", "--depth", "2", "--single_depth", "2",
             "--out", str(tmp_path), "--tag", "t"]
     row = e2e.Bench(e2e.parse_args(argv), profiled).run()["rows"][0]
-    assert row["speedup_bound"] == pytest.approx(row["ulysses"]["step_s"] / FIXED_S)
-    assert row["single_gpu"]["speedup_bound"] == pytest.approx(row["single_gpu"]["dense"]["step_s"] / FIXED_S)
+    assert row["speedup_bound"] == pytest.approx(row["ulysses"]["step_s"] / (FIXED_S + 2))
+    assert row["single_gpu"]["speedup_bound"] == pytest.approx(row["single_gpu"]["dense"]["step_s"] / (FIXED_S + 2))
+    partial = ["--cpu", "--models", "qwen2.5-3b", "--seq_lens", "1024", "--depth", "partial", "--single_depth",
+               "partial", "--out", str(tmp_path), "--tag", "partial"]
+    row = e2e.Bench(e2e.parse_args(partial), profiled).run()["rows"][0]  # 2 and 4 layers, to 36
+    assert row["mtraining"]["attention_free_s"] == pytest.approx(FIXED_S + 36)
+    assert row["speedup_bound"] == pytest.approx(row["ulysses"]["step_s"] / (FIXED_S + 36))
     plain = e2e.Bench(e2e.parse_args(argv[:-1] + ["plain"]), fake_launcher([])).run()["rows"][0]
     assert plain["speedup_bound"] is None and plain["single_gpu"]["speedup_bound"] is None
 

@@ -27,8 +27,9 @@ one GPU torch's SDPA flash). Per model shape and total sequence length, one row:
 * where both modes were timed at two depths, ``per_layer_speedup``: the ratio of one layer's time
   (``per_layer_s``, the slope between the two launches), which leaves out what does not grow with
   depth (embedding, LM head, loss, optimizer: ``fixed_s``, the step less its layers);
-* with ``--profile_step``, at a measured depth, ``attention_free_s``: the step less its profiled
-  attention kernels (sparse, estimator, SDPA), about what it would take if attention cost nothing,
+* with ``--profile_step``, ``attention_free_s``: the step less its profiled attention kernels
+  (sparse, estimator, SDPA), about what it would take if attention cost nothing (at a partial
+  depth, extrapolated like the step),
   and ``speedup_bound``: the baseline's step / MTraining's attention-free step, the most that any
   attention kernel could give this step (kernels that overlapped other work are subtracted whole,
   so the bound errs high).
@@ -331,9 +332,12 @@ class Bench:
         peak = None
         if a["peak_memory_gib"] and b["peak_memory_gib"]:
             peak = [extrapolate(x, y, layers_a, layers_b, full) for x, y in zip(a["peak_memory_gib"], b["peak_memory_gib"])]
+        free = None
+        if a.get("attention_free_s") and b.get("attention_free_s"):
+            free = extrapolate(a["attention_free_s"], b["attention_free_s"], layers_a, layers_b, full)
         return {"layers": full, "step_s": step_s, "tokens_per_s": a["tokens_per_s"] * a["step_s"] / step_s,
                 "peak_memory_gib": peak, "density": b["density"], "extrapolated": True,
-                "per_layer_s": per_layer, "fixed_s": fixed, "runs": [a, b]}
+                "per_layer_s": per_layer, "fixed_s": fixed, "attention_free_s": free, "runs": [a, b]}
 
     # ------------------------------------------------------------------ rows
     def run(self):
