@@ -29,10 +29,9 @@ one GPU torch's SDPA flash). Per model shape and total sequence length, one row:
   depth (embedding, LM head, loss, optimizer: ``fixed_s``, the step less its layers);
 * with ``--profile_step``, ``attention_free_s``: the step less its profiled attention kernels
   (sparse, estimator, SDPA), about what it would take if attention cost nothing (at a partial
-  depth, extrapolated like the step),
-  and ``speedup_bound``: the baseline's step / MTraining's attention-free step, the most that any
-  attention kernel could give this step (kernels that overlapped other work are subtracted whole,
-  so the bound errs high).
+  depth, extrapolated like the step), and ``speedup_bound``: the baseline's step / MTraining's
+  attention-free step, the most that any attention kernel could give this step (kernels that
+  overlapped other work are subtracted whole, so the bound errs high).
 
 Model shapes (presets of :mod:`ds_mtraining.training.model`, built from their config with random
 weights, nothing downloaded): ``qwen2.5-3b`` (36 layers, hidden 2048, 16/2 heads of 128, MLP 11008,
