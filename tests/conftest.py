@@ -29,6 +29,7 @@ import pytest
 import torch
 
 from ds_mtraining.distributed import spawn
+from helpers import start
 from ds_mtraining.index import SparseIndex
 
 # Modules the spawned ranks need, imported once by the forkserver that forks every rank (a fresh
@@ -76,9 +77,7 @@ def _start_background_builds(items):
         command, env = job
         log = directory / "build.log"
         niced = ["nice", "-n", "19", *command] if shutil.which("nice") else command
-        with log.open("w") as output:  # a session of its own: killed whole at the end
-            process = subprocess.Popen(niced, env=env, stdout=output, stderr=subprocess.STDOUT,
-                                       start_new_session=True)
+        process = start(niced, log, env)  # a session of its own: killed whole at the end
         try:  # a new session is a scheduler autogroup, weighted by its own nice, not its processes'
             Path(f"/proc/{process.pid}/autogroup").write_text("19")
         except OSError:  # no autogroups here: the processes' nice is what counts

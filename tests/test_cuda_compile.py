@@ -3,7 +3,7 @@
 The .cu files include only CUDA headers (never ATen), so this runs on CPU machines and in CI
 wherever nvcc exists; skipped otherwise. The Hopper path includes CuTe's wgmma atoms from the
 ``nvidia-cutlass`` headers (``pip install --no-deps nvidia-cutlass==4.2.0.0``, as CI does). To
-keep the suite fast (~55 s of 2 cores, was ~80 s with one nvcc per file and arch): one nvcc per
+keep the suite fast (~55 s on 2 cores, was ~80 s with one nvcc per file and arch): one nvcc per
 file builds both architectures (-gencode twice: the host pass, ~40% of a compile, runs once), the
 files compile concurrently (one nvcc per core, longest first), and everything is built at -O0:
 template instantiation and type checking happen in the front ends at any level, and -O0 was the
