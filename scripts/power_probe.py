@@ -13,18 +13,16 @@ import argparse
 import datetime
 import json
 import statistics
-import sys
 import subprocess
+import sys
 import time
 
 import torch
-from torch.nn.attention.flex_attention import flex_attention
 
-from ds_mtraining.attention import resolve_softmax_scale, sparse_attention
 from ds_mtraining.bench import time_ms
-from ds_mtraining.bench.kernel import FlexMask, benchmark_doc_start, benchmark_index
+from ds_mtraining.bench.kernel import fwd_bwd_pair
 
-SEQ, HEADS, KV_HEADS, DIM, BLOCK, DOCUMENTS = 131072, 16, 2, 128, 128, (4096, 32768)
+SEQ, DOCUMENTS = 131072, (4096, 32768)
 QUERY = "timestamp,clocks.sm,power.draw,clocks_throttle_reasons.active"
 
 
@@ -55,20 +53,8 @@ def main():
     parser.add_argument("--samples", default="/tmp/power_probe.csv", help="nvidia-smi's samples (CSV)")
     parser.add_argument("--out", default=None, help="the phases as JSON")
     args = parser.parse_args()
-    doc_start = benchmark_doc_start(SEQ, *DOCUMENTS).to("cuda")
-    index = benchmark_index(1, HEADS, SEQ, BLOCK, args.density, torch.unique(doc_start).tolist()).to("cuda")
-    q, dout = (torch.randn(1, SEQ, HEADS, DIM, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    k, v = (torch.randn(1, SEQ, KV_HEADS, DIM, device="cuda", dtype=torch.bfloat16).requires_grad_() for _ in range(2))
-    q.requires_grad_()
-    scale = resolve_softmax_scale(DIM)
-    block_mask, _ = FlexMask(1, HEADS, SEQ, BLOCK, "cuda", doc_start).for_index(index)
-    flex = torch.compile(flex_attention, dynamic=False)
-    qf, kf, vf, df = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v, dout))
-    sides = {
-        "ours": lambda: torch.autograd.grad(sparse_attention(q, k, v, index, scale, doc_start=doc_start), (q, k, v), dout),
-        "flex": lambda: torch.autograd.grad(flex(qf, kf, vf, block_mask=block_mask, scale=scale, enable_gqa=True),
-                                            (qf, kf, vf), df),
-    }
+    sides, described = fwd_bwd_pair(SEQ, args.density, DOCUMENTS)
+    print(described)
     for run in sides.values():  # compiles flex, loads our op
         run()
     torch.cuda.synchronize()

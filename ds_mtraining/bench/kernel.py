@@ -163,6 +163,37 @@ class FlexMask:
         return mask, computed / ((nb + 1) / (2 * nb))
 
 
+def fwd_bwd_pair(seq, target, documents=None, heads=16, kv_heads=2, dim=128, block=128, device="cuda"):
+    """One fwd+bwd of ours and of compiled FlexAttention on the benchmark's index at (seq,
+    target) and, with ``documents`` (MIN, MAX), its packed documents masking both sides, on fresh
+    bf16 inputs (the scripts that profile or probe one case: scripts/ncu_flex_case.py,
+    scripts/power_probe.py). Returns ({"ours": fn, "flex": fn}, a line of the case's densities)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from ds_mtraining.attention import resolve_softmax_scale, sparse_attention
+    doc_start, starts = None, (0,)
+    if documents:
+        doc_start = benchmark_doc_start(seq, *documents).to(device)
+        starts = torch.unique(doc_start).tolist()
+    index = benchmark_index(1, heads, seq, block, target, starts).to(device)
+    q, dout = (torch.randn(1, seq, heads, dim, device=device, dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(1, seq, kv_heads, dim, device=device, dtype=torch.bfloat16) for _ in range(2))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    scale = resolve_softmax_scale(dim)
+    block_mask, block_density = FlexMask(1, heads, seq, block, device, doc_start).for_index(index)
+    flex = torch.compile(flex_attention, dynamic=False)
+    qf, kf, vf, df = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v, dout))
+    sides = {
+        "ours": lambda: torch.autograd.grad(sparse_attention(q, k, v, index, scale, doc_start=doc_start),
+                                            (q, k, v), dout),
+        "flex": lambda: torch.autograd.grad(flex(qf, kf, vf, block_mask=block_mask, scale=scale, enable_gqa=True),
+                                            (qf, kf, vf), df),
+    }
+    described = (f"density: ours {index.density():.4f}, flex's blocks {block_density:.4f}"
+                 + (f"; {len(starts)} documents" if doc_start is not None else ""))
+    return sides, described
+
+
 def run(args):
     from rich.console import Console
     from rich.table import Table
