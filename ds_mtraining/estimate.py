@@ -148,6 +148,15 @@ def document_windows(doc_start: torch.Tensor):
 
 
 @remember_last
+def document_window_groups(doc_start: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+    """The documents grouped by key window: [(window, indices into document_windows' lists)], the
+    windows ascending. Remembered like document_windows, so the layers after a step's first read
+    no group from the device (no host synchronisation)."""
+    window = document_windows(doc_start)[4]
+    return [(width, (window == width).nonzero().squeeze(1)) for width in torch.unique(window).tolist()]
+
+
+@remember_last
 def document_query_positions(doc_start: torch.Tensor, last_q: int) -> torch.Tensor:
     """Ascending global positions of the query rows that rules 1'-2' read in any batch row: each
     window's last min(last_q, window) rows (rows before a document's start are read, then masked).
@@ -176,7 +185,7 @@ def document_column_and_diagonal_mass(q: torch.Tensor, k: torch.Tensor, doc_star
     group shares the causal mask of :func:`last_query_scores` and the diagonal view of
     :func:`column_and_diagonal_mass`; keys before the document's start are masked."""
     b, s, h = k.shape[0], k.shape[1], q.shape[2]
-    start, end, row, length, window = document_windows(doc_start)
+    start, end, row, length, _ = document_windows(doc_start)
     query_slot = None
     if q_positions is not None:  # global position -> row of q
         query_slot = torch.zeros(s, dtype=torch.long, device=q.device)
@@ -185,8 +194,7 @@ def document_column_and_diagonal_mass(q: torch.Tensor, k: torch.Tensor, doc_star
     weights = DOCUMENT_WEIGHTS[weight](length.double(), scored.double(), s)
     columns = torch.zeros(b * s, h, dtype=torch.float32, device=q.device)
     diagonals = torch.zeros(b, h, s, dtype=torch.float32, device=q.device)
-    for width in torch.unique(window).tolist():
-        docs = (window == width).nonzero().squeeze(1)
+    for width, docs in document_window_groups(doc_start):
         lq = min(last_q, width)
         local = torch.arange(width, device=q.device)
         key_pos = end[docs, None] - width + local  # global positions of the window, [docs, W]

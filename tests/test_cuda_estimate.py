@@ -382,13 +382,18 @@ def test_document_masses_match_float64(lengths):
         assert error <= MASS_TOLERANCE, f"{name}: relative error {error:.3g} > {MASS_TOLERANCE}"
 
 
-def test_document_index_on_gpu_matches_the_torch_rule_without_host_syncs():
+@pytest.mark.parametrize("masses", ["fused_passes", "torch_masses"])
+def test_document_index_on_gpu_matches_the_torch_rule_without_host_syncs(masses, monkeypatch):
     """The document-aware estimate on one GPU (ring.estimate.estimate_on_comm with doc_start: the
-    fused passes per document, fused selection and finalize): its index against the torch rule's
+    masses from the fused passes per document or from the torch rule's batched windows, as
+    takes_fused_passes chooses; fused selection and finalize): its index against the torch rule's
     on the same inputs (the 1% rule of the noise test), and a second call with the same doc_start
     (as the next layer of a step makes) under set_sync_debug_mode("error")."""
     from ds_mtraining.documents import doc_start_from_cu_seqlens
+    from ds_mtraining.ring import estimate as ring_estimate
     from ds_mtraining.ring.estimate import estimate_on_comm
+    # 12 documents over 2 x 2052 keys: one key per document takes the fused passes, 10^6 the torch masses
+    monkeypatch.setattr(ring_estimate, "KEYS_PER_FUSED_DOCUMENT", 1 if masses == "fused_passes" else 10**6)
     lengths = (1000, 2, 24, 1, 700, 325)
     seq = sum(lengths)
     q, k = random_qk(2, seq, 8, 2, 128, torch.bfloat16, seed=seq, sharp=1.5)

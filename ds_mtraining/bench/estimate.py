@@ -16,7 +16,15 @@ targets (fused <= 1 ms at 128K, <= 2 ms at 256K, share <= 5% at 64K) and how man
 entries differ between the two indexes. Prints a table; writes JSON to a fresh directory
 (``bench_results/estimate-<time>``) unless ``--out`` names a file or directory.
 
+With ``--document-counts N ...`` it also times the document-aware estimate of the same inputs
+packed from N equal documents (``documents`` in the JSON), both ways that
+:func:`ds_mtraining.ring.estimate.document_aware_index` may take: the fused passes one document at
+a time (``fused_passes_ms``) and the torch rule's batched windows (``torch_masses_ms``), each with
+the fused selection, and which one it takes at N (``takes_fused_passes``). The document list is
+read on the host once per ``doc_start``, as in a training step, so the times are a layer's.
+
     python -m ds_mtraining.bench.estimate [--seq-lens 65536 131072 262144] [--out DIR]
+    python -m ds_mtraining.bench.estimate --seq-lens 131072 --skip-torch --document-counts 8 32 64 128 512
 """
 from __future__ import annotations
 
@@ -132,6 +140,44 @@ def run_case(seq_len, args, device_name) -> dict:  # noqa: C901 - one flat recip
     return case
 
 
+def run_documents(seq_len, counts, args, fwd_bwd_ms) -> list[dict]:
+    """The document-aware estimate at each document count (module docstring), next to the
+    attention's fwd+bwd without documents (``fwd_bwd_ms``) for scale."""
+    from ds_mtraining import SparseConfig
+    from ds_mtraining import estimate_cuda as ec
+    from ds_mtraining.documents import doc_start_from_cu_seqlens
+    from ds_mtraining.estimate import document_column_and_diagonal_mass
+    from ds_mtraining.ring.estimate import takes_fused_passes
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    g = torch.Generator(device="cuda").manual_seed(seq_len)
+    q = (torch.randn(args.batch, seq_len, args.heads, args.dim, generator=g, device="cuda") * args.sharp).to(dtype)
+    k = (torch.randn(args.batch, seq_len, args.kv_heads, args.dim, generator=g, device="cuda") * args.sharp).to(dtype)
+    config = SparseConfig(block_size=args.block_size)
+    scale = resolve_softmax_scale(args.dim)
+    rows = []
+    for count in counts:
+        bounds = torch.linspace(0, seq_len, count + 1).round().long()
+        doc_start = doc_start_from_cu_seqlens(bounds, seq_len, args.batch).cuda()
+
+        def fused():
+            columns, diagonals = ec.document_masses(q, k, doc_start, config.last_q, scale)
+            return ec.index_from_document_masses(columns, diagonals, config, doc_start)
+
+        def torch_masses():
+            columns, diagonals = document_column_and_diagonal_mass(q, k, doc_start, config.last_q, scale)
+            return ec.index_from_document_masses(columns, diagonals, config, doc_start)
+
+        row = dict(seq_len=seq_len, documents=count, taken="fused_passes"
+                   if takes_fused_passes(count * args.batch, seq_len * args.batch) else "torch_masses", fused_passes_ms=time_ms(fused, args.warmup, args.repeats),
+                   torch_masses_ms=time_ms(torch_masses, args.warmup, args.repeats), fwd_bwd_ms=fwd_bwd_ms)
+        print(f"{seq_len:>8} {count:>6} documents: fused passes {row['fused_passes_ms']:8.3f} ms, "
+              f"torch masses {row['torch_masses_ms']:8.3f} ms (takes {row['taken']}; fwd+bwd {fwd_bwd_ms:.2f} ms)",
+              flush=True)
+        rows.append(row)
+    return rows
+
+
 def print_table(cases):
     header = (f"{'seq':>8} {'torch ms':>9} {'fused ms':>9} {'speedup':>8} {'fwd+bwd':>9} {'share t':>8} "
               f"{'share f':>8} {'A':>6} {'B':>6} {'selV':>6} {'selS':>6} {'sel2':>6} {'idx':>6} {'diff':>11} "
@@ -162,6 +208,8 @@ def main(argv=None):
     parser.add_argument("--warmup", type=int, default=3, help="untimed runs per measurement")
     parser.add_argument("--repeats", type=int, default=10, help="timed runs (median reported)")
     parser.add_argument("--skip-torch", action="store_true", help="time only the fused estimator")
+    parser.add_argument("--document-counts", type=int, nargs="*", default=[],
+                        help="also time the document-aware estimate with this many equal documents")
     parser.add_argument("--out", type=Path, default=None,
                         help="JSON file, or directory for estimate.json "
                              "(None: a fresh directory bench_results/estimate-<time>)")
@@ -175,13 +223,16 @@ def main(argv=None):
         out = out / "estimate.json"
     else:
         out.parent.mkdir(parents=True, exist_ok=True)
-    cases = []
+    cases, documents = [], []
     for seq_len in args.seq_lens:
         cases.append(run_case(seq_len, args, device_name))
         torch.cuda.empty_cache()
         print_table(cases[-1:])
+        if args.document_counts:
+            documents += run_documents(seq_len, args.document_counts, args, cases[-1]["fwd_bwd_ms"])
+            torch.cuda.empty_cache()
     result = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), device=device_name,
-                  command=" ".join(sys.argv), cases=cases)
+                  command=" ".join(sys.argv), cases=cases, documents=documents)
     out.write_text(json.dumps(result, indent=2))
     print()
     print_table(cases)

@@ -376,17 +376,30 @@ def estimate_documents_gathered(q, k, config: SparseConfig, comm: RingComm, soft
                                 resolve_softmax_scale(d, softmax_scale), positions)
 
 
-MAX_FUSED_DOCUMENTS = 64  # beyond, the torch rule's few batched windows beat two launches per document
+# The fused passes cost about 0.09-0.11 ms per document (their launches); the torch rule's batched
+# windows about 1.5-2.3 ms at 32K keys and 4.5 ms at 128K whatever the count (one H200, bf16,
+# 16/2 heads: bench.estimate --document-counts, benchmarks/results/estimate_documents_h200.json).
+# One document per 2560 keys takes the faster of the two at every count measured (the fused passes
+# up to 8 documents at 32K and 32 at 128K, the batched windows from 16 and 64).
+KEYS_PER_FUSED_DOCUMENT = 2560
+
+
+def takes_fused_passes(documents: int, keys: int) -> bool:
+    """Whether the document-aware estimate scores ``documents`` (all rows') over ``keys`` keys
+    (all rows') with the fused passes one document at a time (else with the torch rule's batched
+    windows)."""
+    return documents * KEYS_PER_FUSED_DOCUMENT <= keys
 
 
 def document_aware_index(q, k, doc_start, config: SparseConfig, scale: float, q_positions=None) -> SparseIndex:
     """The document-aware index of whole-sequence keys ``k`` (``q``: every query, or only the rows
     at ``q_positions``). Where the fused estimator takes the inputs (CUDA), its selection and
-    finalize (no host synchronisation) over masses from the fused passes one document at a time
-    (at most ``MAX_FUSED_DOCUMENTS`` documents; beyond, the torch rule's batched windows); else
-    the torch rule's masses and selection (:func:`~ds_mtraining.estimate.index_from_masses`)."""
+    finalize over masses from the fused passes one document at a time or, with more documents
+    than :func:`takes_fused_passes` allows, from the torch rule's batched windows; else the torch
+    rule's masses and selection (:func:`~ds_mtraining.estimate.index_from_masses`). With the step's
+    documents read once (its first layer), neither path synchronises with the host."""
     fused = fused_estimator_takes(q, k, config, k.shape[1])
-    if fused and len(document_spans(doc_start)) <= MAX_FUSED_DOCUMENTS:
+    if fused and takes_fused_passes(len(document_spans(doc_start)), k.shape[0] * k.shape[1]):
         from ..estimate_cuda import document_masses
         columns, diagonals = document_masses(q, k, doc_start, config.last_q, scale, q_positions)
     else:
