@@ -50,7 +50,7 @@ template <int kMode>  // 0: red.v4, 1: bulk reduce from shared memory, 2: st.v4
 __global__ void __launch_bounds__(kThreads) replay(const int* first, const int2* steps, float* dq, int seq) {
     extern __shared__ __align__(128) float tile[];
     const int t = threadIdx.x;
-    if (kMode == 1) {
+    if constexpr (kMode == 1) {
         for (int i = t; i < kTile * kDim; i += kThreads) tile[i] = 1.f;
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
         __syncthreads();
@@ -58,8 +58,8 @@ __global__ void __launch_bounds__(kThreads) replay(const int* first, const int2*
     for (int s = first[blockIdx.x]; s < first[blockIdx.x + 1]; ++s) {
         const int2 step = steps[s];
         float* rows = dq + (static_cast<size_t>(step.x) * seq + step.y) * kDim;
-        if (kMode == 1) {
-            if (t == 0) {
+        if constexpr (kMode == 1) {
+            if (t == 0) {  // the source tile never changes, so no wait between steps
                 asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
                              :: "l"(rows), "r"(static_cast<unsigned>(__cvta_generic_to_shared(tile))),
                                 "r"(kTile * kDim * 4) : "memory");
@@ -69,14 +69,16 @@ __global__ void __launch_bounds__(kThreads) replay(const int* first, const int2*
             float* mine = rows + 4 * t;  // chunk c: 16 bytes per thread, the CTA's 2 KB contiguous
 #pragma unroll
             for (int c = 0; c < 16; ++c) {
-                if (kMode == 0)
-                    asm volatile("red.global.add.v4.f32 [%0], {%1, %1, %1, %1};\n" :: "l"(mine + 4 * kThreads * c), "f"(1.f) : "memory");
+                float* cell = mine + 4 * kThreads * c;
+                if constexpr (kMode == 0)
+                    asm volatile("red.global.add.v4.f32 [%0], {%1, %1, %1, %1};\n" :: "l"(cell), "f"(1.f) : "memory");
                 else
-                    asm volatile("st.global.v4.f32 [%0], {%1, %1, %1, %1};\n" :: "l"(mine + 4 * kThreads * c), "f"(1.f) : "memory");
+                    asm volatile("st.global.v4.f32 [%0], {%1, %1, %1, %1};\n" :: "l"(cell), "f"(1.f) : "memory");
             }
         }
     }
-    if (kMode == 1 && t == 0) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+    if constexpr (kMode == 1)
+        if (t == 0) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
 }
 
 void run(torch::Tensor first, torch::Tensor steps, torch::Tensor dq, int64_t mode) {

@@ -168,8 +168,9 @@ def run_documents(seq_len, counts, args, fwd_bwd_ms) -> list[dict]:
             columns, diagonals = document_column_and_diagonal_mass(q, k, doc_start, config.last_q, scale)
             return ec.index_from_document_masses(columns, diagonals, config, doc_start)
 
-        row = dict(seq_len=seq_len, documents=count, taken="fused_passes"
-                   if takes_fused_passes(count * args.batch, seq_len * args.batch) else "torch_masses", fused_passes_ms=time_ms(fused, args.warmup, args.repeats),
+        fused_taken = takes_fused_passes(count * args.batch, seq_len * args.batch)
+        row = dict(seq_len=seq_len, documents=count, taken="fused_passes" if fused_taken else "torch_masses",
+                   fused_passes_ms=time_ms(fused, args.warmup, args.repeats),
                    torch_masses_ms=time_ms(torch_masses, args.warmup, args.repeats), fwd_bwd_ms=fwd_bwd_ms)
         print(f"{seq_len:>8} {count:>6} documents: fused passes {row['fused_passes_ms']:8.3f} ms, "
               f"torch masses {row['torch_masses_ms']:8.3f} ms (takes {row['taken']}; fwd+bwd {fwd_bwd_ms:.2f} ms)",
