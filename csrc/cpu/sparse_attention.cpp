@@ -9,7 +9,11 @@
 // one (batch, kv head, key block) each and loop over the query heads of its GQA group. Every
 // output element is written by one task in a fixed order, so results are bit-identical run to
 // run, with no atomics. Tasks are handed out dynamically, longest first.
-#include <torch/extension.h>
+
+// ATen and torch's pybind11 casters, not torch/extension.h: its C++ frontend (nn, optim, ...) took
+// 20 s of this file's 45 s compile on one core of the CI machine.
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <ATen/Parallel.h>
 

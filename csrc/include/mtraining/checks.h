@@ -5,7 +5,7 @@
 // Messages are assembled from strings only: numbers, shapes and devices go through text() first.
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 
 #include <charconv>
 #include <cmath>

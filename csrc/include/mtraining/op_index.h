@@ -19,7 +19,8 @@
 // (then check it in checks.h and use it in the kernels).
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>  // pybind11 and torch's tensor casters
 
 #include <optional>
 #include <string>
