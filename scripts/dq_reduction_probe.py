@@ -20,7 +20,8 @@ adding a 64 x D tile of ones per step into dQ [H][S][D] fp32:
 * ``store_v4``: plain 16-byte stores instead of reductions (the write bandwidth, for scale).
 
 Then checks dQ against the step count per row (every way must add exactly its steps) and prints
-milliseconds and TB/s next to the dQ kernel's time that fusing would remove:
+milliseconds and TB/s, to set beside the dQ kernel's time (``bench.kernel --kernel-split``) that
+fusing would remove:
 
     python3 scripts/dq_reduction_probe.py [--density 0.05] [--out OUT.json]
 """
@@ -144,8 +145,9 @@ def main():
     result = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                   device=torch.cuda.get_device_name(), command="python3 scripts/dq_reduction_probe.py "
                   f"--density {args.density}", density=index.density(), seq=SEQ, heads=HEADS, dim=DIM, cases={})
+    walks = {keys: slash_steps(index.slash, doc_start, keys) for keys in {keys for keys, _, _ in cases.values()}}
     for name, (keys_per_cta, mode, rows) in cases.items():
-        first, steps = slash_steps(index.slash, doc_start, keys_per_cta)
+        first, steps = (t.clone() for t in walks[keys_per_cta])
         if rows:
             steps[:, 1] %= rows
         first, steps = first.cuda(), steps.cuda()

@@ -63,12 +63,8 @@ def index_difference(fused, expected) -> tuple[int, int]:
     return differing, total
 
 
-def run_case(seq_len, args, device_name) -> dict:  # noqa: C901 - one flat recipe
-    from ds_mtraining import SparseConfig
-    from ds_mtraining import estimate_cuda as ec
-    from ds_mtraining.attention import sparse_attention
-    from ds_mtraining.estimate import estimate_vertical_slash
-
+def case_inputs(seq_len, args):
+    """q, k, v, dout of one length (seeded by it), on the GPU in ``args.dtype``."""
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     g = torch.Generator(device="cuda").manual_seed(seq_len)
     shape_q = (args.batch, seq_len, args.heads, args.dim)
@@ -77,6 +73,16 @@ def run_case(seq_len, args, device_name) -> dict:  # noqa: C901 - one flat recip
     k = (torch.randn(shape_k, generator=g, device="cuda") * args.sharp).to(dtype)
     v = torch.randn(shape_k, generator=g, device="cuda").to(dtype)
     dout = torch.randn(shape_q, generator=g, device="cuda").to(dtype)
+    return q, k, v, dout
+
+
+def run_case(seq_len, args, device_name) -> dict:  # noqa: C901 - one flat recipe
+    from ds_mtraining import SparseConfig
+    from ds_mtraining import estimate_cuda as ec
+    from ds_mtraining.attention import sparse_attention
+    from ds_mtraining.estimate import estimate_vertical_slash
+
+    q, k, v, dout = case_inputs(seq_len, args)
     config = SparseConfig(block_size=args.block_size)
     scale = resolve_softmax_scale(args.dim)
     lq = min(config.last_q, seq_len)
@@ -149,10 +155,7 @@ def run_documents(seq_len, counts, args, fwd_bwd_ms) -> list[dict]:
     from ds_mtraining.estimate import document_column_and_diagonal_mass
     from ds_mtraining.ring.estimate import takes_fused_passes
 
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
-    g = torch.Generator(device="cuda").manual_seed(seq_len)
-    q = (torch.randn(args.batch, seq_len, args.heads, args.dim, generator=g, device="cuda") * args.sharp).to(dtype)
-    k = (torch.randn(args.batch, seq_len, args.kv_heads, args.dim, generator=g, device="cuda") * args.sharp).to(dtype)
+    q, k, _, _ = case_inputs(seq_len, args)  # run_case's inputs
     config = SparseConfig(block_size=args.block_size)
     scale = resolve_softmax_scale(args.dim)
     rows = []
