@@ -17,9 +17,10 @@ spilled to the next rank(s) instead of all-reduced, the selection over fixed-wid
 * :func:`build_index` : token diagonals and columns to the compact :class:`SparseIndex`
   (:meth:`SparseIndex.from_vertical_slash`), in fixed widths.
 
-With document masking, :func:`document_masses` runs passes A and B on each document's slice of
-q and k (the document-aware rule's masses), and :func:`index_from_document_masses` selects from
-them with the same kernels, every document's sinks merged into the columns.
+With document masking, :func:`document_masses` runs passes A and B over every document's slice
+of q and k, all documents in the same launches (the document-aware rule's masses), and
+:func:`index_from_document_masses` selects from them with the same kernels, every document's
+sinks merged into the columns.
 
 Every list has a width fixed by the shapes and caps (never by the data), so nothing waits for the
 GPU; the index is built through :func:`trusted_index`, which skips ``SparseIndex.__init__``'s
@@ -178,16 +179,20 @@ def _kernels(passes):
     return passes if passes is not None else sys.modules[__name__]
 
 
-def merge_columns(selected: torch.Tensor, extra: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The union of ``selected`` [B, H, a] (int32, ascending, ``PAD`` padded) and ``extra``
-    [B, H, e] (any order, -1 or ``PAD`` padded), ascending without repeats and ``PAD`` padded to
-    a + e, with counts int32 [B, H]: two sorts, no host synchronisation."""
-    extra = torch.where(extra < 0, PAD, extra).to(torch.int32)
-    both = torch.cat([selected.to(torch.int32), extra], -1).sort(-1).values
-    repeat = torch.zeros_like(both, dtype=torch.bool)
-    repeat[..., 1:] = both[..., 1:] == both[..., :-1]
-    both = torch.where(repeat, PAD, both).sort(-1).values
-    return both, (both != PAD).sum(-1, dtype=torch.int32)
+def merge_columns(selected: torch.Tensor, count: torch.Tensor, extra: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The union of ``selected`` [B, H, a] (int32, ascending, the first ``count`` [B, H] read) and
+    each batch row's ``extra`` columns [B, e] (int32, ascending, ``PAD`` padded), ascending
+    without repeats and ``PAD`` padded to a + e, with counts int32 [B, H]: one kernel, no host
+    synchronisation."""
+    return tuple(_op().estimate_merge_columns(selected, count, extra))
+
+
+@remember_last
+def document_sinks(doc_start: torch.Tensor, config: SparseConfig) -> torch.Tensor:
+    """int32 [B, n]: :func:`~ds_mtraining.estimate.document_sink_columns` of each batch row,
+    ``PAD`` padded (remembered: one conversion per ``doc_start``)."""
+    sinks = document_sink_columns(doc_start, 1, config)[:, 0]
+    return torch.where(sinks < 0, PAD, sinks).to(torch.int32).contiguous()
 
 
 def index_from_document_masses(columns: torch.Tensor, diagonals: torch.Tensor, config: SparseConfig,
@@ -196,14 +201,16 @@ def index_from_document_masses(columns: torch.Tensor, diagonals: torch.Tensor, c
     the top-p selection of both lists, every document's sinks merged into the selected columns
     (:func:`merge_columns`), the finalize kernel (its sequence sinks, tokens 0 .. sink_tokens - 1,
     are always among the documents' sinks). No host synchronisation once the step's documents
-    are known (:func:`~ds_mtraining.estimate.document_sink_columns` is remembered). The selected
-    entries equal the torch rule's up to float summation order, as in
-    :func:`estimate_vertical_slash_cuda`. ``passes``: ``select_top_p_pair`` and ``build_index``
-    (default: this module's kernels; tests pass torch versions)."""
+    are known (:func:`document_sinks` is remembered). The selected entries equal the torch rule's
+    up to float summation order, as in :func:`estimate_vertical_slash_cuda`. ``passes``:
+    ``select_top_p_pair``, ``merge_columns`` and ``build_index`` (default: this module's kernels;
+    tests pass torch versions)."""
     passes = _kernels(passes)
     (vertical, vertical_count), (slash, slash_count) = passes.select_top_p_pair(
         columns, config.p_vertical, config.max_vertical, diagonals, config.p_slash, config.max_slash_diagonals)
-    vertical, vertical_count = merge_columns(vertical, document_sink_columns(doc_start, columns.shape[1], config))
+    sinks = document_sinks(doc_start, config)
+    if sinks.shape[-1] > 0:
+        vertical, vertical_count = passes.merge_columns(vertical, vertical_count, sinks)
     return passes.build_index(slash, slash_count, vertical, vertical_count, columns.shape[-1], config)
 
 
@@ -226,36 +233,37 @@ def position_slots(q_positions: torch.Tensor) -> dict[int, int]:
     return {p: i for i, p in enumerate(q_positions.tolist())}
 
 
+@remember_last
+def document_table(doc_start: torch.Tensor, last_q: int, weight: str) -> tuple[list, list, list, list, list]:
+    """(starts, lengths, rows, first scored positions, weights) of every document of every row, as
+    host lists for the op (remembered: one host read per ``doc_start``)."""
+    start, length, row = zip(*document_spans(doc_start))
+    n = torch.tensor(length, dtype=torch.float64)  # host: the weights need no device
+    scored = n.clamp(max=last_q)
+    weights = DOCUMENT_WEIGHTS[weight](n, scored, doc_start.shape[1]).tolist()
+    first_scored = [s + m - min(m, last_q) for s, m in zip(start, length)]
+    return list(start), list(length), list(row), first_scored, weights
+
+
 @torch.no_grad()
 def document_masses(q: torch.Tensor, k: torch.Tensor, doc_start: torch.Tensor, last_q: int, scale: float,
-                    q_positions: torch.Tensor | None = None, weight: str = "tokens", passes=None
+                    q_positions: torch.Tensor | None = None, weight: str = "tokens"
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`ds_mtraining.estimate.document_column_and_diagonal_mass` from the fused passes: column
-    and token-diagonal masses [B, H, S] float32 of every document's last ``min(last_q, n)`` queries
+    """:func:`ds_mtraining.estimate.document_column_and_diagonal_mass` fused: column and
+    token-diagonal masses [B, H, S] float32 of every document's last ``min(last_q, n)`` queries
     against its own keys, row means weighted by ``DOCUMENT_WEIGHTS[weight]``, summed per batch
-    row. A document is a contiguous slice of q and k, so each pass sees an ordinary causal
-    sequence of n tokens (no masking, no copy); two passes per document. The document list is
-    read on the host once per ``doc_start`` (:func:`~ds_mtraining.estimate.document_spans`), and
-    ``q_positions`` once per object (:func:`position_slots`).
+    row. Every document is a contiguous slice of q and k, an ordinary causal sequence of n
+    tokens: passes A and B of all documents run in the same launches (the op's
+    ``estimate_document_masses``), whatever their number. The document list is read on the host
+    once per ``doc_start`` (:func:`document_table`), and ``q_positions`` once per object
+    (:func:`position_slots`).
 
     ``q``: [B, S, H, D], or with ``q_positions`` [B, len(q_positions), H, D], the rows at those
-    global positions (at least :func:`~ds_mtraining.estimate.document_query_positions`).
-    ``passes``: an object with ``row_stats`` and ``masses`` (default: this module's kernels;
-    tests pass torch versions)."""
-    passes = _kernels(passes)
-    b, s, h = k.shape[0], k.shape[1], q.shape[2]
-    start, length, row = zip(*document_spans(doc_start))
-    length = torch.tensor(length, dtype=torch.float64)  # host: the weights need no device
-    scored = length.clamp(max=last_q)
-    weights = DOCUMENT_WEIGHTS[weight](length, scored, s).tolist()
-    slots = None if q_positions is None else position_slots(q_positions)
-    columns = torch.zeros(b, h, s, dtype=torch.float32, device=q.device)
-    diagonals = torch.zeros(b, h, s, dtype=torch.float32, device=q.device)
-    for first, n, r, lq, w in zip(start, length.long().tolist(), row, scored.long().tolist(), weights):
-        at = first + n - lq if slots is None else slots[first + n - lq]  # the rows are consecutive
-        q_last, keys = q[r:r + 1, at:at + lq], k[r:r + 1, first:first + n]
-        stats = passes.row_stats(q_last, keys, n - lq, n, scale)
-        doc_columns, doc_diagonals = passes.masses(q_last, keys, *stats, n - lq, n, scale)
-        columns[r, :, first:first + n].add_(doc_columns[0], alpha=w)
-        diagonals[r, :, :n].add_(doc_diagonals[0], alpha=w)
+    global positions (at least :func:`~ds_mtraining.estimate.document_query_positions`)."""
+    starts, lengths, rows, first_scored, weights = document_table(doc_start, last_q, weight)
+    if q_positions is not None:  # a document's scored rows are consecutive there too
+        slots = position_slots(q_positions)
+        first_scored = [slots[position] for position in first_scored]
+    columns, diagonals = _op().estimate_document_masses(q, k, starts, lengths, rows, first_scored, weights,
+                                                        int(last_q), float(scale))
     return columns, diagonals

@@ -132,8 +132,8 @@ def differing_entries(mine: SparseIndex, theirs: SparseIndex) -> tuple[int, int]
 
 
 class TorchPasses:
-    """Torch versions of ds_mtraining.estimate_cuda's row_stats, masses, select_top_p_pair and
-    build_index."""
+    """Torch versions of ds_mtraining.estimate_cuda's row_stats, masses, select_top_p_pair,
+    merge_columns and build_index."""
 
     @staticmethod
     def _logits(q_last, k, q_start, seq_len, scale, world, rank, block):
@@ -178,6 +178,22 @@ class TorchPasses:
         padded = torch.full((*chosen.shape[:-1], width), PAD, dtype=chosen.dtype, device=chosen.device)
         padded[..., :chosen.shape[-1]] = chosen
         return padded.int(), count.int()
+
+    @staticmethod
+    def merge_columns(selected, count, extra):
+        """The union of each row's first ``count`` selected columns and its batch row's extra
+        columns (PAD padded), as the CUDA merge returns it: ascending, PAD padded to a + e."""
+        from ds_mtraining.index import PAD
+        b, h, a = selected.shape
+        merged = torch.full((b, h, a + extra.shape[-1]), PAD, dtype=torch.int32)
+        counts = torch.zeros(b, h, dtype=torch.int32)
+        for row in range(b):
+            for head in range(h):
+                union = sorted(set(selected[row, head, :int(count[row, head])].tolist())
+                               | {c for c in extra[row].tolist() if c != PAD})
+                merged[row, head, :len(union)] = torch.tensor(union, dtype=torch.int32)
+                counts[row, head] = len(union)
+        return merged.to(selected.device), counts.to(selected.device)
 
     @staticmethod
     def build_index(slash, slash_count, vertical, vertical_count, seq_len, config):

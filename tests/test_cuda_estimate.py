@@ -364,36 +364,50 @@ def test_rejects_what_it_cannot_take():
     ec.estimate_vertical_slash_cuda(short_q, short_k, SparseConfig(last_q=300))
 
 
-@pytest.mark.parametrize("lengths", [(1000, 24, 1, 700, 325), (2048,)], ids=["five documents", "one document"])
-def test_document_masses_match_float64(lengths):
-    """estimate_cuda.document_masses (the fused passes one document at a time) against the torch
-    document rule in float64 on the same rounded q, k: documents shorter than last_q and than a
-    tile, of one token, and not multiples of 64; two batch rows packed differently."""
+MANY_SHORT = tuple(int(n) for n in torch.randint(1, 90, (150,), generator=torch.Generator().manual_seed(0))) + (900,)
+
+
+@pytest.mark.parametrize("lengths,last_q", [((1000, 24, 1, 700, 325), 64), ((2048,), 64), (MANY_SHORT, 64),
+                                            ((1000, 24, 1, 700, 325, 130), 200)],
+                         ids=["five documents", "one document", "151 documents", "last_q 200"])
+def test_document_masses_match_float64(lengths, last_q):
+    """estimate_cuda.document_masses (passes A and B of every document in the same launches)
+    against the torch document rule in float64 on the same rounded q, k: documents shorter than
+    last_q and than a tile, of one token, and not multiples of 64; 151 documents; last_q over
+    several 64-row chunks (documents of different chunk and split counts); two batch rows packed
+    differently. The same masses, bit for bit, from only the read query rows (q_positions), and no
+    autograd graph from a q that requires grad."""
     from ds_mtraining.documents import doc_start_from_cu_seqlens
-    from ds_mtraining.estimate import document_column_and_diagonal_mass
-    seq, last_q, scale = sum(lengths), 64, 1.0 / math.sqrt(128)
+    from ds_mtraining.estimate import document_column_and_diagonal_mass, document_query_positions
+    seq, scale = sum(lengths), 1.0 / math.sqrt(128)
     q, k = random_qk(2, seq, 8, 2, 128, torch.bfloat16, seed=seq, sharp=1.5)
     cu = [torch.tensor([0, *torch.tensor(order).cumsum(0).tolist()]) for order in (lengths, lengths[::-1])]
     doc_start = torch.cat([doc_start_from_cu_seqlens(c, seq) for c in cu]).cuda()
-    got = ec.document_masses(q, k, doc_start, last_q, scale)
-    expected = document_column_and_diagonal_mass(q.double(), k.double(), doc_start, last_q, scale)
+    got = ec.document_masses(q.requires_grad_(), k, doc_start, last_q, scale)
+    assert not any(t.requires_grad for t in got), "the estimate builds no autograd graph from training's q"
+    expected = document_column_and_diagonal_mass(q.detach().double(), k.double(), doc_start, last_q, scale)
     for name, actual, ref in zip(("columns", "diagonals"), got, expected):
         error = relative_error(actual, ref.double())
         assert error <= MASS_TOLERANCE, f"{name}: relative error {error:.3g} > {MASS_TOLERANCE}"
+    positions = document_query_positions(doc_start, last_q)
+    rows = ec.document_masses(q.detach()[:, positions], k, doc_start, last_q, scale, q_positions=positions)
+    for name, a, b in zip(("columns", "diagonals"), rows, got):
+        assert torch.equal(a, b), f"{name} from the read query rows differ"
 
 
-@pytest.mark.parametrize("masses", ["fused_passes", "torch_masses"])
-def test_document_index_on_gpu_matches_the_torch_rule_without_host_syncs(masses, monkeypatch):
-    """The document-aware estimate on one GPU (ring.estimate.estimate_on_comm with doc_start: the
-    masses from the fused passes per document or from the torch rule's batched windows, as
-    takes_fused_passes chooses; fused selection and finalize): its index against the torch rule's
-    on the same inputs (the 1% rule of the noise test), and a second call with the same doc_start
-    (as the next layer of a step makes) under set_sync_debug_mode("error")."""
+def test_document_masses_reject_documents_outside_the_tensors():
+    q, k = random_qk(1, 256, 4, 2, 64, torch.bfloat16)
+    with pytest.raises(ValueError, match="does not lie in q"):
+        ec._op().estimate_document_masses(q, k, [0, 200], [200, 100], [0, 0], [136, 192], [0.5, 0.5], 64, 0.125)
+
+
+def test_document_index_on_gpu_matches_the_torch_rule_without_host_syncs():
+    """The document-aware estimate on one GPU (ring.estimate.estimate_on_comm with doc_start:
+    fused masses, selection and finalize): its index against the torch rule's on the same inputs
+    (the 1% rule of the noise test), and a second call with the same doc_start (as the next layer
+    of a step makes) under set_sync_debug_mode("error")."""
     from ds_mtraining.documents import doc_start_from_cu_seqlens
-    from ds_mtraining.ring import estimate as ring_estimate
     from ds_mtraining.ring.estimate import estimate_on_comm
-    # 12 documents over 2 x 2052 keys: one key per document takes the fused passes, 10^6 the torch masses
-    monkeypatch.setattr(ring_estimate, "KEYS_PER_FUSED_DOCUMENT", 1 if masses == "fused_passes" else 10**6)
     lengths = (1000, 2, 24, 1, 700, 325)
     seq = sum(lengths)
     q, k = random_qk(2, seq, 8, 2, 128, torch.bfloat16, seed=seq, sharp=1.5)
@@ -411,3 +425,25 @@ def test_document_index_on_gpu_matches_the_torch_rule_without_host_syncs(masses,
         torch.cuda.set_sync_debug_mode("default")
     for name in ("slash", "slash_count", "vertical", "vertical_count"):
         assert torch.equal(getattr(first, name), getattr(second, name)), name
+
+
+def test_merge_columns_is_the_sorted_union():
+    """estimate_cuda.merge_columns (one CTA per row, chunked scans) against the set union: lists
+    longer than a scan chunk (256), overlapping and disjoint, empty selections, a batch row
+    without extra columns, entries past the count ignored."""
+    from helpers import TorchPasses
+    g = torch.Generator().manual_seed(0)
+    batch, heads, width, extra_width = 2, 3, 600, 700
+    selected = torch.full((batch, heads, width), PAD, dtype=torch.int32)
+    count = torch.zeros(batch, heads, dtype=torch.int32)
+    for row in range(batch):
+        for head, n in enumerate((0, 37, 600)[: heads]):
+            chosen = torch.randperm(3000, generator=g)[:n].sort().values
+            selected[row, head, :n] = chosen.int()
+            selected[row, head, n:] = 7 if n < width else PAD  # past the count: never read
+            count[row, head] = n
+    extra = torch.full((batch, extra_width), PAD, dtype=torch.int32)
+    extra[0] = torch.randperm(3000, generator=g)[:extra_width].sort().values.int()  # row 1: none
+    merged, merged_count = ec.merge_columns(selected.cuda(), count.cuda(), extra.cuda())
+    expected, expected_count = TorchPasses.merge_columns(selected, count, extra)
+    assert torch.equal(merged.cpu(), expected) and torch.equal(merged_count.cpu(), expected_count)

@@ -7,8 +7,8 @@ import torch
 
 from ds_mtraining import SparseConfig, SparseIndex, estimate_vertical_slash, estimate_cuda, synthetic
 from ds_mtraining.documents import doc_start_from_cu_seqlens, document_causal_mask
-from ds_mtraining.estimate import (column_and_diagonal_mass, document_column_and_diagonal_mass,
-                                   document_query_positions, index_from_masses, last_query_scores, select_top_p)
+from ds_mtraining.estimate import (column_and_diagonal_mass, document_column_and_diagonal_mass, index_from_masses,
+                                   last_query_scores, select_top_p)
 from ds_mtraining.recall import attention_recall, recall
 from ds_mtraining.reference import dense_attention_with_lse, dense_mask
 
@@ -187,35 +187,6 @@ def test_recall_with_documents_equals_dense_attention(random_index, dtype, tol):
     torch.testing.assert_close(recall(q, k, indices[0], doc_start=doc_start), result.recall[0], rtol=0, atol=tol)
 
 
-@pytest.mark.parametrize("lengths", [(300,), (5, 60, 1, 200, 94), (130, 126, 100)])
-def test_fused_document_masses_equal_the_torch_rule(lengths):
-    """estimate_cuda.document_masses (the fused passes one document at a time; here their torch
-    versions) against the torch rule's batched windows: the same masses (float32 rounding) and
-    the same index, for documents shorter than last_q, of one token, and longer than last_q; two
-    batch rows packed differently; also from only the read query rows (q_positions); no autograd
-    graph from a q that requires grad."""
-    from helpers import TorchPasses
-    s, last_q = sum(lengths), 64
-    cu = [torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()]),
-          torch.tensor([0, *torch.tensor(lengths[::-1]).cumsum(0).tolist()])]
-    doc_start = torch.cat([doc_start_from_cu_seqlens(c, s) for c in cu])  # two rows packed differently
-    q, k = synthetic.planted_qk(s, 4, 2, 32, offsets=(3, 40), columns=((2, 77), (150,)), batch=2)
-    scale = 32 ** -0.5
-    expected = document_column_and_diagonal_mass(q, k, doc_start, last_q, scale)
-    got = estimate_cuda.document_masses(q.requires_grad_(), k, doc_start, last_q, scale, passes=TorchPasses)
-    assert not any(t.requires_grad for t in got), "the estimate builds no autograd graph from training's q"
-    for name, a, b in zip(("columns", "diagonals"), got, expected):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7, msg=name)
-    positions = document_query_positions(doc_start, last_q)
-    rows = estimate_cuda.document_masses(q[:, positions], k, doc_start, last_q, scale, q_positions=positions,
-                                         passes=TorchPasses)
-    for a, b in zip(rows, got):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
-    config = SparseConfig(block_size=64, last_q=last_q, p_vertical=0.8, p_slash=0.8)
-    mine, theirs = index_from_masses(*got, config, doc_start), index_from_masses(*expected, config, doc_start)
-    assert torch.equal(mine.slash, theirs.slash) and torch.equal(mine.vertical, theirs.vertical)
-
-
 def distributed_documents_equal_single_device(rank, world):
     """The document-aware index from striped shards (keys and only the read query rows gathered)
     equals the single-device one: packings with documents shorter than a block, documents across
@@ -267,30 +238,13 @@ def test_fused_document_index_equals_the_torch_rule(lengths):
         assert torch.equal(getattr(got, name), getattr(expected, name)), name
 
 
-def test_merge_columns_is_the_sorted_union():
-    from ds_mtraining.index import PAD
-    g = torch.Generator().manual_seed(0)
-    selected = [sorted(torch.randperm(50, generator=g)[:n].tolist()) for n in (0, 3, 7, 10)]
-    extra = [torch.randint(0, 50, (4,), generator=g).tolist() for _ in selected]
-    extra[1][2] = -1
-    sel = torch.full((1, 4, 10), PAD, dtype=torch.int32)
-    for h, cols in enumerate(selected):
-        sel[0, h, :len(cols)] = torch.tensor(cols, dtype=torch.int32)
-    merged, count = estimate_cuda.merge_columns(sel, torch.tensor([extra]))
-    assert merged.shape == (1, 4, 14)
-    for h in range(4):
-        union = sorted(set(selected[h]) | {x for x in extra[h] if x >= 0})
-        assert int(count[0, h]) == len(union)
-        assert merged[0, h].tolist() == union + [PAD] * (14 - len(union))
-
-
 def test_doc_start_checks_and_document_lists_are_read_once_per_tensor(monkeypatch):
     """check_doc_start and the document lists derived from it (also the query rows a ring
     gathers, and their slots) are remembered for the last doc_start object (the layers of a step
     share it) until it is modified in place; an invalid modification is still caught."""
     from ds_mtraining import documents
     from ds_mtraining.estimate import document_query_positions, document_spans
-    from ds_mtraining.estimate_cuda import position_slots
+    from ds_mtraining.estimate_cuda import document_table, position_slots
     doc_start = doc_start_from_cu_seqlens(torch.tensor([0, 3, 8, 20]), 20, batch=2)
     reads = []
     original = torch.Tensor.tolist
@@ -300,8 +254,12 @@ def test_doc_start_checks_and_document_lists_are_read_once_per_tensor(monkeypatc
     assert document_spans(checked) == [(0, 3, 0), (3, 5, 0), (8, 12, 0), (0, 3, 1), (3, 5, 1), (8, 12, 1)]
     positions = document_query_positions(checked, 4)
     assert position_slots(positions)[positions[-1].item()] == len(positions) - 1
+    # the fused op's list: each document's first scored query (its last min(4, n)) and weight n / S
+    table = document_table(checked, 4, "tokens")
+    assert table[3] == [0, 4, 16] * 2 and table[4] == pytest.approx([3 / 20, 5 / 20, 12 / 20] * 2, abs=1e-15)
     before = len(reads)
     assert document_spans(checked) == document_spans(checked)
+    assert document_table(checked, 4, "tokens") is table
     # what a ring's later layers ask again: the query rows it gathers and their slots
     assert document_query_positions(checked, 4) is positions and position_slots(positions) is position_slots(positions)
     assert len(reads) == before, "the document list was read again"

@@ -25,7 +25,12 @@ cudaError_t dispatch(Elem elem, int head_dim, Run run) {
 }
 
 bool valid_scores(const ScoreParams& p) {
-    return p.batch >= 1 && p.kv_heads >= 1 && p.heads % p.kv_heads == 0 && p.lq >= 1 &&
+    const bool layout = p.stats_rows >= 1 && p.split_stride >= 1 && p.columns_stride >= 1;
+    if (p.documents != nullptr)  // the documents' own fields are the host's (estimate_binding.cpp)
+        return layout && p.num_documents >= 1 && p.document_ctas >= p.num_documents && p.row_documents != nullptr &&
+               p.row_first != nullptr && p.batch >= 1 && p.kv_heads >= 1 && p.heads % p.kv_heads == 0 &&
+               p.chunks >= 1 && p.chunks <= kMaxChunks && p.seq_len >= 1 && p.world == 1 && p.block % kTile == 0;
+    return layout && p.split_stride == p.splits && p.batch >= 1 && p.kv_heads >= 1 && p.heads % p.kv_heads == 0 && p.lq >= 1 &&
            p.lq <= kTile * kMaxChunks && p.chunks == (p.lq + kTile - 1) / kTile && p.sk >= 1 &&
            p.num_tiles == (p.sk + kTile - 1) / kTile && p.splits >= 1 && p.tiles_per_split >= 1 &&
            (p.splits - 1) * p.tiles_per_split < p.num_tiles && p.splits * p.tiles_per_split >= p.num_tiles &&
@@ -33,6 +38,7 @@ bool valid_scores(const ScoreParams& p) {
 }
 
 unsigned score_grid(const ScoreParams& p) {
+    if (p.documents != nullptr) return static_cast<unsigned>(p.document_ctas);
     return static_cast<unsigned>(p.batch) * static_cast<unsigned>(p.heads) * static_cast<unsigned>(p.splits);
 }
 
@@ -65,9 +71,8 @@ cudaError_t run_row_stats(const ScoreParams& p, Elem elem, cudaStream_t stream) 
     if (!valid_scores(p)) return cudaErrorInvalidValue;
     cudaError_t status = launch_score_pass<false>(p, elem, stream);
     if (status != cudaSuccess) return status;
-    const long long rows = static_cast<long long>(p.batch) * p.heads * p.lq;
-    combine_row_stats_kernel<<<static_cast<unsigned>((rows + kStatsThreads - 1) / kStatsThreads), kStatsThreads, 0,
-                               stream>>>(p);
+    combine_row_stats_kernel<<<static_cast<unsigned>((p.stats_rows + kStatsThreads - 1) / kStatsThreads),
+                               kStatsThreads, 0, stream>>>(p);
     return cudaGetLastError();
 }
 
@@ -77,7 +82,8 @@ cudaError_t run_masses(const ScoreParams& p, Elem elem, cudaStream_t stream) {
     if (status != cudaSuccess) return status;
     const dim3 grid(static_cast<unsigned>((p.seq_len + kGatherThreads - 1) / kGatherThreads),
                     static_cast<unsigned>(p.batch * p.heads));
-    gather_diagonals_kernel<<<grid, kGatherThreads, 0, stream>>>(p);
+    if (p.documents != nullptr) gather_document_diagonals_kernel<<<grid, kGatherThreads, 0, stream>>>(p);
+    else gather_diagonals_kernel<<<grid, kGatherThreads, 0, stream>>>(p);
     return cudaGetLastError();
 }
 
@@ -140,6 +146,15 @@ cudaError_t run_select(const SelectParams& params, cudaStream_t stream) {
     if ((s = histogram_pass(select_histogram_kernel<2>)) != cudaSuccess) return s;
     if ((s = histogram_pass(select_histogram_kernel<3>)) != cudaSuccess) return s;
     select_write_kernel<<<grid, kSelectThreads, 0, stream>>>(p);
+    return cudaGetLastError();
+}
+
+cudaError_t run_merge(const MergeParams& p, cudaStream_t stream) {
+    if (p.rows < 1 || p.heads < 1 || p.rows % p.heads != 0 || p.selected_width < 1 || p.extra_width < 1 ||
+        p.selected == nullptr || p.selected_count == nullptr || p.extra == nullptr || p.merged == nullptr ||
+        p.merged_count == nullptr)
+        return cudaErrorInvalidValue;
+    merge_kernel<<<p.rows, kFinalizeThreads, 0, stream>>>(p);
     return cudaGetLastError();
 }
 

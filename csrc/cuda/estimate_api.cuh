@@ -14,6 +14,13 @@
 //           lower index, whose cumulative mass reaches p * total; at least 1, at most cap), as a
 //           fixed-width ascending list padded with kPad, and their count; up to two lists of rows
 //           (each with its own p and cap) in the same launches;
+//   documents (ScoreParams::documents): passes A and B over packed documents in the same
+//           launches, each document's last min(lq, n) queries against its own n keys as a causal
+//           sequence of its own; the columns land at the documents' keys, the token diagonals
+//           are summed over a row's documents, each document's masses (divided by its rows)
+//           weighted by its weight;
+//   merge (run_merge):      the union of each row's selected columns and its batch row's extra
+//           columns (the documents' sinks), ascending without repeats, kPad padded;
 //   finalize (run_finalize): selected token diagonals -> block diagonals (t / block and, unless
 //           t % block == 0, the next one) plus the local ones; selected columns plus the sink
 //           tokens, less the columns in the last `leading run` blocks (SparseIndex.from_blocks).
@@ -41,6 +48,19 @@ constexpr int kMaxSelectLen = (1 << 22) - 1;  // the packed histogram counts 22 
 constexpr int kSelectChunk = 8192;  // mass entries per select CTA
 constexpr int kSelectLevels = 4;    // 8-bit radix digits of the float bits
 
+// One packed document of a document-mode score pass (ScoreParams::documents), set by the host.
+struct ScoreDocument {
+    int cta_first;  // its first CTA: documents are in launch order, each with heads * splits CTAs
+    int row;        // batch row
+    int q_row;      // the row of q holding its first scored query (position key_first + length - lq)
+    int key_first;  // position of its first key in the row
+    int length;     // n: its keys, token diagonals 0 .. n - 1
+    int lq, chunks, num_tiles, splits, tiles_per_split;
+    float weight;             // its masses' weight (each already divided by its lq rows)
+    long long stats_first;    // its first row of part_max / row_max: earlier documents' heads * lq
+    long long partial_first;  // its first diag_partials float
+};
+
 struct ScoreParams {
     const void* q = nullptr;  // [batch, lq, heads, head_dim]: rows at q_row_stride, batches at q_batch_stride
     const void* k = nullptr;  // [batch, sk, kv_heads, head_dim]
@@ -66,6 +86,20 @@ struct ScoreParams {
     float* columns = nullptr;        // [batch, heads, sk]
     float* diag_partials = nullptr;  // [batch, heads, chunks, num_tiles, kDiagSlots]
     float* diagonals = nullptr;      // [batch, heads, seq_len]
+    // layout of the outputs (one sequence: stats_rows = batch * heads * lq, split_stride = splits,
+    // columns_stride = sk, weight 1)
+    long long stats_rows = 0;      // rows of row_max / row_sum
+    int split_stride = 0;          // entries per row of part_max / part_sum (>= splits)
+    long long columns_stride = 0;  // floats between consecutive (batch, head) rows of columns
+    float weight = 1.f;            // factor of the column masses
+    // document mode (documents != nullptr): the fields above lq .. tiles_per_split are each
+    // CTA's document's (the kernels read a view of it), chunks is the largest document's (shared
+    // memory), seq_len is the row length (diagonals), columns [batch, heads, seq_len]
+    const ScoreDocument* documents = nullptr;  // [num_documents], on the device
+    int num_documents = 0;
+    int document_ctas = 0;                // the grid: heads * the sum of the documents' splits
+    const int* row_documents = nullptr;  // each row's documents, longest first, rows in order
+    const int* row_first = nullptr;      // [batch + 1]: row b's are row_documents[row_first[b] ..]
 };
 
 // One list of mass rows to select from.
@@ -90,6 +124,17 @@ struct SelectParams {
     unsigned long long* histogram = nullptr;  // [kSelectLevels][total_rows][256], zeroed by run_select
     void* states = nullptr;                   // [kSelectLevels - 1][total_rows] per-row search states
     uint32_t* records = nullptr;              // [total_rows][max_chunks][1 + 256] per-chunk counts
+};
+
+struct MergeParams {
+    const int* selected = nullptr;        // [rows, selected_width] ascending, the first selected_count[row] read
+    const int* selected_count = nullptr;  // [rows]
+    int selected_width = 0;
+    const int* extra = nullptr;  // [rows / heads, extra_width] ascending, kPad padded (one list per batch row)
+    int extra_width = 0;
+    int rows = 0, heads = 1;
+    int* merged = nullptr;  // [rows, selected_width + extra_width] ascending without repeats, kPad padded
+    int* merged_count = nullptr;
 };
 
 struct FinalizeParams {
@@ -117,6 +162,7 @@ long long select_scratch_bytes(int rows, int n);
 cudaError_t run_row_stats(const ScoreParams& p, Elem elem, cudaStream_t stream);
 cudaError_t run_masses(const ScoreParams& p, Elem elem, cudaStream_t stream);
 cudaError_t run_select(const SelectParams& p, cudaStream_t stream);
+cudaError_t run_merge(const MergeParams& p, cudaStream_t stream);
 cudaError_t run_finalize(const FinalizeParams& p, cudaStream_t stream);
 
 }  // namespace est

@@ -115,9 +115,9 @@ struct ScoreWork {
     int b, h, kvh, split, tile_begin, tile_end;
 };
 
-__device__ __forceinline__ ScoreWork score_work(const ScoreParams& p) {
+__device__ __forceinline__ ScoreWork score_work(const ScoreParams& p, int cta) {
     const int group = p.heads / p.kv_heads;
-    int linear = blockIdx.x;
+    int linear = cta;
     ScoreWork w;
     const int g = linear % group;
     linear /= group;
@@ -129,6 +129,42 @@ __device__ __forceinline__ ScoreWork score_work(const ScoreParams& p) {
     w.tile_begin = w.split * p.tiles_per_split;
     w.tile_end = min(p.num_tiles, w.tile_begin + p.tiles_per_split);
     return w;
+}
+
+// Document mode: turns p into the view of this CTA's document as a causal sequence of its own
+// (batch 1, world 1, outputs offset to the document's) and returns the CTA's index within it.
+// One sequence: p as it is and blockIdx.x.
+template <typename T>
+__device__ __forceinline__ int enter_document(ScoreParams& p) {
+    const int cta = static_cast<int>(blockIdx.x);
+    if (p.documents == nullptr) return cta;
+    int lo = 0, hi = p.num_documents - 1;  // the last document whose first CTA is at or before this one
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (p.documents[mid].cta_first <= cta) lo = mid;
+        else hi = mid - 1;
+    }
+    const ScoreDocument doc = p.documents[lo];
+    p.q = static_cast<const T*>(p.q) + doc.row * p.q_batch_stride + doc.q_row * p.q_row_stride;
+    p.k = static_cast<const T*>(p.k) + doc.row * p.k_batch_stride + doc.key_first * p.k_row_stride;
+    p.part_max += doc.stats_first * p.split_stride;
+    p.part_sum += doc.stats_first * p.split_stride;
+    p.row_max += doc.stats_first;
+    p.row_sum += doc.stats_first;
+    p.columns += static_cast<long long>(doc.row) * p.heads * p.columns_stride + doc.key_first;
+    p.diag_partials += doc.partial_first;
+    p.weight = doc.weight;
+    p.batch = 1;
+    p.lq = doc.lq;
+    p.chunks = doc.chunks;
+    p.sk = p.seq_len = doc.length;
+    p.q_start = doc.length - doc.lq;
+    p.world = 1;
+    p.rank = 0;
+    p.num_tiles = doc.num_tiles;
+    p.splits = doc.splits;
+    p.tiles_per_split = doc.tiles_per_split;
+    return cta - doc.cta_first;
 }
 
 // Loads the CTA's query chunks and runs compute(tile, k_tile) over its key tiles, the next tile
@@ -168,11 +204,12 @@ __device__ __forceinline__ int visible_limit(const ScoreParams& p, int i, int ti
 
 // ------------------------------------------------------------------ pass A: row statistics
 template <typename T, int D>
-__global__ void __launch_bounds__(kScoreThreads, 2) row_stats_kernel(const ScoreParams p) {
+__global__ void __launch_bounds__(kScoreThreads, 2) row_stats_kernel(const ScoreParams params) {
     extern __shared__ __align__(128) unsigned char smem[];
+    ScoreParams p = params;
+    const ScoreWork w = score_work(p, enter_document<T>(p));
     T* q_s = reinterpret_cast<T*>(smem);
     T* k_s = q_s + p.chunks * kTile * D;
-    const ScoreWork w = score_work(p);
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
 
@@ -237,9 +274,14 @@ __global__ void __launch_bounds__(kScoreThreads, 2) row_stats_kernel(const Score
             }
             const int i = ch * kTile + warp * 16 + (lane >> 2) + 8 * half;
             if ((lane & 3) == 0 && i < p.lq) {
-                const long long at = (static_cast<long long>(w.b * p.heads + w.h) * p.lq + i) * p.splits + w.split;
-                p.part_max[at] = m;
-                p.part_sum[at] = s;
+                const long long row = static_cast<long long>(w.b * p.heads + w.h) * p.lq + i;
+                p.part_max[row * p.split_stride + w.split] = m;
+                p.part_sum[row * p.split_stride + w.split] = s;
+                if (w.split == p.splits - 1)  // a document of fewer splits than the stride: empty ones
+                    for (int empty = p.splits; empty < p.split_stride; ++empty) {
+                        p.part_max[row * p.split_stride + empty] = -INFINITY;
+                        p.part_sum[row * p.split_stride + empty] = 0.f;
+                    }
             }
         }
     }
@@ -248,15 +290,14 @@ __global__ void __launch_bounds__(kScoreThreads, 2) row_stats_kernel(const Score
 // Combines the splits of each row in split order.
 __global__ void __launch_bounds__(kStatsThreads) combine_row_stats_kernel(const ScoreParams p) {
     const long long row = static_cast<long long>(blockIdx.x) * kStatsThreads + threadIdx.x;
-    const long long rows = static_cast<long long>(p.batch) * p.heads * p.lq;
-    if (row >= rows) return;
-    const float* pm = p.part_max + row * p.splits;
-    const float* ps = p.part_sum + row * p.splits;
+    if (row >= p.stats_rows) return;
+    const float* pm = p.part_max + row * p.split_stride;
+    const float* ps = p.part_sum + row * p.split_stride;
     float m = -INFINITY;
-    for (int s = 0; s < p.splits; ++s) m = fmaxf(m, pm[s]);
+    for (int s = 0; s < p.split_stride; ++s) m = fmaxf(m, pm[s]);
     float sum = 0.f;
     if (m != -INFINITY)
-        for (int s = 0; s < p.splits; ++s)
+        for (int s = 0; s < p.split_stride; ++s)
             if (pm[s] != -INFINITY) sum += ps[s] * exp_of(pm[s] - m);
     p.row_max[row] = m;
     p.row_sum[row] = sum;
@@ -264,12 +305,13 @@ __global__ void __launch_bounds__(kStatsThreads) combine_row_stats_kernel(const 
 
 // ------------------------------------------------------------------ pass B: masses
 template <typename T, int D>
-__global__ void __launch_bounds__(kScoreThreads, 3) masses_kernel(const ScoreParams p) {
+__global__ void __launch_bounds__(kScoreThreads, 3) masses_kernel(const ScoreParams params) {
     extern __shared__ __align__(128) unsigned char smem[];
+    ScoreParams p = params;
+    const ScoreWork w = score_work(p, enter_document<T>(p));
     T* q_s = reinterpret_cast<T*>(smem);
     T* k_s = q_s + p.chunks * kTile * D;
     float* prob = reinterpret_cast<float*>(k_s + 2 * kTile * D);  // [64][kProbStride]
-    const ScoreWork w = score_work(p);
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     const int tid = threadIdx.x;
@@ -338,15 +380,13 @@ __global__ void __launch_bounds__(kScoreThreads, 3) masses_kernel(const ScorePar
             __syncthreads();  // before the next chunk overwrites the probabilities
         }
         const int kk = tile * kTile + tid;
-        if (tid < kTile && kk < p.sk) p.columns[head_row * p.sk + kk] = column * inv_rows;
+        if (tid < kTile && kk < p.sk) p.columns[head_row * p.columns_stride + kk] = column * inv_rows * p.weight;
     });
 }
 
-// Token diagonal t: the sum over chunks of the (at most two) local tiles holding it, in order.
-__global__ void __launch_bounds__(kGatherThreads) gather_diagonals_kernel(const ScoreParams p) {
-    const int t = blockIdx.x * kGatherThreads + threadIdx.x;
-    const long long head_row = blockIdx.y;
-    if (t >= p.seq_len) return;
+// Token diagonal t of (batch, head) row head_row: the sum over chunks of the (at most two) local
+// tiles holding it, in order.
+__device__ __forceinline__ float diagonal_sum(const ScoreParams& p, long long head_row, int t) {
     float sum = 0.f;
     for (int ch = 0; ch < p.chunks; ++ch) {
         const int q0 = p.q_start + ch * kTile;  // rows q0 .. q0 + 63 see keys q0 - t .. q0 + 63 - t
@@ -363,7 +403,37 @@ __global__ void __launch_bounds__(kGatherThreads) gather_diagonals_kernel(const 
             sum += p.diag_partials[((head_row * p.chunks + ch) * p.num_tiles + tile) * kDiagSlots + d];
         }
     }
-    p.diagonals[head_row * p.seq_len + t] = sum / static_cast<float>(p.lq);
+    return sum;
+}
+
+__global__ void __launch_bounds__(kGatherThreads) gather_diagonals_kernel(const ScoreParams p) {
+    const int t = blockIdx.x * kGatherThreads + threadIdx.x;
+    const long long head_row = blockIdx.y;
+    if (t >= p.seq_len) return;
+    p.diagonals[head_row * p.seq_len + t] = diagonal_sum(p, head_row, t) / static_cast<float>(p.lq);
+}
+
+// Document mode: token diagonal t of row b, head h sums, over the row's documents longer than t
+// (longest first, so the walk stops at the first one that is not), each document's weighted mass
+// of its own diagonal t; 0 past the longest.
+__global__ void __launch_bounds__(kGatherThreads) gather_document_diagonals_kernel(const ScoreParams p) {
+    const int t = blockIdx.x * kGatherThreads + threadIdx.x;
+    const int b = static_cast<int>(blockIdx.y) / p.heads, h = static_cast<int>(blockIdx.y) % p.heads;
+    if (t >= p.seq_len) return;
+    float sum = 0.f;
+    for (int i = p.row_first[b]; i < p.row_first[b + 1]; ++i) {
+        const ScoreDocument doc = p.documents[p.row_documents[i]];
+        if (doc.length <= t) break;
+        ScoreParams view = p;  // the fields diagonal_sum reads, as enter_document sets them
+        view.diag_partials = p.diag_partials + doc.partial_first;
+        view.chunks = doc.chunks;
+        view.num_tiles = doc.num_tiles;
+        view.q_start = doc.length - doc.lq;
+        view.world = 1;
+        view.rank = 0;
+        sum += diagonal_sum(view, h, t) / static_cast<float>(doc.lq) * doc.weight;
+    }
+    p.diagonals[static_cast<long long>(blockIdx.y) * p.seq_len + t] = sum;
 }
 
 // ------------------------------------------------------------------ block scans
@@ -713,6 +783,52 @@ __global__ void __launch_bounds__(kSelectThreads) select_write_kernel(const Sele
     for (int slot = selected + w.chunk * kSelectThreads + tid; slot < w.seg.width; slot += row_chunks * kSelectThreads)
         out[slot] = kPad;
     if (w.chunk == 0 && tid == 0) w.seg.count[w.local] = selected;
+}
+
+// ------------------------------------------------------------------ merge
+// Entries < value in the ascending list[0 .. n) (pattern.h's binary search).
+__device__ __forceinline__ int count_less(const int* list, int n, int value) {
+    return static_cast<int>(mtraining::sorted_lower_bound(list, n, value));
+}
+
+// One CTA per row. Every entry's place in the union is its place in its own list plus the number
+// of the other list's entries before it, less the repeats before it: extra entries that the
+// selected list also holds are dropped, and each list's running count of them comes from chunked
+// block scans (kFinalizeThreads entries per pass).
+__global__ void __launch_bounds__(kFinalizeThreads) merge_kernel(const MergeParams p) {
+    __shared__ int scan_scratch[kFinalizeThreads / 32 + 1];
+    const long long row = blockIdx.x;
+    const int* selected = p.selected + row * p.selected_width;
+    const int n_selected = min(p.selected_count[row], p.selected_width);
+    const int* extra = p.extra + row / p.heads * p.extra_width;
+    const int n_extra = count_less(extra, p.extra_width, kPad);
+    const int width = p.selected_width + p.extra_width;
+    int* merged = p.merged + row * width;
+    // extra entry i (kept unless selected holds it): its place among the kept ones plus the selected before it
+    int kept_before = 0;
+    for (int base = 0; base < n_extra; base += kFinalizeThreads) {
+        const int i = base + threadIdx.x;
+        const int value = i < n_extra ? extra[i] : kPad;
+        const int keep = i < n_extra && !mtraining::sorted_contains(selected, n_selected, value);
+        int total;
+        const int before = block_exclusive_scan<kFinalizeThreads>(keep, total, scan_scratch);
+        if (keep) merged[kept_before + before + count_less(selected, n_selected, value)] = value;
+        kept_before += total;
+    }
+    // selected entry j: j plus the kept extra entries before it (the extra before it less the repeats before it)
+    int repeats_before = 0;
+    for (int base = 0; base < n_selected; base += kFinalizeThreads) {
+        const int j = base + threadIdx.x;
+        const int value = j < n_selected ? selected[j] : kPad;
+        const int repeat = j < n_selected && mtraining::sorted_contains(extra, n_extra, value);
+        int total;
+        const int before = block_exclusive_scan<kFinalizeThreads>(repeat, total, scan_scratch);
+        if (j < n_selected) merged[j + count_less(extra, n_extra, value) - (repeats_before + before)] = value;
+        repeats_before += total;
+    }
+    const int count = n_selected + kept_before;
+    for (int slot = count + threadIdx.x; slot < width; slot += kFinalizeThreads) merged[slot] = kPad;
+    if (threadIdx.x == 0) p.merged_count[row] = count;
 }
 
 // ------------------------------------------------------------------ finalize

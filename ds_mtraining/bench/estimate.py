@@ -17,11 +17,15 @@ entries differ between the two indexes. Prints a table; writes JSON to a fresh d
 (``bench_results/estimate-<time>``) unless ``--out`` names a file or directory.
 
 With ``--document-counts N ...`` it also times the document-aware estimate of the same inputs
-packed from N equal documents (``documents`` in the JSON), both ways that
-:func:`ds_mtraining.ring.estimate.document_aware_index` may take: the fused passes one document at
-a time (``fused_passes_ms``) and the torch rule's batched windows (``torch_masses_ms``), each with
-the fused selection, and which one it takes at N (``takes_fused_passes``). The document list is
-read on the host once per ``doc_start``, as in a training step, so the times are a layer's.
+packed from N equal documents (``documents`` in the JSON): the fused masses of all documents in
+the same launches (``fused_ms``, what :func:`ds_mtraining.ring.estimate.document_aware_index`
+takes on CUDA) against the torch rule's batched windows (``torch_masses_ms``), each with the
+fused selection, next to the estimate without documents (``estimate_without_documents_ms``).
+Calls this small are bound by the host's launches: ``fused_kernels_ms`` is the GPU's own time
+(the kernels under torch.profiler), ``fused_host_ms`` the host's per call, and
+``without_documents_kernels_ms`` the kernels of the estimate without documents. The document
+list is read on the host once per ``doc_start``, as in a training step, so the times are a
+layer's.
 
     python -m ds_mtraining.bench.estimate [--seq-lens 65536 131072 262144] [--out DIR]
     python -m ds_mtraining.bench.estimate --seq-lens 131072 --skip-torch --document-counts 8 32 64 128 512
@@ -37,7 +41,7 @@ from pathlib import Path
 import torch
 
 from ..attention import resolve_softmax_scale
-from . import fresh_output_dir, time_ms
+from . import fresh_output_dir, kernel_split_ms, time_ms, wall_time_ms
 
 TARGET_MS = {131072: 1.0, 262144: 2.0}
 TARGET_SHARE = {65536: 0.05}
@@ -146,18 +150,23 @@ def run_case(seq_len, args, device_name) -> dict:  # noqa: C901 - one flat recip
     return case
 
 
-def run_documents(seq_len, counts, args, fwd_bwd_ms) -> list[dict]:
-    """The document-aware estimate at each document count (module docstring), next to the
-    attention's fwd+bwd without documents (``fwd_bwd_ms``) for scale."""
+def kernels_ms(fn) -> float:
+    """The GPU's kernel time of one ``fn()`` call (torch.profiler), milliseconds."""
+    return sum(kernel_split_ms(fn, lambda name: "kernels").values())
+
+
+def run_documents(seq_len, counts, args, case) -> list[dict]:
+    """The document-aware estimate at each document count (module docstring), next to run_case's
+    ``case`` of the same inputs without documents (its estimate, and its fwd+bwd for scale)."""
     from ds_mtraining import SparseConfig
     from ds_mtraining import estimate_cuda as ec
     from ds_mtraining.documents import doc_start_from_cu_seqlens
     from ds_mtraining.estimate import document_column_and_diagonal_mass
-    from ds_mtraining.ring.estimate import takes_fused_passes
 
     q, k, _, _ = case_inputs(seq_len, args)  # run_case's inputs
     config = SparseConfig(block_size=args.block_size)
     scale = resolve_softmax_scale(args.dim)
+    without_kernels_ms = kernels_ms(lambda: ec.estimate_vertical_slash_cuda(q, k, config))
     rows = []
     for count in counts:
         bounds = torch.linspace(0, seq_len, count + 1).round().long()
@@ -171,13 +180,16 @@ def run_documents(seq_len, counts, args, fwd_bwd_ms) -> list[dict]:
             columns, diagonals = document_column_and_diagonal_mass(q, k, doc_start, config.last_q, scale)
             return ec.index_from_document_masses(columns, diagonals, config, doc_start)
 
-        fused_taken = takes_fused_passes(count * args.batch, seq_len * args.batch)
-        row = dict(seq_len=seq_len, documents=count, taken="fused_passes" if fused_taken else "torch_masses",
-                   fused_passes_ms=time_ms(fused, args.warmup, args.repeats),
-                   torch_masses_ms=time_ms(torch_masses, args.warmup, args.repeats), fwd_bwd_ms=fwd_bwd_ms)
-        print(f"{seq_len:>8} {count:>6} documents: fused passes {row['fused_passes_ms']:8.3f} ms, "
-              f"torch masses {row['torch_masses_ms']:8.3f} ms (takes {row['taken']}; fwd+bwd {fwd_bwd_ms:.2f} ms)",
-              flush=True)
+        row = dict(seq_len=seq_len, documents=count, fused_ms=time_ms(fused, args.warmup, args.repeats),
+                   torch_masses_ms=time_ms(torch_masses, args.warmup, args.repeats),
+                   estimate_without_documents_ms=case["estimate_fused_ms"], fwd_bwd_ms=case["fwd_bwd_ms"])
+        row.update(fused_speedup=row["torch_masses_ms"] / row["fused_ms"], fused_kernels_ms=kernels_ms(fused),
+                   fused_host_ms=wall_time_ms(fused, args.repeats), without_documents_kernels_ms=without_kernels_ms)
+        print(f"{seq_len:>8} {count:>6} documents: fused {row['fused_ms']:8.3f} ms (kernels "
+              f"{row['fused_kernels_ms']:.3f}, host {row['fused_host_ms']:.3f}), torch masses "
+              f"{row['torch_masses_ms']:8.3f} ms ({row['fused_speedup']:.1f}x); without documents "
+              f"{case['estimate_fused_ms']:.3f} ms (kernels {without_kernels_ms:.3f}), fwd+bwd "
+              f"{case['fwd_bwd_ms']:.2f} ms", flush=True)
         rows.append(row)
     return rows
 
@@ -233,7 +245,7 @@ def main(argv=None):
         torch.cuda.empty_cache()
         print_table(cases[-1:])
         if args.document_counts:
-            documents += run_documents(seq_len, args.document_counts, args, cases[-1]["fwd_bwd_ms"])
+            documents += run_documents(seq_len, args.document_counts, args, cases[-1])
             torch.cuda.empty_cache()
     result = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), device=device_name,
                   command=" ".join(sys.argv), cases=cases, documents=documents)

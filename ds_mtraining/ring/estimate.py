@@ -42,7 +42,7 @@ import torch.distributed as dist
 from ..attention import resolve_softmax_scale
 from ..config import SparseConfig
 from ..documents import check_doc_start, remember_last
-from ..estimate import (check_qk, document_column_and_diagonal_mass, document_query_positions, document_spans,
+from ..estimate import (check_qk, document_column_and_diagonal_mass, document_query_positions,
                         estimate_vertical_slash, index_from_masses, last_key_mass, last_query_scores,
                         sink_columns, top_p_count)
 from ..index import SparseIndex
@@ -376,38 +376,18 @@ def estimate_documents_gathered(q, k, config: SparseConfig, comm: RingComm, soft
                                 resolve_softmax_scale(d, softmax_scale), positions)
 
 
-# The fused passes cost about 0.09-0.11 ms per document (their launches); the torch rule's batched
-# windows about 1.5-2.3 ms at 32K keys and 4.5 ms at 128K whatever the count (one H200, bf16,
-# 16/2 heads: bench.estimate --document-counts, benchmarks/results/estimate_documents_h200.json).
-# One document per 2560 keys takes the faster of the two at every count measured (the fused passes
-# up to 8 documents at 32K and 32 at 128K, the batched windows from 16 and 64).
-KEYS_PER_FUSED_DOCUMENT = 2560
-
-
-def takes_fused_passes(documents: int, keys: int) -> bool:
-    """Whether the document-aware estimate scores ``documents`` (all rows') over ``keys`` keys
-    (all rows') with the fused passes one document at a time (else with the torch rule's batched
-    windows)."""
-    return documents * KEYS_PER_FUSED_DOCUMENT <= keys
-
-
 def document_aware_index(q, k, doc_start, config: SparseConfig, scale: float, q_positions=None) -> SparseIndex:
     """The document-aware index of whole-sequence keys ``k`` (``q``: every query, or only the rows
-    at ``q_positions``). Where the fused estimator takes the inputs (CUDA), its selection and
-    finalize over masses from the fused passes one document at a time or, with more documents
-    than :func:`takes_fused_passes` allows, from the torch rule's batched windows; else the torch
-    rule's masses and selection (:func:`~ds_mtraining.estimate.index_from_masses`). With the step's
-    documents read once (its first layer), neither path synchronises with the host."""
-    fused = fused_estimator_takes(q, k, config, k.shape[1])
-    if fused and takes_fused_passes(len(document_spans(doc_start)), k.shape[0] * k.shape[1]):
-        from ..estimate_cuda import document_masses
+    at ``q_positions``). Where the fused estimator takes the inputs (CUDA), its masses (all
+    documents in the same launches), selection and finalize; else the torch rule's masses and
+    selection (:func:`~ds_mtraining.estimate.index_from_masses`). With the step's documents read
+    once (its first layer), neither path synchronises with the host."""
+    if fused_estimator_takes(q, k, config, k.shape[1]):
+        from ..estimate_cuda import document_masses, index_from_document_masses
         columns, diagonals = document_masses(q, k, doc_start, config.last_q, scale, q_positions)
-    else:
-        columns, diagonals = document_column_and_diagonal_mass(q, k, doc_start, config.last_q, scale,
-                                                               q_positions=q_positions)
-    if fused:
-        from ..estimate_cuda import index_from_document_masses
         return index_from_document_masses(columns, diagonals, config, doc_start)
+    columns, diagonals = document_column_and_diagonal_mass(q, k, doc_start, config.last_q, scale,
+                                                           q_positions=q_positions)
     return index_from_masses(columns, diagonals, config, doc_start)
 
 
@@ -417,7 +397,7 @@ def estimate_on_comm(q, k, config: SparseConfig, comm: RingComm | None,
     fused CUDA estimator (no host synchronisation, its index built trusted) when it takes the
     inputs (on a ring, replayed from a CUDA graph: :mod:`ds_mtraining.ring.estimate_graph`), else
     the torch rule (CPU; on CUDA it synchronises). With ``doc_start`` (document masking) the
-    document-aware rule: its masses from the fused passes one document at a time where they take
+    document-aware rule: its masses from the fused passes, all documents at once, where they take
     the inputs (the document list read on the host once per ``doc_start``), its selection fused
     there too (:func:`document_aware_index`)."""
     if doc_start is not None:
