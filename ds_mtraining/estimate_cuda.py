@@ -179,7 +179,8 @@ def _kernels(passes):
     return passes if passes is not None else sys.modules[__name__]
 
 
-def merge_columns(selected: torch.Tensor, count: torch.Tensor, extra: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def merge_columns(selected: torch.Tensor, count: torch.Tensor, extra: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """The union of ``selected`` [B, H, a] (int32, ascending, the first ``count`` [B, H] read) and
     each batch row's ``extra`` columns [B, e] (int32, ascending, ``PAD`` padded), ascending
     without repeats and ``PAD`` padded to a + e, with counts int32 [B, H]: one kernel, no host

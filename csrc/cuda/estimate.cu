@@ -30,8 +30,8 @@ bool valid_scores(const ScoreParams& p) {
         return layout && p.num_documents >= 1 && p.document_ctas >= p.num_documents && p.row_documents != nullptr &&
                p.row_first != nullptr && p.batch >= 1 && p.kv_heads >= 1 && p.heads % p.kv_heads == 0 &&
                p.chunks >= 1 && p.chunks <= kMaxChunks && p.seq_len >= 1 && p.world == 1 && p.block % kTile == 0;
-    return layout && p.split_stride == p.splits && p.batch >= 1 && p.kv_heads >= 1 && p.heads % p.kv_heads == 0 && p.lq >= 1 &&
-           p.lq <= kTile * kMaxChunks && p.chunks == (p.lq + kTile - 1) / kTile && p.sk >= 1 &&
+    return layout && p.split_stride == p.splits && p.batch >= 1 && p.kv_heads >= 1 && p.heads % p.kv_heads == 0 &&
+           p.lq >= 1 && p.lq <= kTile * kMaxChunks && p.chunks == (p.lq + kTile - 1) / kTile && p.sk >= 1 &&
            p.num_tiles == (p.sk + kTile - 1) / kTile && p.splits >= 1 && p.tiles_per_split >= 1 &&
            (p.splits - 1) * p.tiles_per_split < p.num_tiles && p.splits * p.tiles_per_split >= p.num_tiles &&
            p.block % kTile == 0 && p.world >= 1 && p.rank >= 0 && p.rank < p.world && p.seq_len >= 1;

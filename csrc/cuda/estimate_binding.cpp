@@ -189,10 +189,10 @@ std::vector<at::Tensor> masses(const at::Tensor& q_last, const at::Tensor& k, co
 // at the documents' keys, token-diagonal masses summed over each row's documents (0 where no
 // document is that long). The document table goes to the device by an asynchronous copy from
 // pinned memory: no host synchronisation.
-std::vector<at::Tensor> document_masses(const at::Tensor& q_in, const at::Tensor& k_in, const std::vector<int64_t>& starts,
-                                        const std::vector<int64_t>& lengths, const std::vector<int64_t>& rows,
-                                        const std::vector<int64_t>& q_rows, const std::vector<double>& weights,
-                                        int64_t last_q, double scale) {
+std::vector<at::Tensor> document_masses(const at::Tensor& q_in, const at::Tensor& k_in,
+                                        const std::vector<int64_t>& starts, const std::vector<int64_t>& lengths,
+                                        const std::vector<int64_t>& rows, const std::vector<int64_t>& q_rows,
+                                        const std::vector<double>& weights, int64_t last_q, double scale) {
     const c10::cuda::OptionalCUDAGuard guard(q_in.device());
     ScoreCall call = checked_pair(q_in, k_in);
     est::ScoreParams& p = call.p;
@@ -229,7 +229,8 @@ std::vector<at::Tensor> document_masses(const at::Tensor& q_in, const at::Tensor
         total_tiles += doc.num_tiles;
     }
     // one split length for every document, about wanted_ctas over the launch
-    const int64_t tiles_per_split = std::max<int64_t>(1, (heads * total_tiles + wanted_ctas(q_in) - 1) / wanted_ctas(q_in));
+    const int64_t wanted = wanted_ctas(q_in);
+    const int64_t tiles_per_split = std::max<int64_t>(1, (heads * total_tiles + wanted - 1) / wanted);
     int64_t ctas = 0, stats_rows = 0, partials = 0;
     int split_stride = 1, chunks = 1;
     for (est::ScoreDocument& doc : docs) {
