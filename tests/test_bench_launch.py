@@ -10,6 +10,7 @@ from helpers import REPO, environment
 
 from ds_mtraining.bench import documents_training, launch
 from ds_mtraining.bench.quality import Study, mode_config
+from ds_mtraining.distributed import free_port
 
 
 def write_metric(run_dir, name, text):
@@ -97,10 +98,19 @@ def test_documents_training_refuses_a_folder_holding_runs(tmp_path):
 @pytest.mark.usefixtures("built_ops")  # built before the launched ranks start
 def test_documents_training_end_to_end(tmp_path):
     """Both runs (2 steps each, 2 CPU ranks, one lane) through the launcher: the JSON holds each
-    run's logged losses, densities and speeds, and the closing means compare the two."""
+    run's logged losses, densities and speeds, and the closing means compare the two. The data
+    are short documents (standard-library files cut to 300 characters, three or more per sample),
+    so document masking (its masks and its restarted positions) must change the first step's loss."""
+    from ds_mtraining.data import stdlib_documents
+    texts = [document["text"][:300] for document in stdlib_documents(1, 60)]
+    (tmp_path / "short.jsonl").write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
+    config = json.loads((REPO / "ds_configs" / "cpu_demo_documents.json").read_text())
+    config["mtraining"]["data"] = {"files": [str(tmp_path / "short.jsonl")]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
     command = [sys.executable, "-m", "ds_mtraining.bench.documents_training", "--config",
-               "ds_configs/cpu_demo_documents.json", "--steps", "2", "--lanes", "cpu,cpu", "--tail", "2",
-               "--out", str(tmp_path / "runs"), "--results", str(tmp_path), "--tag", "t"]
+               str(tmp_path / "config.json"), "--steps", "2", "--lanes", "cpu,cpu", "--tail", "2",
+               "--out", str(tmp_path / "runs"), "--results", str(tmp_path), "--tag", "t",
+               "--port", str(free_port())]  # not the fixed default: another run may hold it
     done = subprocess.run(command, cwd=REPO, env=environment(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     record = json.loads((tmp_path / "documents_t.json").read_text())
@@ -112,3 +122,5 @@ def test_documents_training_end_to_end(tmp_path):
         assert record["tail_mean_loss"][name] == pytest.approx(sum(run["loss"]) / 2)
     assert record["tail_loss_gap"] == pytest.approx(
         record["tail_mean_loss"]["document_masking"] / record["tail_mean_loss"]["no_document_masking"] - 1)
+    first = {name: run["loss"][0] for name, run in record["runs"].items()}
+    assert first["document_masking"] != first["no_document_masking"], f"document masking changed nothing: {first}"
