@@ -131,22 +131,9 @@ __device__ __forceinline__ ScoreWork score_work(const ScoreParams& p, int cta) {
     return w;
 }
 
-// Document mode: turns p into the view of this CTA's document as a causal sequence of its own
-// (batch 1, world 1, outputs offset to the document's) and returns the CTA's index within it.
-// One sequence: p as it is and blockIdx.x.
-template <typename T>
-__device__ __forceinline__ int enter_document(ScoreParams& p) {
-    const int cta = static_cast<int>(blockIdx.x);
-    if (p.documents == nullptr) return cta;
-    int lo = 0, hi = p.num_documents - 1;  // the last document whose first CTA is at or before this one
-    while (lo < hi) {
-        const int mid = (lo + hi + 1) / 2;
-        if (p.documents[mid].cta_first <= cta) lo = mid;
-        else hi = mid - 1;
-    }
-    const ScoreDocument doc = p.documents[lo];
-    p.q = static_cast<const T*>(p.q) + doc.row * p.q_batch_stride + doc.q_row * p.q_row_stride;
-    p.k = static_cast<const T*>(p.k) + doc.row * p.k_batch_stride + doc.key_first * p.k_row_stride;
+// Document mode: p as the view of document `doc` as a causal sequence of its own (batch 1,
+// world 1), its outputs offset to the document's; q and k are set by enter_document (they need T).
+__device__ __forceinline__ void view_document(ScoreParams& p, const ScoreDocument& doc) {
     p.part_max += doc.stats_first * p.split_stride;
     p.part_sum += doc.stats_first * p.split_stride;
     p.row_max += doc.stats_first;
@@ -164,6 +151,24 @@ __device__ __forceinline__ int enter_document(ScoreParams& p) {
     p.num_tiles = doc.num_tiles;
     p.splits = doc.splits;
     p.tiles_per_split = doc.tiles_per_split;
+}
+
+// Document mode: turns p into the view of this CTA's document (view_document) and returns the
+// CTA's index within it. One sequence: p as it is and blockIdx.x.
+template <typename T>
+__device__ __forceinline__ int enter_document(ScoreParams& p) {
+    const int cta = static_cast<int>(blockIdx.x);
+    if (p.documents == nullptr) return cta;
+    int lo = 0, hi = p.num_documents - 1;  // the last document whose first CTA is at or before this one
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (p.documents[mid].cta_first <= cta) lo = mid;
+        else hi = mid - 1;
+    }
+    const ScoreDocument doc = p.documents[lo];
+    p.q = static_cast<const T*>(p.q) + doc.row * p.q_batch_stride + doc.q_row * p.q_row_stride;
+    p.k = static_cast<const T*>(p.k) + doc.row * p.k_batch_stride + doc.key_first * p.k_row_stride;
+    view_document(p, doc);
     return cta - doc.cta_first;
 }
 
@@ -424,13 +429,8 @@ __global__ void __launch_bounds__(kGatherThreads) gather_document_diagonals_kern
     for (int i = p.row_first[b]; i < p.row_first[b + 1]; ++i) {
         const ScoreDocument doc = p.documents[p.row_documents[i]];
         if (doc.length <= t) break;
-        ScoreParams view = p;  // the fields diagonal_sum reads, as enter_document sets them
-        view.diag_partials = p.diag_partials + doc.partial_first;
-        view.chunks = doc.chunks;
-        view.num_tiles = doc.num_tiles;
-        view.q_start = doc.length - doc.lq;
-        view.world = 1;
-        view.rank = 0;
+        ScoreParams view = p;
+        view_document(view, doc);
         sum += diagonal_sum(view, h, t) / static_cast<float>(doc.lq) * doc.weight;
     }
     p.diagonals[static_cast<long long>(blockIdx.y) * p.seq_len + t] = sum;
