@@ -132,11 +132,13 @@ fi
 if [ -z "${SKIP_SANITIZER:-}" ]; then
   cat >/tmp/sanitizer_case.py <<'PY'
 # A small case for compute-sanitizer: every kernel (index, forward in both tilings, delta,
-# vertical and slash dK/dV, dQ) for block 64 and 128, a partial last block, GQA, two striped calls,
-# on both tensor-core paths (wgmma by default on Hopper, mma.sync with DS_MTRAINING_CUDA_MMA=warp).
+# vertical and slash dK/dV, dQ; the three query-side kernels) for block 64 and 128, a partial last
+# block, GQA, documents, two striped calls, on both tensor-core paths (wgmma by default on Hopper,
+# mma.sync with DS_MTRAINING_CUDA_MMA=warp).
 import os
 import torch
 from ds_mtraining import ops
+from ds_mtraining.documents import doc_start_from_cu_seqlens
 from ds_mtraining.index import SparseIndex, Stripe
 g = torch.Generator().manual_seed(0)
 for mma, block, seq, dim in ((m, *shape) for m in ("auto", "warp") for shape in ((64, 300, 64), (128, 512, 128))):
@@ -147,11 +149,19 @@ for mma, block, seq, dim in ((m, *shape) for m in ("auto", "warp") for shape in 
     blocks = -(-seq // block)
     index = SparseIndex.from_blocks(torch.randint(1, blocks, (1, 4, 2), generator=g),
                                     torch.randint(0, seq, (1, 4, 70), generator=g), seq, block).to("cuda")
+    os.environ["DS_MTRAINING_CUDA_QUERY"] = "plain"  # the only one with two forward tilings
     for rows in ("16", "32"):
         os.environ["DS_MTRAINING_CUDA_FORWARD_ROWS"] = rows
         ops.op_module("cuda").reload_kernel_options()
         out, lse = ops.attention_forward(q, k, v, index, 0.1)
     ops.attention_backward(dout, q, k, v, out, lse, index, 0.1)
+    # document masking, on each query-side kernel (DS_MTRAINING_CUDA_QUERY; the last is the default)
+    doc_start = doc_start_from_cu_seqlens(torch.tensor([0, 5, 90, 200, seq]), seq).cuda()
+    for query in ("plain", "ping_pong", "specialized"):
+        os.environ["DS_MTRAINING_CUDA_QUERY"] = query
+        ops.op_module("cuda").reload_kernel_options()
+        out, lse = ops.attention_forward(q, k, v, index, 0.1, doc_start=doc_start)
+        ops.attention_backward(dout, q, k, v, out, lse, index, 0.1, doc_start=doc_start)
     if seq % (2 * block) == 0:
         half = seq // 2
         for r, s in ((0, 1), (1, 0)):
@@ -162,7 +172,7 @@ torch.cuda.synchronize()
 print("sanitizer case done")
 PY
   for tool in memcheck racecheck; do
-    stage "$tool" 240 "$OUT/sanitizer.log" compute-sanitizer --tool "$tool" python3 /tmp/sanitizer_case.py
+    stage "$tool" 240 "$OUT/sanitizer.log" compute-sanitizer --tool "$tool" --error-exitcode 1 python3 /tmp/sanitizer_case.py
   done
   grep -E "ERROR SUMMARY|RACECHECK SUMMARY|sanitizer case done" "$OUT/sanitizer.log"
 fi

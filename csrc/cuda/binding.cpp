@@ -71,7 +71,10 @@ StepLists set_index_params(mtr::AttentionParams& p, const OpIndex& index) {
 //    contiguous ones);
 //  * DS_MTRAINING_CUDA_FORWARD_ROWS=16: 16 forward query rows per warp at block 128 (else 32);
 //  * DS_MTRAINING_CUDA_CONCURRENT_DQ=0: the backward's dQ kernel after the dK/dV kernels on the
-//    current stream (else on a second stream, beside them).
+//    current stream (else on a second stream, beside them);
+//  * DS_MTRAINING_CUDA_QUERY=plain | specialized | ping_pong: the forward and dQ kernels at block
+//    128 on the wgmma path: one warpgroup per CTA, warp-specialised (the default), or
+//    warp-specialised with its two consumers taking turns.
 // Read at the module's first forward, backward or kernel_paths call, and again only by
 // reload_kernel_options: every call in between takes the same kernels.
 struct KernelOptions {
@@ -79,6 +82,7 @@ struct KernelOptions {
     bool tma;
     int forward_rows_per_warp;  // 0: the default
     bool concurrent_dq;
+    std::string query;  // "plain", "specialized" or "ping_pong"
 };
 
 KernelOptions read_kernel_options() {
@@ -86,8 +90,13 @@ KernelOptions read_kernel_options() {
     const char* tma = std::getenv("DS_MTRAINING_CUDA_TMA");
     const char* rows = std::getenv("DS_MTRAINING_CUDA_FORWARD_ROWS");
     const char* concurrent_dq = std::getenv("DS_MTRAINING_CUDA_CONCURRENT_DQ");
+    const char* query = std::getenv("DS_MTRAINING_CUDA_QUERY");
+    const std::string query_kernel = query != nullptr && *query != '\0' ? query : "specialized";
+    TORCH_CHECK_VALUE(query_kernel == "plain" || query_kernel == "specialized" || query_kernel == "ping_pong",
+                      "DS_MTRAINING_CUDA_QUERY must be plain, specialized or ping_pong, got '", query_kernel, "'");
     return {mma != nullptr && std::string(mma) == "warp", !(tma != nullptr && std::string(tma) == "0"),
-            rows != nullptr ? std::atoi(rows) : 0, !(concurrent_dq != nullptr && std::string(concurrent_dq) == "0")};
+            rows != nullptr ? std::atoi(rows) : 0, !(concurrent_dq != nullptr && std::string(concurrent_dq) == "0"),
+            query_kernel};
 }
 
 std::mutex kernel_options_mutex;
@@ -111,11 +120,12 @@ struct KernelPaths {
     bool warpgroup_mma;
     bool tma;
     bool concurrent_dq;
+    std::string query;
 };
 
 KernelPaths kernel_paths_for(int device, const KernelOptions& options) {
     const bool warpgroup = at::cuda::getDeviceProperties(device)->major == 9 && !options.force_warp_mma;
-    return {warpgroup, warpgroup && options.tma, options.concurrent_dq};
+    return {warpgroup, warpgroup && options.tma, options.concurrent_dq, warpgroup ? options.query : "plain"};
 }
 
 // One call of the kernels: its inputs (contiguous, q/k/v 16-byte aligned), the per-call lists, the
@@ -165,6 +175,8 @@ Call prepare_call(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tens
     p.forward_rows_per_warp = options.forward_rows_per_warp;
     call.paths = kernel_paths_for(q.get_device(), options);
     p.warpgroup_mma = call.paths.warpgroup_mma;
+    p.specialized_query = call.paths.query != "plain";
+    p.query_ping_pong = call.paths.query == "ping_pong";
     return call;
 }
 
@@ -322,13 +334,15 @@ std::vector<at::Tensor> step_index(const OpIndex& index_in, int64_t seq_k) {
 }
 
 // The kernel paths a call on CUDA device `device` takes:
-// {"tensor_cores": "wgmma" | "mma.sync", "tma": bool, "concurrent_dq": bool}.
+// {"tensor_cores": "wgmma" | "mma.sync", "tma": bool, "concurrent_dq": bool,
+//  "query": "plain" | "specialized" | "ping_pong" (block 128; block 64 takes plain)}.
 py::dict kernel_paths(int64_t device) {
     const KernelPaths paths = kernel_paths_for(static_cast<int>(device), kernel_options());
     py::dict result;
     result["tensor_cores"] = paths.warpgroup_mma ? "wgmma" : "mma.sync";
     result["tma"] = paths.tma;
     result["concurrent_dq"] = paths.concurrent_dq;
+    result["query"] = paths.query;
     return result;
 }
 

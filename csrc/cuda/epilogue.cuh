@@ -1,7 +1,8 @@
 // Epilogues: what the kernels write after their main loop, from the fp32 accumulators in the
 // mma.sync fragment layout (store_rows in warp_mma.cuh writes them row by row).
 //  * Forward: out normalised by the softmax sum, and lse (or both merged into running ones).
-//  * dQ: store_rows alone (scaled, or added into a running dQ), called from the kernel.
+//  * dQ: store_rows alone (scaled, or added into a running dQ); store_query_outputs picks one of
+//    the two for the query-side kernels.
 //  * dK/dV: the vertical pass's partials, the slash pass's rows plus those partials.
 #pragma once
 
@@ -54,6 +55,47 @@ __device__ __forceinline__ void store_forward_output(float (&acc)[MA][D / 8][4],
             if ((threadIdx.x & 3) == 0 && t < seq_q) lse[t] = row_lse;
         }
     store_rows<MA, D>(acc, row0, Arch::kSliceStride, 1.f, out_row, merge ? keep : nullptr, running_row);
+}
+
+// The query-side kernels' epilogue: the forward's out and lse (store_forward_output), or dQ
+// (scaled, or added into the running dQ), for this thread's rows of the CTA's first query
+// query_first; q_head is the (batch, head)'s first element of q-shaped outputs, lse_row its row of
+// lse. An output in q's dtype, when set, is written from the fp32 running one, which is only read.
+template <typename Arch, typename T, int MA, int D, bool kBackward, typename Softmax>
+__device__ __forceinline__ void store_query_outputs(const AttentionParams& p, float (&acc)[MA][D / 8][4],
+                                                    const Softmax& softmax, int query_first, int row0, size_t q_head,
+                                                    size_t lse_row) {
+    const int query_rows = p.seq_q - query_first;
+    const size_t q_stride = static_cast<size_t>(p.heads) * D;
+    // this CTA's row `row` of an output [B, Sq, H, D] (fp32, or q's dtype T); nullptr past the sequence
+    auto query_out_row = [&](auto* base, int row) -> decltype(base) {
+        return row < query_rows ? base + q_head + static_cast<size_t>(query_first + row) * q_stride : nullptr;
+    };
+    auto running_row = [&](float* base) { return [=](int row) -> const float* { return query_out_row(base, row); }; };
+    if constexpr (!kBackward) {
+        if (p.out_q_dtype != nullptr) {
+            T* out = static_cast<T*>(p.out_q_dtype);
+            store_forward_output<Arch, MA, D>(acc, softmax, query_first, row0, p.seq_q, p.scale, p.lse + lse_row,
+                                              p.merge_out, [&](int row) { return query_out_row(out, row); },
+                                              running_row(p.out));
+        } else {
+            store_forward_output<Arch, MA, D>(acc, softmax, query_first, row0, p.seq_q, p.scale, p.lse + lse_row,
+                                              p.merge_out, [&](int row) { return query_out_row(p.out, row); });
+        }
+    } else {
+        float keep_all[MA][2];  // accumulate_dq: the running dQ kept whole on every row
+#pragma unroll
+        for (int ma = 0; ma < MA; ++ma) keep_all[ma][0] = keep_all[ma][1] = 1.f;
+        const float(*keep)[2] = p.accumulate_dq ? keep_all : nullptr;
+        if (p.dq_q_dtype != nullptr) {
+            store_rows<MA, D>(acc, row0, Arch::kSliceStride, p.scale,
+                              [&](int row) { return query_out_row(static_cast<T*>(p.dq_q_dtype), row); }, keep,
+                              running_row(p.dq));
+        } else {
+            store_rows<MA, D>(acc, row0, Arch::kSliceStride, p.scale,
+                              [&](int row) { return query_out_row(p.dq, row); }, keep);
+        }
+    }
 }
 
 // Slash pass, after the CTA's own dK/dV rows are written and visible to all its threads: adds the

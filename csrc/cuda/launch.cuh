@@ -7,6 +7,7 @@
 
 #include "key_kernel.cuh"
 #include "query_kernel.cuh"
+#include "specialized_query_kernel.cuh"
 #include "warpgroup_mma.cuh"
 
 namespace mtr {
@@ -76,11 +77,19 @@ __global__ void __launch_bounds__(kDeltaThreads) delta_kernel(const AttentionPar
     }
 }
 
-// Forward rows per warp: 32 rows (two 16-row slices, MA = 2) amortise each key tile's fragment
-// loads (mma.sync) or its loads and bookkeeping (wgmma: a 128-row CTA of one warpgroup) over
-// twice the rows, at the price of registers. Block 64 keeps 16 rows per warp.
+// The warp-specialised query kernels exist for the wgmma path at block 128.
+template <typename Arch, int BS>
+constexpr bool kHasSpecializedQuery = std::is_same_v<Arch, WarpgroupMma> && BS == 128;
+
+// The forward: the warp-specialised kernel where it exists and is chosen; else query_kernel, with
+// 32 rows per warp (two 16-row slices, MA = 2) amortising each key tile's fragment loads
+// (mma.sync) or its loads and bookkeeping (wgmma: a 128-row CTA of one warpgroup) over twice the
+// rows, at the price of registers. Block 64 keeps 16 rows per warp.
 template <typename Arch, typename T, int D, int BS>
 cudaError_t forward_with(const AttentionParams& p, cudaStream_t stream) {
+    if constexpr (kHasSpecializedQuery<Arch, BS>) {
+        if (p.specialized_query) return launch_specialized_query_kernel<T, D, false>(p, stream);
+    }
     if constexpr (BS == 128) {
         if (p.forward_rows_per_warp != 16) return launch_query_kernel<Arch, T, D, BS, 2, false>(p, stream);
     }
@@ -113,7 +122,13 @@ cudaError_t backward_kernels(const AttentionParams& p, cudaStream_t stream, cuda
     if (status != cudaSuccess) return status;
     status = launch_key_kernel<Arch, T, D, BS, false>(p, stream);
     if (status != cudaSuccess) return status;
-    status = launch_query_kernel<Arch, T, D, BS, 1, true>(p, dq_stream != nullptr ? dq_stream : stream);
+    cudaStream_t dq_on = dq_stream != nullptr ? dq_stream : stream;
+    if constexpr (kHasSpecializedQuery<Arch, BS>) {
+        status = p.specialized_query ? launch_specialized_query_kernel<T, D, true>(p, dq_on)
+                                     : launch_query_kernel<Arch, T, D, BS, 1, true>(p, dq_on);
+    } else {
+        status = launch_query_kernel<Arch, T, D, BS, 1, true>(p, dq_on);
+    }
     if (status != cudaSuccess || dq_stream == nullptr) return status;
     return wait_for_stream(stream, dq_stream);
 }

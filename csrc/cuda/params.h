@@ -72,6 +72,12 @@ struct AttentionParams {
     // Forward query rows per warp for block 128 (16 or 32; 0 = the default, 32). A tuning knob
     // the benchmark compares (env DS_MTRAINING_CUDA_FORWARD_ROWS); results are the same.
     int forward_rows_per_warp = 0;
+    // The query-side kernels (forward, dQ) at block 128 on the wgmma path: warp-specialised
+    // (specialized_query_kernel.cuh; its two consumers in turns with query_ping_pong) or one
+    // warpgroup per CTA (query_kernel.cuh). Env DS_MTRAINING_CUDA_QUERY=specialized (default) |
+    // ping_pong | plain (the benchmark compares); results are the same.
+    bool specialized_query = false;
+    bool query_ping_pong = false;
     // The tensor-core path: wgmma (sm_90a kernels, set by the binding on compute capability 9.x)
     // or mma.sync. Env DS_MTRAINING_CUDA_MMA=warp forces mma.sync on Hopper (the benchmark compares).
     bool warpgroup_mma = false;

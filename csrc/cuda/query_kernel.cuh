@@ -36,6 +36,24 @@ struct QueryKernelConfig {
     }
 };
 
+// A key tile's scores S (and dP) -> the running result: masked, then the forward's online
+// softmax and O += P V, or dQ's dS = P (dP - delta) and dQ += dS K.
+template <typename Arch, int MA, int D, bool kBackward, typename T, typename Softmax, typename Mask>
+__device__ __forceinline__ void finish_tile(float (&s)[MA][8][4], const float (&dp)[kBackward ? MA : 1][8][4],
+                                            float (&acc)[MA][D / 8][4], Softmax& softmax, const Mask& mask,
+                                            const KeyTile& tile, const int* gathered_keys, float scale,
+                                            const T* key_tile, const T* value_tile) {
+    orient_scores(s, scale < 0.f);
+    mask.apply(s, tile, gathered_keys);
+    if constexpr (!kBackward) {
+        softmax.template update<D>(s, acc);
+        Arch::template accumulate<MA, D>(acc, s, value_tile);
+    } else {
+        softmax.dscores(s, dp);
+        Arch::template accumulate<MA, D>(acc, s, key_tile);
+    }
+}
+
 template <typename Arch, typename T, int D, int BS, int MA, bool kBackward>
 __global__ void __launch_bounds__(QueryKernelConfig<Arch, T, D, BS, MA, kBackward>::kThreads)
     query_kernel(const __grid_constant__ AttentionParams p) {
@@ -141,50 +159,14 @@ __global__ void __launch_bounds__(QueryKernelConfig<Arch, T, D, BS, MA, kBackwar
         } else {
             Arch::template scores<MA, D>(s, q_tile, row0, key_tile);
         }
-        orient_scores(s, p.scale < 0.f);
-        mask.apply(s, tile, gathered_keys + buffer * kKeyTile);
-        if constexpr (!kBackward) {
-            softmax.template update<D>(s, acc);
-            Arch::template accumulate<MA, D>(acc, s, value_tile);
-        } else {
-            softmax.dscores(s, dp);
-            Arch::template accumulate<MA, D>(acc, s, key_tile);
-        }
+        finish_tile<Arch, MA, D, kBackward>(s, dp, acc, softmax, mask, tile, gathered_keys + buffer * kKeyTile, p.scale,
+                                            key_tile, value_tile);
     };
 
     run_two_stage_pipeline<KeyTile, Arch::kAsyncProxy>(
         [&](KeyTile& tile) { return source.next(tile, p, bits, key_list, warp_counts); }, issue, compute);
 
-    // this CTA's row `row` of an output [B, Sq, H, D] (fp32, or q's dtype T); nullptr past the sequence
-    auto query_out_row = [&](auto* base, int row) -> decltype(base) {
-        return row < query_rows ? base + q_head + static_cast<size_t>(query_first + row) * q_stride : nullptr;
-    };
-    // with an output in q's dtype, the running fp32 out (dQ) is read there, not written
-    auto running_row = [&](float* base) { return [=](int row) -> const float* { return query_out_row(base, row); }; };
-    if constexpr (!kBackward) {
-        if (p.out_q_dtype != nullptr) {
-            T* out = static_cast<T*>(p.out_q_dtype);
-            store_forward_output<Arch, MA, D>(acc, softmax, query_first, row0, p.seq_q, p.scale, p.lse + lse_row,
-                                              p.merge_out, [&](int row) { return query_out_row(out, row); },
-                                              running_row(p.out));
-        } else {
-            store_forward_output<Arch, MA, D>(acc, softmax, query_first, row0, p.seq_q, p.scale, p.lse + lse_row,
-                                              p.merge_out, [&](int row) { return query_out_row(p.out, row); });
-        }
-    } else {
-        float keep_all[MA][2];  // accumulate_dq: the running dQ kept whole on every row
-#pragma unroll
-        for (int ma = 0; ma < MA; ++ma) keep_all[ma][0] = keep_all[ma][1] = 1.f;
-        const float(*keep)[2] = p.accumulate_dq ? keep_all : nullptr;
-        if (p.dq_q_dtype != nullptr) {
-            store_rows<MA, D>(acc, row0, Arch::kSliceStride, p.scale,
-                              [&](int row) { return query_out_row(static_cast<T*>(p.dq_q_dtype), row); }, keep,
-                              running_row(p.dq));
-        } else {
-            store_rows<MA, D>(acc, row0, Arch::kSliceStride, p.scale,
-                              [&](int row) { return query_out_row(p.dq, row); }, keep);
-        }
-    }
+    store_query_outputs<Arch, T, MA, D, kBackward>(p, acc, softmax, query_first, row0, q_head, lse_row);
 }
 
 // Launches the query-side kernel for one (tensor-core path, dtype, head dim, block size).

@@ -20,11 +20,36 @@ constexpr int kQueryStep = 64;  // queries per step of the key-side kernels
 constexpr int kSkip = -1;      // classify(): drop this value
 constexpr int kStop = -2;      // classify(): this value and every later one are past the end
 
-// Order-preserving stream compaction of src[cursor..n) by all kThreads threads of a CTA: appends
-// classify(value) for the kept values to out, until fewer than kThreads free slots remain in
-// `capacity` or classify says kStop (done = true). Returns how many were appended. Deterministic:
-// the output order is the input order. Every thread must call it with the same arguments.
-template <int kThreads, typename Classify>
+// The barrier among the threads that walk a list together: the whole CTA (CtaBarrier), or the
+// producer warpgroup of a warp-specialised kernel (ProducerBarrier, named barrier 1, threads 0-127).
+struct CtaBarrier {
+    static __device__ __forceinline__ void sync() { __syncthreads(); }
+    static __device__ __forceinline__ bool sync_or(bool value) { return __syncthreads_or(value); }
+};
+
+struct ProducerBarrier {
+    static constexpr int kId = 1;
+    static constexpr int kThreads = 128;
+    static __device__ __forceinline__ void sync() {
+        asm volatile("bar.sync %0, %1;\n" ::"n"(kId), "n"(kThreads) : "memory");
+    }
+    static __device__ __forceinline__ bool sync_or(bool value) {
+        int any;
+        asm volatile(
+            "{\n .reg .pred p, q;\n setp.ne.b32 p, %1, 0;\n bar.red.or.pred q, %2, %3, p;\n selp.b32 %0, 1, 0, q;\n}\n"
+            : "=r"(any)
+            : "r"(static_cast<int>(value)), "n"(kId), "n"(kThreads)
+            : "memory");
+        return any != 0;
+    }
+};
+
+// Order-preserving stream compaction of src[cursor..n) by the kThreads threads of a Barrier
+// (threads 0..kThreads-1): appends classify(value) for the kept values to out, until fewer than
+// kThreads free slots remain in `capacity` or classify says kStop (done = true). Returns how many
+// were appended. Deterministic: the output order is the input order. Every thread must call it
+// with the same arguments.
+template <int kThreads, typename Barrier = CtaBarrier, typename Classify>
 __device__ __forceinline__ int compact_in_order(const int* src, int n, int& cursor, int* out, int capacity,
                                                 int* warp_counts, bool& done, Classify classify) {
     const int lane = threadIdx.x & 31;
@@ -37,7 +62,7 @@ __device__ __forceinline__ int compact_in_order(const int* src, int n, int& curs
         const bool keep = value >= 0;
         const unsigned ballot = __ballot_sync(0xffffffffu, keep);
         if (lane == 0) warp_counts[warp] = __popc(ballot);
-        __syncthreads();
+        Barrier::sync();
         int base = count;
         int total = 0;
 #pragma unroll
@@ -50,7 +75,7 @@ __device__ __forceinline__ int compact_in_order(const int* src, int n, int& curs
         count += total;
         cursor += kThreads;
         // Also the barrier that lets the next round overwrite warp_counts.
-        if (__syncthreads_or(value == kStop)) {
+        if (Barrier::sync_or(value == kStop)) {
             done = true;
             break;
         }
@@ -92,9 +117,10 @@ struct KeyTile {
 
 // Yields, in a fixed order, the key tiles one query block reads: its slash blocks (ascending
 // offset), then its vertical columns gathered 64 at a time into key_list (compacted in windows of
-// up to kListCapacity). next() must be called by every thread of the CTA with the same state.
-// Only the cursor lives in registers; the lists and sizes are read from the params each call.
-template <int BS, int kThreads, int kListCapacity>
+// up to kListCapacity). next() must be called by every thread of the Barrier (the CTA, or a
+// producer warpgroup) with the same state. Only the cursor lives in registers; the lists and
+// sizes are read from the params each call.
+template <int BS, int kThreads, int kListCapacity, typename Barrier = CtaBarrier>
 struct KeyTileSource {
     int query_block;
     int last_query;  // the CTA's last query row (local): later diagonal keys are all masked
@@ -143,7 +169,7 @@ struct KeyTileSource {
             const int block = query_block;
             const bool after = p.q_rank > p.k_rank;
             const int lowest = min_key;
-            list_count = compact_in_order<kThreads>(
+            list_count = compact_in_order<kThreads, Barrier>(
                 p.local_keys + static_cast<size_t>(bh) * p.vertical_len, p.num_keys[bh], key_cursor, key_list,
                 kListCapacity, warp_counts, keys_done, [=](int key) {
                     const int kb = key / BS;

@@ -153,7 +153,34 @@ struct WarpgroupMma {
         wgmma_batch([&] { issue_accumulate<MA, D>(acc0, a0, b0); issue_accumulate<MA, D>(acc1, a1, b1); }, acc0, acc1);
     }
 
+    // Asynchronous score products (the warp-specialised kernel's consumers take turns issuing
+    // them): each starts one batch and returns at once; finish<N>(accumulators...) returns when
+    // all but the N newest batches completed. Until then the accumulators must not be touched.
+    template <int MA, int D, typename T>
+    static __device__ __forceinline__ void start_scores(float (&acc)[MA][8][4], const T* a_tile, const T* b_tile) {
+        start_batch([&] { issue_scores<MA, D>(acc, a_tile, b_tile); }, acc);
+    }
+    template <int MA, int D, typename T>
+    static __device__ __forceinline__ void start_scores_pair(float (&s0)[MA][8][4], const T* a0, const T* b0,
+                                                             float (&s1)[MA][8][4], const T* a1, const T* b1) {
+        start_batch([&] { issue_scores<MA, D>(s0, a0, b0); issue_scores<MA, D>(s1, a1, b1); }, s0, s1);
+    }
+    template <int kPending, typename... Accumulators>
+    static __device__ __forceinline__ void finish(Accumulators&... accumulators) {
+        cute::warpgroup_wait<kPending>();
+        (fence_accumulators(accumulators), ...);
+    }
+
   private:
+    template <typename Issue, typename... Accumulators>
+    static __device__ __forceinline__ void start_batch(Issue issue, Accumulators&... accumulators) {
+        (fence_accumulators(accumulators), ...);
+        cute::warpgroup_arrive();
+        issue();
+        cute::warpgroup_commit_batch();
+        (fence_accumulators(accumulators), ...);
+    }
+
     template <int MA, int D, typename T>
     static __device__ __forceinline__ void issue_scores(float (&acc)[MA][8][4], const T* a_tile, const T* b_tile) {
         using Atom = typename WgmmaAtoms<T, 64>::Scores;

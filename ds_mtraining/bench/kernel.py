@@ -46,6 +46,7 @@ HOT_BLOCKS = 16           # key blocks holding clustered vertical columns, per h
 COLUMNS_PER_HOT_BLOCK = 16
 FWD_BWD_FLOP_FACTOR = 3.5
 OUR_PASSES = {("query_kernel", False): "forward", ("query_kernel", True): "dq",
+              ("specialized_query_kernel", False): "forward", ("specialized_query_kernel", True): "dq",
               ("key_kernel", False): "dkdv_slash", ("key_kernel", True): "dkdv_vertical"}
 
 
@@ -54,7 +55,7 @@ def kernel_label(name: str) -> str:
     any other kernel by its name up to the template or argument list, at most 60 characters."""
     base = name.split("<")[0].split("(")[0].replace("void ", "").split("::")[-1]
     template = name.split("(")[0]
-    if base in ("query_kernel", "key_kernel") and template.endswith(">"):
+    if base in ("query_kernel", "specialized_query_kernel", "key_kernel") and template.endswith(">"):
         return OUR_PASSES[(base, template.rstrip(">").rstrip().endswith("true"))]
     return (base or name)[:60]
 
