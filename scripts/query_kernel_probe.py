@@ -59,7 +59,7 @@ def main():
             for kernel in args.kernels:
                 os.environ["DS_MTRAINING_CUDA_QUERY"] = kernel
                 module.reload_kernel_options()
-                assert dict(module.kernel_paths(0))["query"] == kernel
+                assert dict(module.kernel_paths(torch.cuda.current_device()))["query"] == kernel
                 results = fwd_bwd()
                 torch.cuda.synchronize()
                 if reference is None:
