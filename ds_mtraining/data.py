@@ -217,6 +217,15 @@ def folder_spec(folder: str, key: str = "--data") -> dict:
     return {"files": [str(p) for p in files]}
 
 
+def _holds_nothing(path: Path) -> bool:
+    """An empty or whitespace-only file (which the readers fail on with an unhelpful error)."""
+    try:
+        size = path.stat().st_size
+        return size == 0 or (size < 4096 and not path.read_bytes().strip())
+    except OSError:  # unreadable: the reader's own message says why
+        return False
+
+
 def load_documents(spec: dict | None, key: str = "mtraining.data"):
     """A ``datasets.Dataset`` with a ``text`` column from a data spec (see the module docstring)."""
     import datasets
@@ -229,6 +238,9 @@ def load_documents(spec: dict | None, key: str = "mtraining.data"):
         documents = stdlib_documents(spec.get("document_chars", DEFAULT_DOCUMENT_CHARS),
                                      spec.get("max_documents"))
         return datasets.Dataset.from_list(documents)
+    empty = [f for f in spec.get("files", ()) if _holds_nothing(Path(f))]
+    if empty:
+        raise DataConfigError(f"{key}: empty file(s) {', '.join(empty)}: put documents in them or remove them")
     verbosity = datasets.logging.get_verbosity()
     datasets.logging.set_verbosity(max(verbosity, datasets.logging.CRITICAL))  # a failure: our line only
     try:

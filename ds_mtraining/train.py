@@ -69,11 +69,11 @@ from ds_mtraining.distributed import ParallelConfigError, initialize_groups, shu
 from ds_mtraining.distributed.shm import release_shm_buffer
 from ds_mtraining.training import MTRAINING_KEY, ConfigError
 from ds_mtraining.training.export import export_hf
-from ds_mtraining.training.checkpoint import continue_metrics, resume_checkpoint, save_checkpoint
+from ds_mtraining.training.checkpoint import claim_save_dir, continue_metrics, resume_checkpoint, save_checkpoint
 from ds_mtraining.training.model import MTrainingCausalLM, build_model, model_config, use_fused_kernels
 from ds_mtraining.training.profile import describe, profiled, summarise, write_summary
 from ds_mtraining.training.progress import Progress, describe_run, monitor_dir, with_default_monitor
-from ds_mtraining.training.run_config import ULYSSES, load_run_config
+from ds_mtraining.training.run_config import ULYSSES, RunConfig, load_run_config
 from ds_mtraining.training.watchdog import Watchdog
 
 
@@ -100,15 +100,37 @@ def quiet_other_ranks(rank: int):
     logging.getLogger("DeepSpeed").addFilter(lambda record: record.levelno >= logging.ERROR)
 
 
+def quiet_known_warnings():
+    """Warnings every healthy run would print, not shown: DeepSpeed's WarmupLR warns when its own
+    constructor reads the first rate, and torch 2.13 deprecates ``all_gather_into_tensor``, which
+    DeepSpeed's ZeRO (and torch versions before ``all_gather_single``) still need."""
+    import logging
+    import warnings
+    logging.getLogger("DeepSpeed").addFilter(
+        lambda record: "get learning rate from scheduler before it has started" not in record.getMessage())
+    warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.* is deprecated", category=FutureWarning)
+
+
 def parse_args(argv=None):
     import deepspeed
-    parser = argparse.ArgumentParser(description="Train a causal LM with MTraining sparse ring attention.",
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    from dataclasses import fields
+    parser = argparse.ArgumentParser(
+        prog="deepspeed [--num_gpus N | --hostfile H] --module ds_mtraining.train",
+        description="Train a causal LM with MTraining sparse ring attention, one process per rank under the "
+                    "deepspeed launcher (e.g. deepspeed --num_gpus 2 --module ds_mtraining.train "
+                    "--deepspeed_config ds_configs/cpu_demo.json --save_dir runs/demo).",
+        epilog=f"MTraining's settings go in the DeepSpeed JSON's \"{MTRAINING_KEY}\" section: "
+               + ", ".join(f.name for f in fields(RunConfig))
+               + ". README.md (section Training) explains each; ds_configs/ holds working examples.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps to reach")
     parser.add_argument("--save_dir", default="runs/mtraining", help="checkpoints (and default metrics)")
     parser.add_argument("--save_interval", type=int, default=0, help="checkpoint every N steps (0: at the end)")
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --save_dir")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="delete the checkpoints and metrics an earlier run left in --save_dir, then train "
+                             "from step 0 (without it or --resume, such a --save_dir is refused)")
     parser.add_argument("--model", default=None,
                         help="override mtraining.model: a preset or a local HF model directory (weights loaded)")
     parser.add_argument("--data", default=None,
@@ -117,8 +139,8 @@ def parse_args(argv=None):
     parser.add_argument("--export_hf", default=None, metavar="DIR",
                         help="at the end (or with --resume at the last step: at once) write the model with "
                              "save_pretrained to DIR, ZeRO partitions consolidated, loadable by from_pretrained")
-    parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--log_interval", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=1234, help="model initialisation, data order and sampling")
+    parser.add_argument("--log_interval", type=int, default=1, help="log (and print) the metrics every N steps")
     parser.add_argument("--profile_step", type=int, default=0, metavar="N",
                         help="profile step N (torch.profiler): its time by kind of work, per rank, in "
                              "SAVE_DIR/profile_stepN_rank<r>.json (0: none)")
@@ -146,6 +168,7 @@ def train(args, watchdog: Watchdog | None = None) -> dict:
     world_size = int(os.environ.get("WORLD_SIZE", os.environ.get("OMPI_COMM_WORLD_SIZE", "1")))
     run, ds_config = load_run_config(args.deepspeed_config, world_size, args.model, args.data)
     ds_config = with_default_monitor(ds_config, args.save_dir)
+    claim_save_dir(args.save_dir, monitor_dir(ds_config), args.resume, args.overwrite, clear=local_rank() == 0)
     # the data before any process group: an empty or unreadable corpus is one line, not a hang
     tokenizer = load_tokenizer(run.tokenizer)
     samples = training_samples(run.data, run.seq_len, tokenizer, args.seed, model_config(run.model).vocab_size,
@@ -153,10 +176,13 @@ def train(args, watchdog: Watchdog | None = None) -> dict:
 
     # this rank's GPU before any collective (the watchdog's pid exchange runs before
     # deepspeed.initialize would set it; NCCL refuses a tensor on another device)
-    get_accelerator().set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    with contextlib.redirect_stdout(sys.stdout if launcher_rank() == 0 else io.StringIO()):
-        deepspeed.init_distributed()  # DeepSpeed prints its shm op's build note: rank 0's copy only
+    check_local_device(get_accelerator())
+    get_accelerator().set_device(local_rank())
+    with one_time_build("DeepSpeed's shm comm op", "about 40 s on 2 CPU cores", shm_op_cached()), \
+            contextlib.redirect_stdout(io.StringIO()):  # (DeepSpeed's own build note)
+        deepspeed.init_distributed()
     release_shm_buffer()
+    load_attention_op(get_accelerator().device_name())  # before step 1, so its tokens/s leave the build out
     groups = initialize_groups(run.sequence_parallel_size, run.ring)
     if watchdog is not None:
         watchdog.know_peers()
@@ -244,7 +270,70 @@ def train(args, watchdog: Watchdog | None = None) -> dict:
     where = monitor_dir(ds_config)
     if where:
         progress.print(f"metrics:    {Path(where).resolve()}")
+    if not args.no_checkpoint:
+        progress.print(f"next:       more steps: --resume --steps {2 * step}; a Hugging Face model: --resume "
+                       f"--steps {step} --export_hf DIR, then python -m ds_mtraining.eval DIR")
     return {"losses": history, "step": step, "model": model}  # (the model: for in-process callers, tests)
+
+
+def local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+class DeviceError(RuntimeError):
+    """This rank has no device of its own (reported by the rank that finds it)."""
+
+
+def check_local_device(accelerator):
+    """One line, not a CUDA traceback, when the launcher starts more ranks on a node than it has GPUs."""
+    if accelerator.device_name() == "cpu":
+        return
+    count = accelerator.device_count()
+    if local_rank() >= count:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        raise DeviceError(f"local rank {local_rank()} has no GPU: this node has {count} usable "
+                          f"GPU{'s' * (count != 1)}{f' (CUDA_VISIBLE_DEVICES={visible})' if visible else ''}; "
+                          f"launch at most {count} rank{'s' * (count != 1)} per node (--num_gpus {count}), or "
+                          f"run on CPU ranks with DS_ACCELERATOR=cpu")
+
+
+def shm_op_cached() -> bool:
+    """Whether DeepSpeed's shm comm op (built by ``init_distributed`` on CPU ranks) needs no build."""
+    from deepspeed.accelerator import get_accelerator
+    if get_accelerator().device_name() != "cpu":
+        return True
+    try:
+        from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
+    except ImportError:  # a DeepSpeed without it: nothing to announce
+        return True
+    from ds_mtraining_op_builder import extension_root
+    builder = ShareMemCommBuilder()
+    return builder.is_compatible() is False or os.path.exists(
+        os.path.join(extension_root(), builder.NAME, f"{builder.NAME}.so"))
+
+
+@contextlib.contextmanager
+def one_time_build(what: str, typical: str, cached: bool):
+    """Rank 0 says what compiles (once per machine, then cached) before the silence, and how long it took."""
+    say = not cached and launcher_rank() == 0
+    if say:
+        print(f"ds_mtraining: compiling {what} once ({typical}; cached for later runs) ...",
+              flush=True)
+    started = time.perf_counter()
+    yield
+    if say:
+        print(f"ds_mtraining: compiled {what} in {time.perf_counter() - started:.0f} s", flush=True)
+
+
+def load_attention_op(device: str):
+    """MTraining's op for ``device`` loaded (JIT-compiled on first use, which the builder announces
+    and times) by rank 0 first, then by the others from the cache: one compilation, one message."""
+    from ds_mtraining.ops import op_module
+    if dist.get_rank() != 0:
+        dist.barrier()
+    op_module(device)
+    if dist.get_rank() == 0:
+        dist.barrier()
 
 
 def peak_memory() -> dict:
@@ -259,9 +348,21 @@ def peak_memory() -> dict:
     return {"peak_memory_gib": max(values), **{f"peak_memory_gib_rank{r}": v for r, v in enumerate(values)}}
 
 
+def name_accelerator():
+    """DeepSpeed picks CUDA where torch sees a GPU, else the CPU with a warning from every process:
+    named here, the warning goes. CPU ranks (``DS_ACCELERATOR=cpu``, also on a GPU machine) hide the
+    GPUs from every library, so that nothing (liger, the peak-memory metric) reaches for one."""
+    if "DS_ACCELERATOR" not in os.environ and not (torch.cuda.is_available() and torch.cuda.device_count() > 0):
+        os.environ["DS_ACCELERATOR"] = "cpu"
+    if os.environ.get("DS_ACCELERATOR") == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+
 def main(argv=None):
+    name_accelerator()
     rank = launcher_rank()
     quiet_other_ranks(rank)
+    quiet_known_warnings()
     args = parse_args(argv)
     watchdog = Watchdog(args.save_dir, rank).start()
     try:
@@ -270,6 +371,9 @@ def main(argv=None):
     except (ConfigError, DataConfigError, ParallelConfigError) as error:
         if rank == 0:  # every rank finds the same problem: one copy
             print(f"ds_mtraining.train: configuration error: {error}", file=sys.stderr)
+        sys.exit(2)
+    except DeviceError as error:  # only the ranks without a device find it
+        print(f"ds_mtraining.train: {error}", file=sys.stderr)
         sys.exit(2)
     except Exception as error:  # noqa: BLE001 - a dead peer or launcher: one line, no traceback
         watchdog.on_failure(error)

@@ -43,6 +43,7 @@ class MTrainingCUDABuilder(MTrainingBuilderMixin, CUDAOpBuilder):
     NAME = "mtraining_cuda"
     DEVICE_TYPE = "cuda"
     SOURCES_HINT = "cuda/*.cu and cuda/binding.cpp"
+    TYPICAL_BUILD = "about 80 s on a 16-core H200 machine"
     # CuTe needs relaxed constexpr; line info keeps profiles readable
     EXTRA_NVCC_FLAGS = ["--expt-relaxed-constexpr", "--expt-extended-lambda", "-lineinfo",
                         "-DNDEBUG"]

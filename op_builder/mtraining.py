@@ -13,6 +13,7 @@ import importlib.util
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 
 BUILD_VAR = "DS_BUILD_MTRAINING"
@@ -52,6 +53,7 @@ class MTrainingBuilderMixin:
 
     BUILD_VAR = BUILD_VAR
     NAME = ""
+    TYPICAL_BUILD = ""  # how long a JIT build took where it was measured (said before one starts)
     DEVICE_TYPE = ""
     SOURCES_HINT = ""  # the source files, relative to csrc/, for error messages
 
@@ -138,10 +140,15 @@ class MTrainingBuilderMixin:
         reasons = self.missing_for_jit()
         if reasons:
             raise RuntimeError(f"cannot JIT-compile the {self.NAME} op: " + "; ".join(reasons))
-        if not verbose and not os.path.exists(self.jit_library()):
-            print(f"ds-mtraining: compiling the {self.NAME} op (once; cached in "
-                  f"{self.jit_build_dir()})", file=sys.stderr, flush=True)
+        announce = not verbose and not os.path.exists(self.jit_library())
+        if announce:
+            print(f"ds-mtraining: compiling the {self.NAME} op once ({self.TYPICAL_BUILD}; cached in "
+                  f"{self.jit_build_dir()}) ...", file=sys.stderr, flush=True)
+        started = time.perf_counter()
         _loaded_modules[self.NAME] = super().jit_load(verbose)
+        if announce:
+            print(f"ds-mtraining: compiled the {self.NAME} op in {time.perf_counter() - started:.0f} s",
+                  file=sys.stderr, flush=True)
         return _loaded_modules[self.NAME]
 
     @staticmethod

@@ -1,21 +1,41 @@
 #!/usr/bin/env bash
-# A short end-to-end MTraining run on this machine's CPU: a tiny Qwen2-shaped model (2 layers,
-# hidden 64, 4 query / 2 key-value heads, RoPE theta 1e6) trained on the Python standard
-# library's own sources (byte tokens, 1024-token sequences), 2 ranks under the deepspeed launcher
-# (gloo), sparse striped ring attention (top-p 0.9), ZeRO-2 with CPU optimizer offload.
-# Prints progress (loss, tokens/s, index density, ring imbalance) and where the checkpoint and
-# the metrics went. Nothing is downloaded.
+# A short end-to-end MTraining run: a tiny Qwen2-shaped model (2 layers, hidden 64, 4 query / 2
+# key-value heads, RoPE theta 1e6) trained on the Python standard library's own sources (byte
+# tokens, 1024-token sequences), 2 ranks under the deepspeed launcher sharing each sequence in a
+# sparse striped ring (top-p 0.9), ZeRO-2 with CPU optimizer offload. Nothing is downloaded.
+# The ranks run on two GPUs where at least two are usable, else on the CPU (the first line says
+# which: ds_mtraining/training/placement.py). Prints progress (loss, tokens/s, index density, ring
+# imbalance), then where the checkpoint and the metrics went and what to run next.
 #
-#   bash scripts/train_demo.sh [extra ds_mtraining.train options, e.g. --steps 50 --resume]
+#   bash scripts/train_demo.sh [extra ds_mtraining.train options, e.g. --resume --steps 60]
 #
-# Environment: STEPS (30), SAVE_DIR (runs/demo), PORT (29561).
-# First run: the CPU op's JIT build (~35 s) and DeepSpeed's shm comm op (~90 s) are compiled once.
+# Environment: STEPS (30), SAVE_DIR (runs/demo), PORT (a free one).
+# A second run into the same SAVE_DIR needs --resume (continue) or --overwrite (start over).
+# First run on a machine: the CPU op and DeepSpeed's shm comm op compile once (each says so).
 # Stop: Ctrl-C, or `kill -- -PGID` (the process group of this script); every rank exits within
 # seconds with one line naming the last checkpoint (continue with `--resume`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"   # 2 ranks share the cores
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-exec deepspeed --num_gpus 2 --master_port "${PORT:-29561}" \
-    --module ds_mtraining.train --deepspeed_config ds_configs/cpu_demo.json \
-    --steps "${STEPS:-30}" --save_dir "${SAVE_DIR:-runs/demo}" --save_interval 10 "$@"
+eval "$(python -m ds_mtraining.training.placement)"
+echo "$DEMO_LINE"
+echo "demo: expect index density 0.9-1.0: an untrained model on 1024-token sequences attends almost uniformly," \
+     "so top-p keeps nearly every entry (a model trained at 32K keeps about 13%: docs/RESULTS.md)"
+if [ "$DEMO_ACCELERATOR" = cpu ]; then export DS_ACCELERATOR=cpu; fi
+
+# The launcher's own last lines come after a rank's error: repeat the rank's one line at the end.
+# (stderr goes through tee, stdout stays the terminal, so the progress bar stays live)
+errors="$(mktemp)"
+trap 'rm -f "$errors"' EXIT
+set +e
+{ deepspeed --quiet --num_gpus 2 --master_port "${PORT:-$DEMO_PORT}" \
+    --module ds_mtraining.train --deepspeed_config "$DEMO_CONFIG" \
+    --steps "${STEPS:-30}" --save_dir "${SAVE_DIR:-runs/demo}" --save_interval 10 "$@" \
+    2>&1 1>&3 3>&- | tee "$errors" >&2; } 3>&1
+status=${PIPESTATUS[0]}
+set -e
+if [ "$status" -ne 0 ]; then
+  grep '^ds_mtraining' "$errors" | tail -n 1 >&2 || true
+fi
+exit "$status"

@@ -15,6 +15,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from ds_mtraining import SparseConfig, SparseIndex
 from ds_mtraining.data import ByteTokenizer, stdlib_documents
+from ds_mtraining.distributed.spawn import free_port, port_taken
 from ds_mtraining.ring.layout import StripedLayout
 
 REPO = Path(__file__).resolve().parents[1]
@@ -115,6 +116,21 @@ def finish(process: subprocess.Popen, log: Path, timeout: float):
         process.wait()
         pytest.fail(f"still running after {timeout}s (killed):\n{log.read_text()[-3000:]}")
     assert code == 0, f"exited with {code}:\n{log.read_text()[-3000:]}"
+
+
+def run_to_end(command: list, log: Path, timeout: float, env: dict | None = None):
+    """:func:`start` then :func:`finish`; a launch whose ``--master_port`` was taken between
+    ``free_port()`` and the launch (EADDRINUSE) runs once more on a fresh port."""
+    process = start(command, log, env)
+    try:
+        process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pass  # finish() kills and fails
+    if process.returncode not in (None, 0) and "--master_port" in command and port_taken(log.read_text()):
+        command = list(command)
+        command[command.index("--master_port") + 1] = str(free_port())
+        process = start(command, log, env)
+    finish(process, log, timeout)
 
 
 def differing_entries(mine: SparseIndex, theirs: SparseIndex) -> tuple[int, int]:

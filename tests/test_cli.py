@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import REPO, environment, finish, start, tiny_model
+from helpers import REPO, environment, run_to_end, start, tiny_model
 
 from ds_mtraining.data import DataConfigError, load_documents, stdlib_documents
 from ds_mtraining.distributed import free_port
@@ -138,12 +138,15 @@ def test_benchmarks_write_to_a_fresh_directory(tmp_path, monkeypatch):
 
 
 # ----------------------------------------------------------------------------- launched runs
+def launch_command(workspace, *extra, steps=3, save_dir=None, data=None) -> list:
+    return ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "--module", "ds_mtraining.train",
+            "--deepspeed_config", str(workspace / "config.json"), "--model", str(workspace / "model"),
+            "--data", str(data or workspace / "data"), "--steps", str(steps),
+            "--save_dir", str(save_dir or workspace / "run"), "--save_interval", "2", *extra]
+
+
 def launch(workspace, log: Path, *extra, steps=3, save_dir=None, data=None, env=None) -> subprocess.Popen:
-    command = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "--module", "ds_mtraining.train",
-               "--deepspeed_config", str(workspace / "config.json"), "--model", str(workspace / "model"),
-               "--data", str(data or workspace / "data"), "--steps", str(steps),
-               "--save_dir", str(save_dir or workspace / "run"), "--save_interval", "2", *extra]
-    return start(command, log, env)
+    return start(launch_command(workspace, *extra, steps=steps, save_dir=save_dir, data=data), log, env)
 
 
 def rank_pids(launcher: subprocess.Popen) -> dict[int, int]:
@@ -279,7 +282,7 @@ def trained(workspace, cpu_op, side_launches):  # the op is built before the lau
     # in-memory datasets: both ranks tokenize (no cache file), so rank 0 always draws its
     # "tokenizing" bar (with the on-disk cache, rank 1 may finish first and rank 0 load its result)
     env = environment(HF_DATASETS_IN_MEMORY_MAX_SIZE=str(1 << 30))
-    finish(launch(workspace, log, "--export_hf", str(workspace / "export"), env=env), log, LAUNCH_TIMEOUT_S)
+    run_to_end(launch_command(workspace, "--export_hf", str(workspace / "export")), log, LAUNCH_TIMEOUT_S, env)
     return log.read_text()
 
 
@@ -302,10 +305,13 @@ def test_continued_training_exports_the_trained_model(workspace, trained):
         assert (logits - before(ids).logits).abs().max() > 1e-2  # trained, not the input model
     # one copy of each message: rank 0's only. A progress bar counts by its first frame: a slow
     # machine may draw the 100% frame twice (an update and the close), still one bar
-    for text, count in (("MTraining: 2 ranks", 1), ("built successfully", 1), ("tokenizing:   0%", 1),
-                        ("Loading weights:   0%", 1), ("exported:   ", 1), ("FutureWarning", 1),
-                        ("Traceback", 0)):
+    for text, count in (("MTraining: 2 ranks", 1), ("tokenizing:   0%", 1), ("Loading weights:   0%", 1),
+                        ("exported:   ", 1), ("next:       ", 1), ("Traceback", 0),
+                        ("built successfully", 0), ("FutureWarning", 0), ("before it has started", 0)):
         assert trained.count(text) == count, (text, trained[-3000:])
+    # the one-time builds (the CPU op, DeepSpeed's shm op), where this run is the first: said once each
+    assert all(trained.count(f"compiling {what}") <= 1 for what in ("the mtraining_cpu op", "DeepSpeed's shm")), \
+        trained[-3000:]
     assert "tokenizing: 100%" in trained and "Loading weights: 100%" in trained, trained[-3000:]
 
 

@@ -104,7 +104,7 @@ def test_smoke_end_to_end(tmp_path):
     the speedup, from logged step times; the profiled (warm-up) step's time by kind of work: the
     sparse op's calls under MTraining only, matrix products in both."""
     command = [sys.executable, "-m", "ds_mtraining.bench.e2e", "--smoke", "--parts", "sp", "--out", str(tmp_path),
-               "--port", str(free_port()),  # not the fixed default: a port left busy by an earlier test
+               "--port", str(free_port()),  # the first launch takes this port, later ones free ones
                "--profile_step", "1"]
     done = subprocess.run(command, cwd=REPO, env=environment(), capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -11,13 +11,14 @@ import importlib
 import json
 import os
 import shutil
+import subprocess
 import signal
 import time
 from pathlib import Path
 
 import pytest
 
-from helpers import REPO, finish, start
+from helpers import REPO, environment, finish, run_to_end, start
 
 from ds_mtraining.distributed import free_port
 
@@ -35,7 +36,7 @@ def train_command(save_dir, config, *launcher_args, steps=STEPS, extra=()) -> li
 
 
 def run(command, log: Path):
-    finish(start(command, log), log, LAUNCH_TIMEOUT_S)
+    run_to_end(command, log, LAUNCH_TIMEOUT_S)
 
 
 def demo_config(directory: Path, **mtraining) -> Path:
@@ -142,6 +143,15 @@ def test_sigkill_then_resume_matches_the_uninterrupted_run_bit_for_bit(reference
     resumed_from = int((tmp_path / "latest").read_text().strip().removeprefix("step"))
     assert KILL_AFTER - SAVE_INTERVAL < resumed_from <= killed_at < STEPS
 
+    # the same command again, without --resume: refused with one line, nothing touched
+    refused = subprocess.run(train_command(tmp_path, config, "--num_gpus", "2", "--master_port", str(free_port())),
+                             cwd=REPO, env=environment(), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    text = refused.stdout + refused.stderr
+    assert refused.returncode != 0 and "Traceback" not in text, text[-3000:]
+    assert text.count(f"--save_dir {tmp_path} already holds a run (checkpoints up to step{resumed_from} and "
+                      f"metrics in ") == 1 and "continue it with --resume, start over with --overwrite" in text, text
+    assert loss_rows(tmp_path) == killed_rows
+
     run(train_command(tmp_path, config, "--num_gpus", "2", "--master_port", str(free_port()),
                       extra=["--resume"]), tmp_path / "resumed.txt")
     rows = loss_rows(tmp_path)
@@ -150,6 +160,14 @@ def test_sigkill_then_resume_matches_the_uninterrupted_run_bit_for_bit(reference
     for step, loss in killed_rows + rows:  # before the kill, after the resume: every value exactly equal
         assert loss == losses[step], f"step {step}: {loss!r} != uninterrupted {losses[step]!r}"
     assert f"resumed from {tmp_path} at step {resumed_from}" in (tmp_path / "resumed.txt").read_text()
+
+    # --overwrite: the run's checkpoints and metrics go first, then a fresh run from step 0
+    run(train_command(tmp_path, config, "--num_gpus", "2", "--master_port", str(free_port()), steps=3,
+                      extra=["--overwrite"]), tmp_path / "overwritten.txt")
+    rows = loss_rows(tmp_path)
+    assert [step for step, _ in rows] == [1, 2, 3] and all(loss == losses[step] for step, loss in rows), rows
+    assert (tmp_path / "latest").read_text().strip() == "step3"
+    assert sorted(p.name for p in tmp_path.glob("step*")) == ["step3"]  # the earlier run's tags are gone
 
 
 def test_hostfile_two_fake_nodes_hierarchical_ring(reference, side_runs):

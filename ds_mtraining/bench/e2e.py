@@ -75,6 +75,7 @@ from pathlib import Path
 
 from ..config import slash_cap_for_blocks
 from ..training.profile import ATTENTION_KINDS
+from ..distributed.spawn import free_port
 from .launch import LaunchTimeout, launcher_env, metric_path, read_metric, run_logged, training_command
 
 MODES = {"mtraining": "sparse", "ulysses": "ulysses", "dense": "dense"}
@@ -272,9 +273,9 @@ class Bench:
                                self.args.density, self.args.max_vertical, self.args.keep_attention_output)
         gpus = None if self.cpu else (self.args.gpus[:world] if world > 1 else [self.args.single_gpu])
         folder = self.logs / f"{model}_{mode}_w{world}_s{seq_len}_l{layers}"
-        self.port += 1
+        port, self.port = self.port or free_port(), 0  # --port for the first launch, then free ones
         self.say(f"{model} {mode} W={world} S={seq_len} {layers} layers ...")
-        result = self.launcher(config, gpus, world, folder, self.port, self.args)
+        result = self.launcher(config, gpus, world, folder, port, self.args)
         self.say(f"    step {result['step_s']:.3f} s, {result['tokens_per_s']:.0f} tok/s, peak GiB "
                  f"{result['peak_memory_gib']}, launch {result['wall_s']:.0f} s")
         return {"layers": layers, **result}
@@ -526,7 +527,8 @@ def parse_args(argv=None):
     parser.add_argument("--warmup", type=int, default=1, help="first steps left out of the median")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per launch (then killed)")
     parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--port", type=int, default=29650, help="master port of the first launch (then +1 each)")
+    parser.add_argument("--port", type=int, default=0,
+                        help="master port of the first launch (0: a free one); later launches take free ones")
     parser.add_argument("--out", default=None, help="results folder (default bench_results/e2e-<UTC time>)")
     parser.add_argument("--tag", default=None, help="e2e_<tag>.json (default: the device, e.g. h200x2, or cpu)")
     parser.add_argument("--smoke", action="store_true",

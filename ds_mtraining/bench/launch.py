@@ -13,6 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..distributed.spawn import free_port, port_taken
+
 
 def training_command(config: Path, steps: int, save_dir: Path, devices: str, port: int, seed: int,
                      log_interval: int, export_hf: Path | None = None, extra: tuple = ()) -> list[str]:
@@ -26,7 +28,7 @@ def training_command(config: Path, steps: int, save_dir: Path, devices: str, por
     command = [sys.executable, "-m", "deepspeed.launcher.runner", *placement, "--master_port", str(port),
                "--module", "ds_mtraining.train", "--deepspeed_config", str(config), "--steps", str(steps),
                "--save_dir", str(save_dir), "--seed", str(seed), "--log_interval", str(min(log_interval, steps)),
-               "--no_progress"]
+               "--no_progress", "--overwrite"]  # a measurement is a fresh run; a re-measure replaces it
     if export_hf is not None:
         command += ["--export_hf", str(export_hf)]
     return command + list(extra)
@@ -44,7 +46,19 @@ class LaunchTimeout(RuntimeError):
 def run_logged(command: list[str], log: Path, env: dict, timeout: float | None = None):
     """Runs ``command`` in its own process group with its output in ``log``. A non-zero exit raises
     RuntimeError with the log's tail; past ``timeout`` seconds (or on an interrupt) the whole group
-    (the launcher and its ranks) is killed, and a timeout raises :class:`LaunchTimeout`."""
+    (the launcher and its ranks) is killed, and a timeout raises :class:`LaunchTimeout`. A launch
+    whose ``--master_port`` was taken meanwhile (EADDRINUSE) runs once more on a fresh port."""
+    try:
+        _run_logged_once(command, log, env, timeout)
+    except RuntimeError as error:
+        if isinstance(error, LaunchTimeout) or "--master_port" not in command or not port_taken(log.read_text()):
+            raise
+        retry = list(command)
+        retry[retry.index("--master_port") + 1] = str(free_port())
+        _run_logged_once(retry, log, env, timeout)
+
+
+def _run_logged_once(command: list[str], log: Path, env: dict, timeout: float | None):
     with open(log, "w") as handle:
         process = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:

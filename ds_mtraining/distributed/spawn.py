@@ -38,6 +38,12 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def port_taken(output: str) -> bool:
+    """Whether a launch's output says its rendezvous port was taken (another process bound it
+    between :func:`free_port` and the launch): the one failure worth a retry on a new port."""
+    return "EADDRINUSE" in output or "Address already in use" in output
+
+
 def _rank_main(rank, world_size, port, fn, args, result_dir, timeout, backend):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
@@ -60,7 +66,17 @@ def run_on_ranks(fn, world_size: int, *args, timeout: float = 120.0, backend: st
     ``torch.save``) in rank order.
 
     ``fn`` must be importable (a module-level function). Raises ``TimeoutError`` if the ranks do
-    not finish within ``timeout`` seconds and re-raises the first rank failure."""
+    not finish within ``timeout`` seconds and re-raises the first rank failure; ranks whose
+    rendezvous port was taken meanwhile (EADDRINUSE) run once more on a fresh port."""
+    try:
+        return _run_on_ranks_once(fn, world_size, args, timeout, backend)
+    except mp.ProcessRaisedException as error:
+        if not port_taken(str(error)):
+            raise
+        return _run_on_ranks_once(fn, world_size, args, timeout, backend)
+
+
+def _run_on_ranks_once(fn, world_size: int, args: tuple, timeout: float, backend: str) -> list:
     with tempfile.TemporaryDirectory() as result_dir:
         # CUDA ranks start from a fresh interpreter: a forked one cannot initialise CUDA
         method = "spawn" if backend == "nccl" else START_METHOD

@@ -2,11 +2,56 @@
 rank's RNG states, so that a resumed run's losses equal an uninterrupted run's."""
 from __future__ import annotations
 
+import re
+import shutil
+from pathlib import Path
+
 import torch
 import torch.distributed as dist
 
 from . import MTRAINING_KEY, ConfigError
 from .run_config import RunConfig
+
+TAG = re.compile(r"step\d+")  # the tags save_checkpoint writes
+DEEPSPEED_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")  # copied beside the tags by save_checkpoint
+
+
+def earlier_run(save_dir: str, metrics_dir: str | None) -> str | None:
+    """What an earlier run left in ``save_dir`` (its latest checkpoint, metrics), or None."""
+    root = Path(save_dir)
+    found = []
+    latest = root / "latest"
+    if latest.is_file():
+        found.append(f"checkpoints up to {latest.read_text().strip()}")
+    elif root.is_dir() and any(TAG.fullmatch(p.name) for p in root.iterdir() if p.is_dir()):
+        found.append("checkpoints")
+    if metrics_dir and Path(metrics_dir).is_dir() and any(Path(metrics_dir).glob("*.csv")):
+        found.append(f"metrics in {metrics_dir}")
+    return " and ".join(found) or None
+
+
+def claim_save_dir(save_dir: str, metrics_dir: str | None, resume: bool, overwrite: bool, clear: bool):
+    """Never trains over an earlier run by accident: a ``save_dir`` holding checkpoints or metrics
+    needs ``--resume`` (continue it) or ``--overwrite`` (delete its checkpoints and metrics first,
+    done where ``clear``: one process per node, before any process group exists)."""
+    if resume and overwrite:
+        raise ConfigError("--resume continues the run in --save_dir and --overwrite deletes it; pass one of them")
+    found = None if resume else earlier_run(save_dir, metrics_dir)
+    if found is None:
+        return
+    if not overwrite:
+        raise ConfigError(f"--save_dir {save_dir} already holds a run ({found}); continue it with --resume, "
+                          f"start over with --overwrite (deletes them), or pass another --save_dir")
+    if clear:
+        root = Path(save_dir)
+        for path in root.iterdir():
+            if path.is_dir() and TAG.fullmatch(path.name):
+                shutil.rmtree(path, ignore_errors=True)
+            elif path.name == "latest" or path.name in DEEPSPEED_SCRIPTS:
+                path.unlink(missing_ok=True)
+        for path in Path(metrics_dir).glob("*.csv") if metrics_dir else ():
+            path.unlink(missing_ok=True)
+
 
 def rng_states() -> dict:
     states = {"torch": torch.get_rng_state()}

@@ -1,0 +1,144 @@
+"""A newcomer's first run: where the demo's ranks go (by GPU count, faked), the demo script's
+first and last lines (a fake ``deepspeed`` stands in for the launcher), a rank with no GPU, an
+earlier run in --save_dir, an empty data file and ``--help``. The real launches (refusal, resume,
+--overwrite) are in test_launcher.py."""
+import os
+import stat
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from helpers import REPO, environment
+
+from ds_mtraining.training import ConfigError
+from ds_mtraining.training import placement
+from ds_mtraining.training.checkpoint import claim_save_dir, earlier_run
+
+DEMO = REPO / "scripts" / "train_demo.sh"
+
+
+@pytest.mark.parametrize("gpus, accelerator, config", [(0, "cpu", placement.CPU_CONFIG),
+                                                       (1, "cpu", placement.CPU_CONFIG),
+                                                       (2, "cuda", placement.GPU_CONFIG),
+                                                       (8, "cuda", placement.GPU_CONFIG)])
+def test_demo_ranks_go_on_gpus_only_where_two_are_usable(monkeypatch, capsys, gpus, accelerator, config):
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    placement.main()
+    assigned = dict(line.split("=", 1) for line in capsys.readouterr().out.splitlines())
+    assert assigned["DEMO_ACCELERATOR"] == accelerator and assigned["DEMO_CONFIG"] == config
+    assert (REPO / config).is_file() and 1024 <= int(assigned["DEMO_PORT"]) < 65536
+    line = placement.demo_placement(gpus).line
+    assert line.startswith(f"demo: 2 {'GPU' if gpus >= 2 else 'CPU'} ranks")
+    assert ("no GPU" in line) == (gpus == 0) and (f"{gpus} GPU, the ring needs 2" in line) == (gpus == 1)
+
+
+def test_both_demo_configs_are_valid_for_two_ranks():
+    from ds_mtraining.training.run_config import load_run_config
+    runs = [load_run_config(str(REPO / name), 2)[0] for name in (placement.CPU_CONFIG, placement.GPU_CONFIG)]
+    assert runs[0].to_dict() == runs[1].to_dict()  # the same run; only the precision differs
+
+
+def fake_deepspeed(folder: Path, exit_code: int) -> dict:
+    """A ``deepspeed`` on PATH that records its arguments and environment, prints a rank's one
+    line (on failure), then the launcher's own last line, and exits with ``exit_code``."""
+    record = folder / "record.txt"
+    script = folder / "deepspeed"
+    script.write_text(f"""#!/usr/bin/env bash
+{{ echo "args: $*"; echo "DS_ACCELERATOR=${{DS_ACCELERATOR:-unset}}"; }} > {record}
+echo "step 1/30  loss 5.5"
+if [ {exit_code} -ne 0 ]; then
+  echo "ds_mtraining.train: configuration error: the rank's one line" >&2
+  echo "[ERROR] [launch.py:259:sigkill_handler] [...] exits with return code = {exit_code}" >&2
+fi
+exit {exit_code}
+""")
+    script.chmod(script.stat().st_mode | stat.S_IXUSR)
+    return environment(PATH=f"{folder}{os.pathsep}{os.environ['PATH']}", CUDA_VISIBLE_DEVICES="")
+
+
+@pytest.mark.parametrize("exit_code", [0, 2])
+def test_demo_script_names_its_ranks_first_and_ends_with_the_rank_line(tmp_path, exit_code):
+    env = fake_deepspeed(tmp_path, exit_code)
+    done = subprocess.run(["bash", str(DEMO), "--steps", "5"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == exit_code, done.stderr
+    out = done.stdout.splitlines()
+    assert out[0] == "demo: 2 CPU ranks (gloo, C++ kernels, fp32); no GPU" and "expect index density" in out[1]
+    record = (tmp_path / "record.txt").read_text()
+    assert "DS_ACCELERATOR=cpu" in record and f"--deepspeed_config {placement.CPU_CONFIG}" in record
+    assert "--quiet --num_gpus 2 --master_port" in record and record.splitlines()[0].endswith("--steps 5")
+    last = done.stderr.splitlines()[-1] if done.stderr else ""
+    if exit_code:  # the project's line last, after the launcher's
+        assert last == "ds_mtraining.train: configuration error: the rank's one line", done.stderr
+    else:
+        assert done.stderr == ""
+
+
+def test_a_rank_without_a_gpu_gets_one_line(monkeypatch):
+    from ds_mtraining.train import DeviceError, check_local_device
+    accelerator = types.SimpleNamespace(device_name=lambda: "cuda", device_count=lambda: 1)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    check_local_device(accelerator)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    with pytest.raises(DeviceError) as error:
+        check_local_device(accelerator)
+    assert str(error.value) == ("local rank 1 has no GPU: this node has 1 usable GPU (CUDA_VISIBLE_DEVICES=3); "
+                                "launch at most 1 rank per node (--num_gpus 1), or run on CPU ranks with "
+                                "DS_ACCELERATOR=cpu")
+    check_local_device(types.SimpleNamespace(device_name=lambda: "cpu", device_count=lambda: 0))  # CPU ranks
+
+
+def test_an_earlier_run_is_refused_and_overwrite_deletes_only_it(tmp_path):
+    save, metrics = tmp_path / "run", tmp_path / "run" / "metrics" / "mtraining"
+    claim_save_dir(str(save), str(metrics), resume=False, overwrite=False, clear=True)  # nothing there yet
+    for tag in ("step10", "step20"):
+        (save / tag).mkdir(parents=True)
+        (save / tag / "mp_rank_00_model_states.pt").write_bytes(b"x")
+    (save / "latest").write_text("step20")
+    (save / "zero_to_fp32.py").write_text("")
+    metrics.mkdir(parents=True)
+    (metrics / "Train_mtraining_loss.csv").write_text("step,loss\n1,5.0\n")
+    (save / "notes.txt").write_text("mine")
+    assert earlier_run(str(save), str(metrics)) == f"checkpoints up to step20 and metrics in {metrics}"
+    with pytest.raises(ConfigError, match=r"--save_dir .*run already holds a run \(checkpoints up to step20 "
+                                          r"and metrics in .*\); continue it with --resume, start over with "
+                                          r"--overwrite \(deletes them\), or pass another --save_dir"):
+        claim_save_dir(str(save), str(metrics), resume=False, overwrite=False, clear=True)
+    claim_save_dir(str(save), str(metrics), resume=True, overwrite=False, clear=True)  # resume: kept
+    claim_save_dir(str(save), str(metrics), resume=False, overwrite=True, clear=False)  # not this process's job
+    assert (save / "latest").is_file()
+    with pytest.raises(ConfigError, match="pass one of them"):
+        claim_save_dir(str(save), str(metrics), resume=True, overwrite=True, clear=True)
+    claim_save_dir(str(save), str(metrics), resume=False, overwrite=True, clear=True)
+    assert sorted(p.name for p in save.iterdir()) == ["metrics", "notes.txt"] and not list(metrics.iterdir())
+    assert earlier_run(str(save), str(metrics)) is None
+
+
+def test_an_empty_data_file_says_it_is_empty(tmp_path):
+    from ds_mtraining.data import DataConfigError, load_documents
+    empty, blank = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    empty.write_text("")
+    blank.write_text("\n \n")
+    with pytest.raises(DataConfigError) as error:
+        load_documents({"files": [str(empty), str(blank)]})
+    assert str(error.value) == (f"mtraining.data: empty file(s) {empty}, {blank}: put documents in them or "
+                                f"remove them")
+
+
+def test_help_shows_the_launcher_form_and_the_config_keys():
+    done = subprocess.run([sys.executable, "-m", "ds_mtraining.train", "--help"], cwd=REPO, env=environment(),
+                          capture_output=True, text=True, timeout=120)
+    text = " ".join(done.stdout.split())
+    assert done.returncode == 0 and text.startswith("usage: deepspeed [--num_gpus N | --hostfile H] --module "
+                                                    "ds_mtraining.train")
+    from dataclasses import fields
+    from ds_mtraining.training.run_config import RunConfig
+    assert all(field.name in text for field in fields(RunConfig)) and "README.md (section Training)" in text
+    for option in ("--seed SEED model initialisation", "--log_interval LOG_INTERVAL log", "--overwrite delete"):
+        assert option in text, option
