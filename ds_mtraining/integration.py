@@ -174,9 +174,10 @@ def whole_sequences(batch) -> dict:
                              f"fixed length instead (documents marked by position_ids restarting at 0, or "
                              f"cu_seqlens), or give pad tokens at the end labels -100 and no attention_mask")
     for name in ("shift_labels", "labels", "position_ids", "doc_start"):
-        if name in batch and tuple(torch.as_tensor(batch[name]).reshape(-1, seq_len).shape) != (batch_size, seq_len):
-            raise ValueError(f"batch['{name}'] has shape {tuple(torch.as_tensor(batch[name]).shape)}, "
-                             f"input_ids {tuple(input_ids.shape)}; give one entry per token")
+        shape = tuple(torch.as_tensor(batch[name]).shape) if name in batch else input_ids.shape
+        if shape[-1:] != (seq_len,) or int(torch.Size(shape).numel()) != batch_size * seq_len:
+            raise ValueError(f"batch['{name}'] has shape {shape}, input_ids {tuple(input_ids.shape)}; "
+                             f"give one entry per token")
     if "shift_labels" in batch:
         labels = _tensor(batch["shift_labels"], "shift_labels")
     else:
@@ -335,13 +336,13 @@ def _forward_with_loss(model, mt: MTraining):
     from .ring.agreement import new_step
     original = model.forward
 
-    @functools.wraps(original)
+    # its own signature (not the model's): the HF Trainer keeps the dataset columns it names
     def forward(input_ids=None, shift_labels=None, position_ids=None, doc_start=None, num_valid_tokens=None,
-                labels=None, attention_mask=None, **kwargs):
+                labels=None, attention_mask=None, cu_seqlens=None, cu_seq_lens_q=None, **kwargs):
         new_step()
-        if labels is not None:
-            raise ValueError("labels on a striped shard cannot be shifted there; wrap the loader with "
-                             "mt.loader(...) (it shifts them on the whole sequence and yields shift_labels)")
+        if labels is not None or cu_seqlens is not None or cu_seq_lens_q is not None:
+            raise ValueError("labels or document boundaries reached the model unstriped; wrap the loader with "
+                             "mt.loader(...) (it shifts labels on the whole sequence and yields shift_labels)")
         if attention_mask is not None:
             raise ValueError("MTraining attention takes no attention_mask; wrap the loader with mt.loader(...) "
                              "(it drops a mask of ones and refuses padding)")
@@ -353,6 +354,7 @@ def _forward_with_loss(model, mt: MTraining):
                                   **kwargs).last_hidden_state
         return CausalLMOutputWithPast(loss=mt.loss(hidden, shift_labels, num_valid_tokens))
 
+    forward.__doc__ = f"MTraining's forward (ds_mtraining.integration) around:\n{original.__doc__ or ''}"
     return forward
 
 
