@@ -394,6 +394,7 @@ def _install_hooks():
         return
     import deepspeed
     from torch.distributed import distributed_c10d
+    from .distributed.shm import release_shm_buffer
     from .ring import estimate_graph
     initialize = deepspeed.initialize
 
@@ -408,7 +409,10 @@ def _install_hooks():
                                  "or none (it is added)")
             for key in ("config", "config_params"):
                 kwargs[key] = _with_mtraining_config(kwargs.get(key), mt)
-        return initialize(*args, **kwargs)
+        result = initialize(*args, **kwargs)
+        if mt is not None:
+            release_shm_buffer()  # DeepSpeed's comm may have started only now (accelerate initialised torch's)
+        return result
 
     destroy = distributed_c10d.destroy_process_group
 
@@ -445,7 +449,7 @@ def enable(model, config=None, *, sequence_parallel_size: int | None = None, spa
     check_model_config(model.config, key=type(model.config).__name__)
     if not dist.is_initialized():
         deepspeed.init_distributed()
-        release_shm_buffer()
+    release_shm_buffer()  # on CPU: the name of DeepSpeed's shm buffer (whoever initialised), not the mapping
     settings = resolve_settings(config, dist.get_world_size(), sequence_parallel_size=sequence_parallel_size,
                                 sparse=sparse, ring=ring, loss_chunk_tokens=loss_chunk_tokens, liger=liger,
                                 keep_attention_output=keep_attention_output, attention=attention)
