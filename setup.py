@@ -106,7 +106,7 @@ setup(
         # enough: only its headers are used)
         "cuda": ["nvidia-cutlass==4.2.0.0"],  # the CuTe wgmma atom names the kernels use
         "mpi": ["mpi4py"],
-        "dev": ["pytest"],
+        "dev": ["pytest", "accelerate>=1.10"],  # accelerate: the HF Trainer example and its test
     },
     entry_points={"console_scripts": ["ds-mtraining=ds_mtraining.cli:main"]},
     ext_modules=ext_modules,

@@ -447,19 +447,30 @@ class RankBatches:
         pairs = [self.samples[i] for i in ids]
         input_ids = torch.stack([p[0] for p in pairs])
         labels = torch.stack([p[1] for p in pairs])
-        seq_len = input_ids.shape[1]
-        batch = {"input_ids": self.layout.shard(input_ids, self.sequence_rank),
-                 "labels": self.layout.shard(labels, self.sequence_rank)}
+        doc_start = None
         cu_seqlens = [self.samples.cu_seqlens(i) for i in ids] if self.document_masking else []
         if any(len(cu) > 2 for cu in cu_seqlens):  # a sample packs several documents: mask them
-            from .documents import doc_start_from_cu_seqlens, document_positions
-            doc_start = doc_start_from_cu_seqlens(cu_seqlens, seq_len, len(ids))
-            batch["position_ids"] = self.layout.shard(document_positions(doc_start), self.sequence_rank)
-            batch["doc_start"] = doc_start
-        else:  # no masking, or one document per sample (nothing to mask: the faster paths run)
-            positions = self.layout.positions(seq_len, self.sequence_rank)
-            batch["position_ids"] = positions.expand(input_ids.shape[0], -1).contiguous()
-        return batch
+            from .documents import doc_start_from_cu_seqlens
+            doc_start = doc_start_from_cu_seqlens(cu_seqlens, input_ids.shape[1], len(ids))
+        return shard_batch(self.layout, self.sequence_rank, input_ids, labels, doc_start)
+
+
+def shard_batch(layout, rank: int, input_ids: torch.Tensor, labels: torch.Tensor,
+                doc_start: torch.Tensor | None = None) -> dict:
+    """``rank``'s shard under ``layout`` of whole sequences ``input_ids`` and ``labels`` [B, S]
+    (labels already shifted on the global sequence): a dict of [B, S/W] int64 input_ids, labels
+    and position_ids (the global positions of its tokens). With ``doc_start`` ([B, S], several
+    documents packed) the position ids restart at 0 in each document and ``doc_start`` rides along
+    whole (every rank needs all of it); without, there is nothing to mask (the faster paths run)."""
+    batch = {"input_ids": layout.shard(input_ids, rank), "labels": layout.shard(labels, rank)}
+    if doc_start is not None:
+        from .documents import document_positions
+        batch["position_ids"] = layout.shard(document_positions(doc_start), rank)
+        batch["doc_start"] = doc_start
+    else:
+        positions = layout.positions(input_ids.shape[1], rank, device=input_ids.device)
+        batch["position_ids"] = positions.expand(input_ids.shape[0], -1).contiguous()
+    return batch
 
 
 def datasets_offline():
