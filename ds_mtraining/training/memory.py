@@ -36,7 +36,6 @@ import os
 import re
 import resource
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -67,7 +66,7 @@ class MemorySettings:
     tiled_mlp: str | bool = "auto"  # auto: on where a rank holds >= 2 chunks of tokens
     mlp_chunk_tokens: int = 16384
     offload_checkpoints: str | int = "auto"  # auto | all | none | N (the first N layers)
-    host_reserve_gib: float = 8.0  # host memory left to the processes, the loader, transfers
+    host_reserve_gib: str | float = "auto"  # host memory left to the processes: auto = min(8, MemTotal / 10)
     expandable_segments: bool = True  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True unless set
 
     def to_dict(self) -> dict:
@@ -100,8 +99,9 @@ def parse_memory(section: dict, checkpointing: bool) -> MemorySettings:
                           f"checkpointing saves, and checkpointing is off: set {MTRAINING_KEY}."
                           f"gradient_checkpointing to true, or this to 'none'")
     reserve = settings.host_reserve_gib
-    if isinstance(reserve, bool) or not isinstance(reserve, (int, float)) or reserve < 0:
-        raise ConfigError(f"{SECTION}.host_reserve_gib={reserve!r} must be a number of GiB >= 0")
+    if reserve != "auto" and (isinstance(reserve, bool) or not isinstance(reserve, (int, float)) or reserve < 0):
+        raise ConfigError(f"{SECTION}.host_reserve_gib={reserve!r} must be 'auto' (8 GiB, at most a tenth of the "
+                          f"host's memory) or a number of GiB >= 0")
     if not isinstance(settings.expandable_segments, bool):
         raise ConfigError(f"{SECTION}.expandable_segments={settings.expandable_segments!r} must be true or false")
     return settings
@@ -276,11 +276,16 @@ def host_available_gib() -> tuple[float, str]:
     given = os.environ.get(HOST_MEMORY_ENV)
     if given:
         return float(given), f"{HOST_MEMORY_ENV}"
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024 / GIB, "MemAvailable"
     import psutil
-    return psutil.virtual_memory().available / GIB, "psutil"
+    return psutil.virtual_memory().available / GIB, "MemAvailable"
+
+
+def host_reserve_gib(setting) -> float:
+    """``host_reserve_gib``: as given, or for "auto" 8 GiB, at most a tenth of the host's memory."""
+    if setting != "auto":
+        return float(setting)
+    import psutil
+    return min(8.0, psutil.virtual_memory().total / GIB / 10)
 
 
 def count_parameters(config) -> int:
@@ -336,7 +341,7 @@ def plan_memory(run, ds_config: dict, world_size: int, cuda: bool | None = None)
     local = min(local_world_size() or world_size, world_size)
     # ZeRO partitions the optimizer over every rank holding a replica (data x sequence parallel)
     optimizer_gib = optimizer_host_bytes_per_parameter(ds_config) * parameters * local / world_size / GIB
-    reserve = float(settings.host_reserve_gib)
+    reserve = host_reserve_gib(settings.host_reserve_gib)
     available, source = host_available_gib()
     per_layer_host_gib = local * (pinned_bytes(layer_bytes) if cuda else layer_bytes) / GIB
     room = available - optimizer_gib - reserve
