@@ -74,6 +74,23 @@ def test_search_up_and_down_resume_breakdown_and_overhead(tmp_path):
     assert again["models"]["qwen2.5-3b"]["ulysses"]["max_seq_len"] == 131072 and len(again["invocations"]) == 2
 
 
+def test_optimizer_too_large_for_the_host_stops_the_search(tmp_path):
+    """A host refusal with no checkpoint offloaded (the CPU optimizer alone) holds at every length:
+    one launch, no step down; max_seq_len None, the limit "host"."""
+    calls = []
+
+    def refused(config, gpus, world, folder, port, args):
+        calls.append(config["mtraining"]["seq_len"])
+        raise e2e.LaunchFailed("host", "configuration error: host memory: the CPU optimizer needs 134.6 GiB (8.03B "
+                                       "parameters x 18 bytes x 1/1 ranks on this node), 0 offloaded layer "
+                                       "checkpoints 0.0 GiB, reserve 8.0 GiB")
+    record = capacity.Capacity(capacity.parse_args(["--cpu", "--models", "llama-3.1-8b", "--starting_len", "524288",
+                                                    "--out", str(tmp_path), "--tag", "t"]), refused).run()
+    entry = record["models"]["llama-3.1-8b"]["mtraining"]
+    assert calls == [524288] and entry["max_seq_len"] is None
+    assert entry["limit"] == {"seq_len": 524288, "failure": "host"} and entry["breakdown"] is None
+
+
 def test_host_refusal_is_its_own_failure_kind(tmp_path, monkeypatch):
     """bench.e2e's launch reports the run's exit as an error with the log's tail; a host-check line
     in it makes the failure "host"."""

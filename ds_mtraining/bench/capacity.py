@@ -73,6 +73,12 @@ def capacity_launch(config: dict, gpus, world: int, folder: Path, port: int, arg
     return result
 
 
+def optimizer_alone(result: dict) -> bool:
+    """A host-check refusal with no checkpoint offloaded: the CPU optimizer alone does not fit the
+    host, at any length."""
+    return result.get("failure") == "host" and " 0 offloaded layer checkpoints" in result.get("error", "")
+
+
 def breakdown(result: dict) -> dict | None:
     """GiB per rank at one length: the analytic resident parts and host parts of its plan, the
     measured transient and the largest analytic transient."""
@@ -152,15 +158,15 @@ class Capacity:
                 self.save()
             return lengths[str(seq_len)]["fits"]
 
-        rungs = ladder(1 << 16, self.args.max_len)
+        rungs = ladder(min(1 << 16, self.args.starting_len), self.args.max_len)
         at = max([i for i, r in enumerate(rungs) if r <= self.args.starting_len], default=0)
         if fits(rungs[at]):
             for seq_len in rungs[at + 1:]:
                 if not fits(seq_len):
                     break
-        else:
+        elif not optimizer_alone(lengths[str(rungs[at])]):  # (no shorter length needs less host memory)
             for seq_len in reversed(rungs[:at]):
-                if fits(seq_len):
+                if fits(seq_len) or optimizer_alone(lengths[str(seq_len)]):
                     break
 
     def overhead(self, model: str, mode: str, seq_len: int):
@@ -264,7 +270,8 @@ def plot(record: dict, path: Path):
         ax.set_xticks([n / 1024 for n in lengths], [f"{n // 1024}K" for n in lengths])
         ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -48,6 +48,7 @@ ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
 EXPANDABLE = "expandable_segments:True"
 # a test hook: the host's available memory in GiB instead of /proc/meminfo's MemAvailable
 HOST_MEMORY_ENV = "DS_MTRAINING_HOST_MEMORY_GIB"
+CPU_ONLY = "no CUDA allocator (CPU)"
 
 
 class HostMemoryError(ConfigError):
@@ -261,8 +262,9 @@ class MemoryPlan:
         """The run's first line: each memory setting and why."""
         mlp = (f"tiled MLP ({self.mlp_chunk_tokens}-token chunks)" if self.tiled_mlp else "MLP untiled")
         if self.offload_layers:
-            offload = (f"checkpoints of the first {self.offload_layers} of {self.num_layers} layers to pinned host "
-                       f"memory ({self.offload_choice})")
+            where = "pinned host memory" if self.alloc_conf != CPU_ONLY else "host memory (CPU: plain copies)"
+            offload = (f"checkpoints of the first {self.offload_layers} of {self.num_layers} layers to {where} "
+                       f"({self.offload_choice})")
         else:
             offload = f"checkpoints on the GPU ({self.offload_choice})"
         host = self.host
@@ -366,7 +368,7 @@ def plan_memory(run, ds_config: dict, world_size: int, cuda: bool | None = None)
         choice = (f"auto: the host holds {fits} of {layers - 1}" if cuda else "auto: off without CUDA")
     else:
         count = layers - 1 if offload == "all" else min(offload, layers - 1)
-        choice = f"{offload!r}" + (" (the last layer's stays: the backward needs it first)"
+        choice = f"offload_checkpoints={offload!r}" + (" (the last layer's stays: the backward needs it first)"
                                    if offload == "all" or offload >= layers else "")
         if count > fits:
             raise HostMemoryError(
@@ -425,7 +427,7 @@ def alloc_conf_setting(expandable: bool, cuda: bool) -> str:
     if given is not None:
         return f"{ALLOC_CONF}={given} (yours)"
     if not cuda:
-        return "no CUDA allocator (CPU)"
+        return CPU_ONLY
     if not expandable:
         return f"{ALLOC_CONF} unset ({SECTION}.expandable_segments false)"
     os.environ[ALLOC_CONF] = EXPANDABLE
