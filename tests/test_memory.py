@@ -305,3 +305,30 @@ def test_training_with_memory_tools_equals_training_without(tmp_path):
                                                "no CUDA peak to report (Tried to allocate 10.75 GiB); "), results[rank]
     plan = json.loads((tmp_path / "run_on" / "memory_plan.json").read_text())
     assert plan["tiled_mlp"] and plan["offload_layers"] == 1 and plan["tokens_per_rank"] == 256
+
+
+def test_loss_never_holds_sequence_by_vocabulary():
+    """The chunked loss, forward and backward, over 4096 tokens and a 1000-word vocabulary with
+    512-row chunks: no tensor any op returns reaches S x V elements (the largest is one chunk's
+    [512, 1000] logits; the weight's gradient is [V, D]). Liger's fused loss (CUDA) chunks the same
+    way inside its kernels; a CPU run cannot watch it."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from ds_mtraining.loss import token_cross_entropy_sum
+
+    class Largest(TorchDispatchMode):
+        numel = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for tensor in (out if isinstance(out, (tuple, list)) else [out]):
+                if isinstance(tensor, torch.Tensor):
+                    Largest.numel = max(Largest.numel, tensor.numel())
+            return out
+    seq, vocab, hidden = 4096, 1000, 32
+    g = torch.Generator().manual_seed(0)
+    states = torch.randn(seq, hidden, generator=g, requires_grad=True)
+    weight = torch.randn(vocab, hidden, generator=g, requires_grad=True)
+    labels = torch.randint(0, vocab, (seq,), generator=g)
+    with Largest():
+        token_cross_entropy_sum(states, weight, labels, chunk_tokens=512).backward()
+    assert Largest.numel == 512 * vocab < seq * vocab
