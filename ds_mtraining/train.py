@@ -25,14 +25,28 @@ precision, monitors), an ``"mtraining"`` section, removed before the JSON reache
       "static": {"density": 0.1, "sink_tokens": 4},  # attention "static" only (or "window_tokens")
       "document_masking": true,         # default: on where the data packs documents (not "random",
                                         # not ulysses); RoPE positions restart per document
-      "liger": "auto"                   # liger-kernel RMSNorm/RoPE/SwiGLU and loss on CUDA where installed
+      "liger": "auto",                  # liger-kernel RMSNorm/RoPE/SwiGLU and loss on CUDA where installed
+      "memory": {                       # ds_mtraining.training.memory; the defaults aim at the longest length
+        "tiled_mlp": "auto",            # the MLP over token chunks (auto: where a rank holds >= 2 chunks)
+        "mlp_chunk_tokens": 16384,
+        "offload_checkpoints": "auto",  # checkpointed layer inputs of the first N layers to pinned host
+                                        # memory: auto (as many as the host holds) | all | none | N
+        "host_reserve_gib": "auto",     # host memory the check leaves free: auto = min(8, a tenth)
+        "expandable_segments": true     # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True unless set
+      }
     }
 
 ``"attention": "ulysses"`` is the baseline users run today: the model's own dense attention (torch
 SDPA, flash on GPUs) under DeepSpeed-Ulysses over the ``sequence_parallel_size`` ranks (at 1: plain
 dense SDPA), on contiguous shards of the same samples, with the same loss, engine and groups
 (:func:`ds_mtraining.hf.use_ulysses_attention`). Each logged step also records, on CUDA, every
-rank's peak allocated memory (``peak_memory_gib``: the largest; ``peak_memory_gib_rank<r>``).
+rank's peak allocated memory (``peak_memory_gib``: the largest; ``peak_memory_gib_rank<r>``), the
+memory allocated between steps (``resident_memory_gib``), and on every device the host memory summed
+over the ranks (``host_rss_gib``, ``host_peak_rss_gib``) and the GiB of checkpoints offloaded
+(``offloaded_gib``). The run's first line says each memory setting and the host check's numbers
+(``SAVE_DIR/memory_plan.json``: the analytic breakdown); a host that cannot hold the CPU optimizer
+and the offloaded checkpoints stops the run before the engine starts, and a CUDA out-of-memory error
+is one line with the length, the peak and the setting to try.
 
 Everything is validated before any process group exists; a bad value is one error naming its key
 and the fix. Checkpoints (``--save_dir``, every ``--save_interval`` steps) go through
@@ -56,6 +70,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import json
 import os
 import sys
 import time
@@ -69,6 +84,8 @@ from ds_mtraining.distributed import ParallelConfigError, initialize_groups, shu
 from ds_mtraining.distributed.shm import release_shm_buffer
 from ds_mtraining.training import MTRAINING_KEY, ConfigError
 from ds_mtraining.training.export import export_hf
+from ds_mtraining.training.memory import CheckpointOffload, OutOfMemory, host_memory_now, out_of_memory_line, \
+    plan_memory, tile_mlps
 from ds_mtraining.training.checkpoint import claim_save_dir, continue_metrics, resume_checkpoint, save_checkpoint
 from ds_mtraining.training.model import MTrainingCausalLM, build_model, model_config, use_fused_kernels
 from ds_mtraining.training.profile import describe, profiled, summarise, write_summary
@@ -169,6 +186,10 @@ def train(args, watchdog: Watchdog | None = None) -> dict:
     run, ds_config = load_run_config(args.deepspeed_config, world_size, args.model, args.data)
     ds_config = with_default_monitor(ds_config, args.save_dir)
     claim_save_dir(args.save_dir, monitor_dir(ds_config), args.resume, args.overwrite, clear=local_rank() == 0)
+    # before CUDA starts (the allocator setting) and before the optimizer takes host memory
+    plan = plan_memory(run, ds_config, world_size)
+    if launcher_rank() == 0:
+        print(plan.describe(), flush=True)
     # the data before any process group: an empty or unreadable corpus is one line, not a hang
     tokenizer = load_tokenizer(run.tokenizer)
     samples = training_samples(run.data, run.seq_len, tokenizer, args.seed, model_config(run.model).vocab_size,
@@ -193,6 +214,8 @@ def train(args, watchdog: Watchdog | None = None) -> dict:
     if launcher_rank() == 0:
         print("ds_mtraining: liger-kernel RMSNorm/RoPE/SwiGLU and fused linear cross-entropy: "
               + (f"off ({fused_off})" if fused_off else "on"))
+    if plan.tiled_mlp:  # after liger: the tiles wrap liger's SwiGLU where it was applied
+        tile_mlps(model, plan.mlp_chunk_tokens)
     stats = AttentionStats(enabled=False)
     ulysses = run.attention == ULYSSES
     if not ulysses:  # (Ulysses is registered below, once the micro-batch size is known)
@@ -222,6 +245,11 @@ def train(args, watchdog: Watchdog | None = None) -> dict:
     if watchdog is not None:
         watchdog.step = step
     progress = Progress(args.steps, step, enabled=dist.get_rank() == 0 and not args.no_progress)
+    if dist.get_rank() == 0:
+        Path(args.save_dir).mkdir(parents=True, exist_ok=True)
+        (Path(args.save_dir) / "memory_plan.json").write_text(json.dumps(plan.to_dict(), indent=1))
+    offload = (CheckpointOffload(plan.offload_layers, plan.num_layers, engine.device.type == "cuda")
+               if plan.offload_layers else contextlib.nullcontext())
     progress.print(describe_run(run, groups))
     if args.resume:
         progress.print(f"resumed from {args.save_dir} at step {step} (data position {position})")
@@ -232,15 +260,20 @@ def train(args, watchdog: Watchdog | None = None) -> dict:
         stats.reset()
         stats.enabled = (step + 1) % args.log_interval == 0
         losses = []
-        with profiled(args.profile_step == step + 1) as profiler:
-            for micro in range(accumulation):
-                batch = batches.batch(position)
-                position += 1
-                loss = engine(**{k: v.to(engine.device) for k, v in batch.items()})
-                engine.backward(loss)
-                engine.step()
-                losses.append(loss.detach().float())
-                stats.enabled = False
+        resident = resident_memory()
+        try:
+            with profiled(args.profile_step == step + 1) as profiler:
+                for micro in range(accumulation):
+                    batch = batches.batch(position)
+                    position += 1
+                    with offload:  # the checkpointed inputs of the first N layers on the host
+                        loss = engine(**{k: v.to(engine.device) for k, v in batch.items()})
+                        engine.backward(loss)
+                    engine.step()
+                    losses.append(loss.detach().float())
+                    stats.enabled = False
+        except torch.OutOfMemoryError as error:
+            raise OutOfMemory(out_of_memory_line(error, run, plan, step + 1)) from None
         step += 1
         if profiler is not None:
             summary = summarise(profiler, step, dist.get_rank(), time.perf_counter() - started)
@@ -255,7 +288,8 @@ def train(args, watchdog: Watchdog | None = None) -> dict:
         history.append(mean_loss)
         if step % args.log_interval == 0:
             metrics = {"loss": mean_loss, "tokens_per_s": tokens_per_step / elapsed,
-                       "lr": engine.get_lr()[0], **({} if ulysses else stats.summary()), **peak_memory()}
+                       "lr": engine.get_lr()[0], **({} if ulysses else stats.summary()), **peak_memory(),
+                       **resident, **host_memory(engine.device), **offloaded(offload)}
             engine.monitor.write_events([(f"Train/mtraining/{k}", v, step) for k, v in metrics.items()])
             progress.update(step, metrics)
         if not args.no_checkpoint and (args.save_interval and step % args.save_interval == 0 or step == args.steps):
@@ -334,6 +368,23 @@ def load_attention_op(device: str):
     op_module(device)
     if dist.get_rank() == 0:
         dist.barrier()
+def resident_memory() -> dict:
+    """On CUDA, this rank's allocated memory between steps (weights, gradient buffers: what stays)."""
+    return {"resident_memory_gib": torch.cuda.memory_allocated() / 2 ** 30} if torch.cuda.is_available() else {}
+
+
+def host_memory(device) -> dict:
+    """Resident and peak resident host memory, summed over the ranks (a collective; GiB)."""
+    local = host_memory_now()
+    values = torch.tensor([local["host_rss_gib"], local["host_peak_rss_gib"]], dtype=torch.float64, device=device)
+    dist.all_reduce(values)
+    return {"host_rss_gib": float(values[0]), "host_peak_rss_gib": float(values[1])}
+
+
+def offloaded(offload) -> dict:
+    """GiB of checkpointed inputs this rank offloaded in its last micro-step (0: no offload)."""
+    stats = getattr(offload, "stats", None)
+    return {"offloaded_gib": stats.offloaded_bytes / 2 ** 30 if stats is not None else 0.0}
 
 
 def peak_memory() -> dict:
@@ -375,6 +426,8 @@ def main(argv=None):
     except DeviceError as error:  # only the ranks without a device find it
         print(f"ds_mtraining.train: {error}", file=sys.stderr)
         sys.exit(2)
+    except OutOfMemory as error:  # one line from the rank that ran out; the launcher stops the rest
+        watchdog.stop(str(error), code=1, printer=rank)
     except Exception as error:  # noqa: BLE001 - a dead peer or launcher: one line, no traceback
         watchdog.on_failure(error)
         raise

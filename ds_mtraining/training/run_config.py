@@ -11,6 +11,7 @@ from ..data import DataConfigError, check_data_spec, folder_spec, load_tokenizer
 from ..distributed import RING_KINDS, ParallelConfigError, check_parallel_sizes
 from ..ring.layout import check_divisible
 from . import MTRAINING_KEY, ConfigError
+from .memory import MemorySettings, parse_memory
 from .model import PRESETS, check_liger_setting, model_config
 
 ULYSSES = "ulysses"  # dense HF attention (torch SDPA) under DeepSpeed-Ulysses sequence parallelism
@@ -34,6 +35,7 @@ class RunConfig:
     document_masking: bool = False  # packed documents attend only within themselves (ds_mtraining.documents)
     liger: str | bool = "auto"  # liger-kernel's RMSNorm/RoPE/SwiGLU and loss (training.model.use_fused_kernels)
     keep_attention_output: bool = False  # attention once per layer under checkpointing (layer.py keep_output)
+    memory: MemorySettings = field(default_factory=MemorySettings)  # tiled MLP, checkpoint offload (training.memory)
 
     def to_dict(self) -> dict:
         values = asdict(self)
@@ -84,7 +86,7 @@ def parse_run_config(section: dict, world_size: int) -> RunConfig:
         raise ConfigError(f"the DeepSpeed JSON needs a \"{MTRAINING_KEY}\" object, got {section!r}")
     known = {"seq_len", "sequence_parallel_size", "ring", "stripe_block", "sparse", "model", "tokenizer",
              "data", "loss_chunk_tokens", "gradient_checkpointing", "attention", "static", "document_masking",
-             "liger", "keep_attention_output"}
+             "liger", "keep_attention_output", "memory"}
     unknown = sorted(set(section) - known)
     if unknown:
         raise ConfigError(f"unknown key(s) {unknown} in '{MTRAINING_KEY}'; valid keys are {sorted(known)}")
@@ -136,7 +138,8 @@ def parse_run_config(section: dict, world_size: int) -> RunConfig:
                      tokenizer=tokenizer, data=dict(section.get("data", {"source": "stdlib"})),
                      loss_chunk_tokens=_positive_int(section, "loss_chunk_tokens", 1024),
                      gradient_checkpointing=checkpointing, attention=attention, static=static,
-                     document_masking=documents, liger=liger, keep_attention_output=keep)
+                     document_masking=documents, liger=liger, keep_attention_output=keep,
+                     memory=parse_memory(section, checkpointing))
 
 
 def _boolean(section: dict, key: str) -> bool:

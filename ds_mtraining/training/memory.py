@@ -1,0 +1,468 @@
+"""The memory a long sequence needs, and the tools that bound it (``mtraining.memory``):
+
+* **tiled MLP** (:func:`tile_mlps`): each decoder layer's MLP over chunks of ``mlp_chunk_tokens``
+  tokens in the forward and the backward, so no [S, intermediate] tensor exists whole. The
+  backward is DeepSpeed's ``TiledMLP.backward`` (it recomputes each chunk with grad and holds back
+  ZeRO's gradient hooks, ``ds_grad_is_ready``, until the last chunk). The forward is our own: it
+  saves the input *before* computing the chunks, so that under activation checkpointing the
+  recomputed forward stops there (``torch.utils.checkpoint``'s early stop) and the MLP runs twice
+  per step, as untiled; DeepSpeed's ``TiledMLP.forward`` saves its input after the chunks, and its
+  MLP runs three times (:class:`TiledMLPFunction`). It wraps whatever forward the MLP module has,
+  HF's or liger-kernel's SwiGLU.
+* **checkpoint offload** (:class:`CheckpointOffload`): the inputs that activation checkpointing saves
+  per decoder layer (the hidden states, [B, S/W, hidden]) of the first N layers go to pinned host
+  memory on a side stream during the forward and come back, one layer ahead, during the
+  backward. Built on DeepSpeed's ``CheckpointHiddenStatesOffload`` (its marker on transformers'
+  ``GradientCheckpointingLayer``, pack hook, side stream and pinned buffer pool), with three
+  changes: a restored tensor is not cached until the step ends (DeepSpeed's cache keeps every
+  restored layer on the GPU to the end of the backward, so the backward's last layers peak as
+  without offload), the next layer's tensor is prefetched while the current one's backward
+  runs, and on CPU the copy still happens (into a separate CPU tensor) so that CPU runs exercise
+  it.
+* **the host check** (:func:`plan_memory`): before any process group exists, the host memory the
+  CPU optimizer (ZeRO offload) and the offloaded checkpoints need against what the host has; it
+  picks N for ``"auto"`` or refuses with one line naming the numbers and the setting to change.
+* ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` before CUDA starts, unless the user set
+  the variable (fragmentation at 512K: 11.7 GiB reserved but unallocated at the OOM).
+* a CUDA out-of-memory error during training becomes one line (:func:`out_of_memory_line`).
+
+The loss never holds [S, vocab]: :mod:`ds_mtraining.loss` chunks it (or liger's fused linear
+cross-entropy does).
+"""
+from __future__ import annotations
+
+import math
+import os
+import re
+import resource
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from . import MTRAINING_KEY, ConfigError
+
+GIB = 2 ** 30
+SECTION = f"{MTRAINING_KEY}.memory"
+OFFLOAD_WORDS = ("auto", "all", "none")
+ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
+EXPANDABLE = "expandable_segments:True"
+# a test hook: the host's available memory in GiB instead of /proc/meminfo's MemAvailable
+HOST_MEMORY_ENV = "DS_MTRAINING_HOST_MEMORY_GIB"
+CPU_ONLY = "no CUDA allocator (CPU)"
+
+
+class HostMemoryError(ConfigError):
+    """The CPU optimizer and the offloaded checkpoints do not fit the host's memory."""
+
+
+class OutOfMemory(RuntimeError):
+    """A CUDA out-of-memory error during training, as one line (:func:`out_of_memory_line`)."""
+
+
+# ----------------------------------------------------------------------------- settings
+@dataclass
+class MemorySettings:
+    """``mtraining.memory``; each default aims at the longest sequence that fits."""
+
+    tiled_mlp: str | bool = "auto"  # auto: on where a rank holds >= 2 chunks of tokens
+    mlp_chunk_tokens: int = 16384
+    offload_checkpoints: str | int = "auto"  # auto | all | none | N (the first N layers)
+    host_reserve_gib: str | float = "auto"  # host memory left to the processes: auto = min(8, MemTotal / 10)
+    expandable_segments: bool = True  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True unless set
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def parse_memory(section: dict, checkpointing: bool) -> MemorySettings:
+    """Validates ``mtraining.memory`` (a bad value: one ConfigError naming the key and the fix)."""
+    values = section.get("memory", {})
+    if not isinstance(values, dict):
+        raise ConfigError(f"{SECTION} must be an object, e.g. {{\"offload_checkpoints\": \"auto\"}}; got {values!r}")
+    known = set(MemorySettings.__dataclass_fields__)
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(f"unknown key(s) {unknown} in '{SECTION}'; valid keys are {sorted(known)}")
+    settings = MemorySettings(**values)
+    if not (isinstance(settings.tiled_mlp, bool) or settings.tiled_mlp == "auto"):
+        raise ConfigError(f"{SECTION}.tiled_mlp={settings.tiled_mlp!r} must be 'auto' (on where a rank holds at "
+                          f"least two chunks of tokens), true or false")
+    chunk = settings.mlp_chunk_tokens
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ConfigError(f"{SECTION}.mlp_chunk_tokens={chunk!r} must be a positive integer (tokens per MLP "
+                          f"chunk; 16384 keeps a 3B model's chunk intermediates near 1 GiB)")
+    offload = settings.offload_checkpoints
+    if not (offload in OFFLOAD_WORDS or (isinstance(offload, int) and not isinstance(offload, bool) and offload >= 0)):
+        raise ConfigError(f"{SECTION}.offload_checkpoints={offload!r} must be 'auto' (as many layers as the host's "
+                          f"memory holds), 'all', 'none' or a number of layers (the first N)")
+    if offload not in ("auto", "none", 0) and not checkpointing:
+        raise ConfigError(f"{SECTION}.offload_checkpoints={offload!r} offloads the inputs that activation "
+                          f"checkpointing saves, and checkpointing is off: set {MTRAINING_KEY}."
+                          f"gradient_checkpointing to true, or this to 'none'")
+    reserve = settings.host_reserve_gib
+    if reserve != "auto" and (isinstance(reserve, bool) or not isinstance(reserve, (int, float)) or reserve < 0):
+        raise ConfigError(f"{SECTION}.host_reserve_gib={reserve!r} must be 'auto' (8 GiB, at most a tenth of the "
+                          f"host's memory) or a number of GiB >= 0")
+    if not isinstance(settings.expandable_segments, bool):
+        raise ConfigError(f"{SECTION}.expandable_segments={settings.expandable_segments!r} must be true or false")
+    return settings
+
+
+# ----------------------------------------------------------------------------- the tiled MLP
+class TiledMLPFunction(torch.autograd.Function):
+    """``fn(module, x)`` (an MLP: hidden -> hidden per token) over ``shards`` chunks of the
+    flattened tokens. ``forward`` saves ``x`` and returns an uninitialised output; the caller
+    fills it chunk by chunk without grad (:func:`tiled_mlp`). Saving first matters under
+    non-reentrant activation checkpointing: the recomputed forward stops at the layer's last
+    saved tensor, this one, before the chunks run again. ``backward`` is DeepSpeed's
+    ``TiledMLP.backward`` (the same argument order): each chunk recomputed with grad, its input
+    gradient written in place, ZeRO's gradient hooks held until the last chunk."""
+
+    @staticmethod
+    def forward(ctx, fn, module, x, shards, compute_params):
+        ctx.fn, ctx.self, ctx.shards = fn, module, shards
+        ctx.compute_params = [p for p in compute_params if p.requires_grad]
+        ctx.save_for_backward(x)
+        return torch.empty_like(x)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
+        return TiledMLP.backward(ctx, *grads)
+
+
+def tiled_mlp(fn, module, x: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
+    """``fn(module, x)`` computed ``chunk_tokens`` tokens at a time, forward and backward."""
+    tokens = x.numel() // x.shape[-1]
+    shards = max(1, math.ceil(tokens / chunk_tokens))
+    if not torch.is_grad_enabled():
+        out = torch.empty_like(x)
+    else:
+        out = TiledMLPFunction.apply(fn, module, x, shards, list(module.parameters()))
+    flat_in, flat_out = x.reshape(-1, x.shape[-1]), out.view(-1, x.shape[-1])
+    with torch.no_grad():  # the chunks' intermediates are freed chunk by chunk
+        for piece, target in zip(flat_in.chunk(shards), flat_out.chunk(shards)):
+            target.copy_(fn(module, piece))
+    return out
+
+
+def tile_mlps(model, chunk_tokens: int) -> int:
+    """Replaces the forward of every decoder layer's ``mlp`` by its tiled form, wrapping the
+    forward the module has now (HF's, or liger-kernel's SwiGLU where applied: tile after liger).
+    Returns the number of MLPs tiled."""
+    count = 0
+    for layer in model.base_model.layers:
+        mlp = layer.mlp
+        current = mlp.forward  # a bound method: the class's, or one set on the instance (liger)
+
+        def forward(x, _current=current, _mlp=mlp):
+            return tiled_mlp(lambda module, piece: _current(piece), _mlp, x, chunk_tokens)
+        mlp.forward = forward
+        count += 1
+    return count
+
+
+# ----------------------------------------------------------------------------- checkpoint offload
+def _offload_base():
+    from deepspeed.runtime.activation_checkpointing.offload_activations import CheckpointHiddenStatesOffload
+    return CheckpointHiddenStatesOffload
+
+
+class CheckpointOffload(_offload_base()):
+    """The checkpointed inputs of the first ``layers`` of ``num_layers`` decoder layers to host
+    memory (see the module docstring). Enter it around each micro-step's forward *and* backward;
+    on CUDA the copies run on a side stream into pinned buffers reused across steps, on CPU they
+    are plain copies into separate CPU tensors (no pinning, no streams: what a CPU run cannot
+    exercise). ``stats`` (DeepSpeed's) counts tensors and bytes of the last micro-step."""
+
+    def __init__(self, layers: int, num_layers: int, cuda: bool):
+        if not 0 < layers < num_layers:
+            raise ValueError(f"offload {layers} of {num_layers} layers: give 1 .. {num_layers - 1}")
+        # keep_last: the newest num_layers - layers inputs stay (the last layers', which the backward
+        # needs first); no forward stash: every offloaded input leaves the GPU (the prefetch brings
+        # it back ahead of its backward)
+        super().__init__(use_pin_memory=cuda, use_streams=cuda, min_offload_bytes=0, max_fwd_stash_count=0,
+                         max_cpu_buffer_pool_count=layers, keep_last_count=num_layers - layers)
+        self.layers, self.cuda = layers, cuda
+        self._prefetched: dict = {}
+
+    def _should_skip(self, tensor: torch.Tensor) -> bool:
+        if self.cuda:
+            return super()._should_skip(tensor)
+        return isinstance(tensor, torch.nn.Parameter) or (tensor.numel() > 1 and 0 in tensor.stride())
+
+    def _unpack_tensor(self, maybe_ref):
+        # consumed once (no cache): a restored layer's input is freed after its backward
+        if hasattr(maybe_ref, "tensor_id"):
+            return self._restore_tensor(maybe_ref.tensor_id, cache=False)
+        return maybe_ref
+
+    def _restore_tensor(self, tensor_id: int, cache: bool = False) -> torch.Tensor:
+        ready = self._prefetched.pop(tensor_id, None)
+        if ready is None:
+            restored = super()._restore_tensor(tensor_id, cache=False)
+        else:
+            restored, host, key, event = ready
+            if event is not None:
+                self.compute_stream.wait_event(event)
+                restored.record_stream(self.compute_stream)
+                self._pending_cpu_buffers.append((key, host, event))
+            else:
+                self._pool_cpu_buffer(key, host)
+            self.stats.restored_tensors += 1
+            self.stats.restored_bytes += self._num_bytes(restored)
+        self._prefetch_before(tensor_id)
+        return restored
+
+    def _prefetch_before(self, tensor_id: int):
+        """Starts bringing back the offloaded input the backward needs next: the newest one
+        older than ``tensor_id`` (the backward walks the layers in reverse)."""
+        older = [i for i in self._tracker if i < tensor_id and i not in self._prefetched]
+        if not older:
+            return
+        newest = max(older)
+        host, device, shape, stride, key = self._tracker.pop(newest)
+        with self._stream_context(self.s1 if self.use_streams else None):
+            restored = torch.empty_strided(shape, stride, dtype=host.dtype, device=device)
+            restored.copy_(host, non_blocking=self.use_streams)
+        event = self.s1.record_event() if self.use_streams else None
+        self._prefetched[newest] = (restored, host, key, event)
+
+    def reset(self):
+        super().reset()
+        self._prefetched.clear()
+
+    def _sync_and_clear(self):
+        super()._sync_and_clear()
+        self._prefetched.clear()
+
+
+# ----------------------------------------------------------------------------- the plan
+@dataclass
+class MemoryPlan:
+    """What a run will hold where, decided before the engine starts (:func:`plan_memory`)."""
+
+    settings: dict
+    num_layers: int
+    parameters: int
+    tokens_per_rank: int
+    tiled_mlp: bool
+    mlp_chunk_tokens: int
+    offload_layers: int
+    offload_choice: str  # how offload_layers was chosen
+    alloc_conf: str  # what PYTORCH_CUDA_ALLOC_CONF is, and who set it
+    host: dict = field(default_factory=dict)  # GiB: available, optimizer, checkpoints, reserve
+    gpu: dict = field(default_factory=dict)  # GiB: analytic resident memory per rank
+    transients: dict = field(default_factory=dict)  # GiB: analytic transients per rank
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def describe(self) -> str:
+        """The run's first line: each memory setting and why."""
+        mlp = (f"tiled MLP ({self.mlp_chunk_tokens}-token chunks)" if self.tiled_mlp else "MLP untiled")
+        if self.offload_layers:
+            where = "pinned host memory" if self.alloc_conf != CPU_ONLY else "host memory (CPU: plain copies)"
+            offload = (f"checkpoints of the first {self.offload_layers} of {self.num_layers} layers to {where} "
+                       f"({self.offload_choice})")
+        else:
+            offload = f"checkpoints on the GPU ({self.offload_choice})"
+        host = self.host
+        need = (f"host: optimizer {host['optimizer_gib']:.1f} + checkpoints {host['checkpoints_gib']:.1f} + reserve "
+                f"{host['reserve_gib']:.1f} of {host['available_gib']:.1f} GiB available ({host['source']})")
+        return f"ds_mtraining: memory: {mlp}; {offload}; {need}; {self.alloc_conf}"
+
+
+def host_available_gib() -> tuple[float, str]:
+    """(GiB, source): the env hook :data:`HOST_MEMORY_ENV` if set, else MemAvailable."""
+    given = os.environ.get(HOST_MEMORY_ENV)
+    if given:
+        return float(given), f"{HOST_MEMORY_ENV}"
+    import psutil
+    return psutil.virtual_memory().available / GIB, "MemAvailable"
+
+
+def host_reserve_gib(setting) -> float:
+    """``host_reserve_gib``: as given, or for "auto" 8 GiB, at most a tenth of the host's memory."""
+    if setting != "auto":
+        return float(setting)
+    import psutil
+    return min(8.0, psutil.virtual_memory().total / GIB / 10)
+
+
+def count_parameters(config) -> int:
+    """The model's parameter count, from a model built on the meta device (no memory)."""
+    from transformers import AutoModelForCausalLM
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+def training_dtype_bytes(ds_config: dict) -> int:
+    return 2 if any(ds_config.get(k, {}).get("enabled") for k in ("bf16", "fp16")) else 4
+
+
+def optimizer_host_bytes_per_parameter(ds_config: dict) -> int:
+    """Host bytes per parameter of DeepSpeed's ZeRO-1/2 CPU optimizer offload (0 without it):
+    fp32 master weights (4), the optimizer's states (Adam: 8; SGD: 0, 4 with momentum), the fp32
+    gradient partition (4), a pinned copy in the training dtype (2 or 4), and with gradient
+    accumulation the accumulated fp32 gradients (4)."""
+    zero = ds_config.get("zero_optimization", {})
+    if zero.get("offload_optimizer", {}).get("device") != "cpu":
+        return 0
+    optimizer = ds_config.get("optimizer", {})
+    kind = str(optimizer.get("type", "adamw")).lower()
+    states = 8
+    if kind == "sgd":
+        states = 4 if optimizer.get("params", {}).get("momentum") else 0
+    accumulation = 4 if ds_config.get("gradient_accumulation_steps", 1) > 1 else 0
+    return 4 + states + 4 + training_dtype_bytes(ds_config) + accumulation
+
+
+def pinned_bytes(size: int) -> int:
+    """Bytes the CUDA caching host allocator takes for ``size`` (rounded up to a power of two)."""
+    return 1 << max(0, size - 1).bit_length() if size > 0 else 0
+
+
+def plan_memory(run, ds_config: dict, world_size: int, cuda: bool | None = None) -> MemoryPlan:
+    """The memory settings of this run, before any process group: tiled MLP on or off, how many
+    layers' checkpoints go to the host, and the host check (HostMemoryError: one line with the
+    numbers and the setting to change)."""
+    from .model import model_config
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    settings: MemorySettings = run.memory
+    config = model_config(run.model)
+    layers, hidden = config.num_hidden_layers, config.hidden_size
+    parameters = count_parameters(config)
+    micro = ds_config.get("train_micro_batch_size_per_gpu", 1)
+    tokens = micro * run.seq_len // run.sequence_parallel_size
+    dtype_bytes = training_dtype_bytes(ds_config)
+    layer_bytes = tokens * hidden * dtype_bytes  # one layer's checkpointed input per rank
+
+    from ds_mtraining.distributed import local_world_size
+    local = min(local_world_size() or world_size, world_size)
+    # ZeRO partitions the optimizer over every rank holding a replica (data x sequence parallel)
+    optimizer_gib = optimizer_host_bytes_per_parameter(ds_config) * parameters * local / world_size / GIB
+    reserve = host_reserve_gib(settings.host_reserve_gib)
+    available, source = host_available_gib()
+    per_layer_host_gib = local * (pinned_bytes(layer_bytes) if cuda else layer_bytes) / GIB
+    room = available - optimizer_gib - reserve
+    fits = max(0, min(layers - 1, int(room // per_layer_host_gib) if per_layer_host_gib else layers - 1))
+
+    def numbers(offloaded: int) -> str:
+        return (f"the CPU optimizer needs {optimizer_gib:.1f} GiB ({parameters / 1e9:.2f}B parameters x "
+                f"{optimizer_host_bytes_per_parameter(ds_config)} bytes x {local}/{world_size} ranks on this node), "
+                f"{offloaded} offloaded layer checkpoints {offloaded * per_layer_host_gib:.1f} GiB, reserve "
+                f"{reserve:.1f} GiB ({SECTION}.host_reserve_gib): {optimizer_gib + offloaded * per_layer_host_gib + reserve:.1f} "
+                f"GiB > {available:.1f} GiB available ({source})")
+
+    if room < 0:
+        raise HostMemoryError(
+            f"host memory: {numbers(0)}; use a host with more memory or more nodes (ZeRO partitions the "
+            f"optimizer over all ranks), fewer parameters, or lower {SECTION}.host_reserve_gib")
+    offload = settings.offload_checkpoints
+    if not run.gradient_checkpointing or offload in ("none", 0):
+        count, choice = 0, "none" if run.gradient_checkpointing else "checkpointing off"
+    elif offload == "auto":
+        count = fits if cuda else 0
+        choice = (f"auto: the host holds {fits} of {layers - 1}" if cuda else "auto: off without CUDA")
+    else:
+        count = layers - 1 if offload == "all" else min(offload, layers - 1)
+        choice = f"offload_checkpoints={offload!r}" + (" (the last layer's stays: the backward needs it first)"
+                                   if offload == "all" or offload >= layers else "")
+        if count > fits:
+            raise HostMemoryError(
+                f"host memory: {numbers(count)}; set {SECTION}.offload_checkpoints to at most {fits} (or 'auto'), "
+                f"or free host memory")
+
+    tiled = settings.tiled_mlp if isinstance(settings.tiled_mlp, bool) else tokens >= 2 * settings.mlp_chunk_tokens
+    alloc = alloc_conf_setting(settings.expandable_segments, cuda)
+    host = {"available_gib": available, "source": source, "optimizer_gib": optimizer_gib,
+            "checkpoints_gib": count * per_layer_host_gib, "reserve_gib": reserve, "ranks_on_node": local}
+    plan = MemoryPlan(settings=settings.to_dict(), num_layers=layers, parameters=parameters, tokens_per_rank=tokens,
+                      tiled_mlp=tiled, mlp_chunk_tokens=settings.mlp_chunk_tokens, offload_layers=count,
+                      offload_choice=choice, alloc_conf=alloc, host=host)
+    plan.gpu, plan.transients = gpu_breakdown(config, ds_config, plan, dtype_bytes, run, world_size)
+    return plan
+
+
+def gpu_breakdown(config, ds_config: dict, plan: MemoryPlan, dtype_bytes: int, run,
+                  world_size: int) -> tuple[dict, dict]:
+    """Analytic GiB per rank: what stays resident (weights, gradient buckets, optimizer, the
+    checkpoints on the GPU) and the transients of one layer and of the loss; the measured peak
+    less the resident part is the transient a run actually saw."""
+    zero = ds_config.get("zero_optimization", {})
+    p = plan.parameters
+    weights = p * dtype_bytes
+    if zero.get("stage", 0) >= 1 and zero.get("offload_optimizer", {}).get("device") == "cpu":
+        bucket = int(float(zero.get("reduce_bucket_size", 5e8)))
+        gradients = bucket * dtype_bytes * (2 if zero.get("overlap_comm") else 1)
+        optimizer = 0
+    else:  # fp32 master weights and Adam's states partitioned over the ranks (ZeRO-1/2)
+        gradients = p * dtype_bytes
+        optimizer = p * 12 // (world_size if zero.get("stage", 0) >= 1 else 1)
+    s, hidden = plan.tokens_per_rank, config.hidden_size
+    heads, kv = config.num_attention_heads, config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    layer = s * hidden * dtype_bytes
+    on_gpu = plan.num_layers - plan.offload_layers if run.gradient_checkpointing else plan.num_layers
+    mlp_tokens = min(s, plan.mlp_chunk_tokens) if plan.tiled_mlp else s
+    transients = {
+        "mlp_intermediates": 3 * mlp_tokens * config.intermediate_size * dtype_bytes,
+        "attention_qkvo": s * (2 * heads + 2 * kv) * head_dim * dtype_bytes,
+        "attention_fp32_out_lse": s * heads * (head_dim + 1) * 4,
+        "norm_fp32_upcast": s * hidden * 4,
+        "loss_chunk_logits_fp32": 3 * run.loss_chunk_tokens * config.vocab_size * 4,
+    }
+    gpu = {"weights_gib": weights / GIB, "gradients_gib": gradients / GIB, "optimizer_gib": optimizer / GIB,
+           "checkpoints_gib": (on_gpu + (1 if plan.offload_layers else 0)) * layer / GIB,
+           "checkpoint_layer_gib": layer / GIB, "checkpoint_layers_on_gpu": on_gpu}
+    return gpu, {name: value / GIB for name, value in transients.items()}
+
+
+def alloc_conf_setting(expandable: bool, cuda: bool) -> str:
+    """Sets ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (before CUDA starts) where asked
+    and the user has not set the variable; says what it is."""
+    given = os.environ.get(ALLOC_CONF)
+    if given is not None:
+        return f"{ALLOC_CONF}={given} (yours)"
+    if not cuda:
+        return CPU_ONLY
+    if not expandable:
+        return f"{ALLOC_CONF} unset ({SECTION}.expandable_segments false)"
+    os.environ[ALLOC_CONF] = EXPANDABLE
+    return f"{ALLOC_CONF}={EXPANDABLE} (set by ds_mtraining; set the variable to choose another)"
+
+
+# ----------------------------------------------------------------------------- measured, and the OOM line
+def host_memory_now() -> dict:
+    """This process's resident and peak resident host memory (GiB)."""
+    import psutil
+    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"host_rss_gib": psutil.Process().memory_info().rss / GIB, "host_peak_rss_gib": peak_kib * 1024 / GIB}
+
+
+def out_of_memory_line(error: BaseException, run, plan: MemoryPlan | None, step: int) -> str:
+    """One line for a CUDA out-of-memory error: the length, the peak, and the setting to try."""
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    tried = re.search(r"Tried to allocate [0-9.]+ [KMGT]?i?B", first)
+    tried = tried.group(0) if tried else first[:120]
+    if torch.cuda.is_available():
+        peak = torch.cuda.max_memory_allocated() / GIB
+        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / GIB
+        where = f"peak {peak:.1f} GiB allocated of {total:.1f} GiB"
+    else:
+        where = "no CUDA peak to report"
+    tokens = run.seq_len // run.sequence_parallel_size
+    if plan is not None and run.gradient_checkpointing and plan.offload_layers < plan.num_layers - 1:
+        fix = (f"set {SECTION}.offload_checkpoints above {plan.offload_layers} (of {plan.num_layers}; 'all' if the "
+               f"host holds them)")
+    elif plan is not None and not plan.tiled_mlp:
+        fix = f"set {SECTION}.tiled_mlp to true"
+    elif not run.gradient_checkpointing:
+        fix = f"set {MTRAINING_KEY}.gradient_checkpointing to true"
+    else:
+        fix = (f"lower {MTRAINING_KEY}.seq_len or raise {MTRAINING_KEY}.sequence_parallel_size (more GPUs); "
+               f"{SECTION}.mlp_chunk_tokens lower than {run.memory.mlp_chunk_tokens} trims the MLP's part")
+    return (f"CUDA out of memory at step {step} with seq_len {run.seq_len} ({tokens} tokens per GPU): {where} "
+            f"({tried}); {fix}")

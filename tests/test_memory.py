@@ -1,0 +1,334 @@
+"""mtraining.memory (ds_mtraining.training.memory): the tiled MLP against the untiled one, the
+checkpoint offload against no offload (in a model and in training through the real entry point),
+the host check's refusal and choice, the out-of-memory line, the settings' errors.
+
+What a CPU run cannot exercise: pinned host buffers, the side stream and the overlap of the
+copies with compute (on CPU the offload copies into a separate CPU tensor, synchronously), and
+liger-kernel's SwiGLU (Triton, CUDA only): the tiles wrap a module forward set on the instance
+the way liger's patch sets it, here plain torch."""
+import copy
+import json
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers.models.qwen2.modeling_qwen2 import Qwen2MLP
+
+from ds_mtraining.distributed import run_on_ranks
+from ds_mtraining.training import ConfigError
+from ds_mtraining.training.memory import HOST_MEMORY_ENV, CheckpointOffload, HostMemoryError, OutOfMemory, \
+    out_of_memory_line, plan_memory, tile_mlps, tiled_mlp
+from ds_mtraining.training.run_config import load_run_config, parse_run_config
+from helpers import REPO
+
+E2E_CONFIG = REPO / "ds_configs" / "e2e_zero2_offload_bf16.json"
+DEMO_CONFIG = REPO / "ds_configs" / "cpu_demo.json"
+TIMEOUT_S = 240
+TINY = dict(vocab_size=257, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=128)
+
+
+def liger_style(mlp):
+    """A SwiGLU forward bound on the instance, as liger-kernel's patch binds LigerSwiGLUMLP.forward
+    (here in torch: silu(gate) * up, then down)."""
+    mlp.forward = types.MethodType(lambda self, x: self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)), mlp)
+    return mlp
+
+
+@pytest.mark.parametrize("style", ["hf", "liger_style"])
+@pytest.mark.parametrize("chunk", [16, 48, 1000])  # 20, 7 (the last one short) and 1 chunks of 320 tokens
+def test_tiled_mlp_forward_and_gradients_equal_untiled(style, chunk):
+    """HF's Qwen2 MLP (float64) over [2, 160] tokens: the tiled output and the gradients of the input
+    and of all three weights equal the untiled ones (atol 1e-12: only the weight gradients' sums run
+    in another order)."""
+    torch.manual_seed(0)
+    reference = Qwen2MLP(Qwen2Config(**TINY)).double()
+    tiled = copy.deepcopy(reference)
+    if style == "liger_style":
+        liger_style(reference), liger_style(tiled)
+    x = torch.randn(2, 160, 64, dtype=torch.float64, requires_grad=True)
+    x_tiled = x.detach().clone().requires_grad_(True)
+    grad_out = torch.randn(2, 160, 64, dtype=torch.float64)
+    expected = reference(x)
+    expected.backward(grad_out)
+    forward = tiled.forward
+    got = tiled_mlp(lambda module, piece: forward(piece), tiled, x_tiled, chunk)
+    got.backward(grad_out)
+    torch.testing.assert_close(got, expected, atol=1e-12, rtol=0)
+    torch.testing.assert_close(x_tiled.grad, x.grad, atol=1e-12, rtol=0)
+    for (name, param), ref in zip(tiled.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(param.grad, ref.grad, atol=1e-12, rtol=0, msg=name)
+
+
+def _mlp_rows(model) -> dict:
+    """Counts the token rows every MLP forward computes (hooked under the tiles)."""
+    rows = {"n": 0}
+    for layer in model.model.layers:
+        inner = layer.mlp.forward
+
+        def count(x, _inner=inner):
+            rows["n"] += x.numel() // x.shape[-1]
+            return _inner(x)
+        layer.mlp.forward = count
+    return rows
+
+
+def tiny_model(layers: int = 3):
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(**{**TINY, "num_hidden_layers": layers})).double().train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def _step(model, ids, offload=None):
+    """One forward and backward of the decoder stack; (output, {name: grad})."""
+    with offload if offload is not None else torch.enable_grad():
+        out = model.model(input_ids=ids, use_cache=False).last_hidden_state
+        (out ** 2).sum().backward()
+    return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_tiled_model_under_checkpointing_runs_each_mlp_twice_like_untiled():
+    """A 3-layer Qwen2 (float64, non-reentrant activation checkpointing) with tiled MLPs: output and
+    every gradient equal the untiled model's (atol 1e-12), and each MLP computes its tokens twice
+    per step (the forward and the backward's chunks), as the untiled MLP does (the forward and the
+    recompute): the recompute stops at the tiled MLP's saved input. DeepSpeed's TiledMLP computes
+    them three times."""
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
+    ids = torch.randint(0, 257, (2, 100), generator=torch.Generator().manual_seed(1))
+    reference = tiny_model()
+    untiled_rows = _mlp_rows(reference)
+    expected, expected_grads = _step(reference, ids)
+    model = tiny_model()
+    rows = _mlp_rows(model)
+    assert tile_mlps(model, 48) == 3
+    out, grads = _step(model, ids)
+    torch.testing.assert_close(out, expected, atol=1e-12, rtol=0)
+    for name, grad in expected_grads.items():
+        torch.testing.assert_close(grads[name], grad, atol=1e-12, rtol=0, msg=name)
+    assert untiled_rows["n"] == rows["n"] == 2 * 200 * 3
+    deepspeed_model = tiny_model()
+    deepspeed_rows = _mlp_rows(deepspeed_model)
+    for layer in deepspeed_model.model.layers:
+        inner = layer.mlp.forward
+        layer.mlp.forward = lambda x, _inner=inner, _mlp=layer.mlp: TiledMLP.apply(
+            lambda module, piece: _inner(piece), _mlp, x, 5, list(_mlp.parameters()))
+    _step(deepspeed_model, ids)
+    assert deepspeed_rows["n"] == 3 * 200 * 3
+
+
+def test_offload_restores_each_layer_once_prefetched_and_keeps_none():
+    """CheckpointOffload of the first 2 of 3 layers' checkpointed inputs (CPU: copies into separate
+    tensors): output and gradients bit for bit those without offload; both offloaded inputs
+    restored, the second one by the prefetch started at the kept layer's restore; after the
+    backward no restored tensor is held (DeepSpeed's own class holds every layer's until its
+    context exits)."""
+    from deepspeed.runtime.activation_checkpointing.offload_activations import CheckpointHiddenStatesOffload
+    ids = torch.randint(0, 257, (2, 100), generator=torch.Generator().manual_seed(1))
+    expected, expected_grads = _step(tiny_model(), ids)
+    offload = CheckpointOffload(2, 3, cuda=False)
+    prefetched = []
+    real = offload._prefetch_before
+    offload._prefetch_before = lambda tensor_id: (real(tensor_id), prefetched.append(sorted(offload._prefetched)))
+    model = tiny_model()
+    tile_mlps(model, 64)  # both tools together, as training uses them
+    with offload:
+        out = model.model(input_ids=ids, use_cache=False).last_hidden_state
+        assert sorted(offload._tracker) == [1, 2] and list(offload._keep_last) == [3]
+        (out ** 2).sum().backward()
+        assert not offload._restored and not offload._prefetched and not offload._tracker
+    assert torch.equal(out.detach(), expected)
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    for name, grad in expected_grads.items():
+        torch.testing.assert_close(grads[name], grad, atol=1e-12, rtol=0, msg=name)
+    stats = offload.stats
+    assert (stats.offloaded_tensors, stats.restored_tensors, stats.kept_last_tensors) == (2, 2, 1)
+    assert stats.offloaded_bytes == 2 * 2 * 100 * 64 * 8
+    assert prefetched[0] == [2]  # the kept layer 3's restore fetched layer 2's input ahead
+    with pytest.raises(ValueError, match="give 1 .. 2"):
+        CheckpointOffload(3, 3, cuda=False)
+
+    class Plain(CheckpointHiddenStatesOffload):  # DeepSpeed's, made to copy on CPU
+        def _should_skip(self, tensor):
+            return isinstance(tensor, torch.nn.Parameter)
+    theirs = Plain(use_pin_memory=False, use_streams=False, keep_last_count=1)
+    with theirs:
+        (tiny_model().model(input_ids=ids, use_cache=False).last_hidden_state ** 2).sum().backward()
+        assert len(theirs._restored) == 3
+
+
+# ----------------------------------------------------------------------------- settings and the host check
+def e2e_run(seq_len: int, **memory):
+    config = json.loads(E2E_CONFIG.read_text())
+    config["mtraining"].update(seq_len=seq_len, sequence_parallel_size=1, memory=memory)
+    run, ds_config = load_run_config(config, 1)
+    return run, ds_config
+
+
+@pytest.mark.parametrize("memory, checkpointing, message", [
+    ({"tiled": True}, True, r"unknown key\(s\) \['tiled'\] in 'mtraining.memory'"),
+    ({"tiled_mlp": "yes"}, True, r"mtraining.memory.tiled_mlp='yes' must be 'auto'"),
+    ({"mlp_chunk_tokens": 0}, True, r"mtraining.memory.mlp_chunk_tokens=0 must be a positive integer"),
+    ({"offload_checkpoints": -1}, True, r"offload_checkpoints=-1 must be 'auto'"),
+    ({"offload_checkpoints": "all"}, False, r"checkpointing is off: set mtraining.gradient_checkpointing"),
+    ({"host_reserve_gib": -2}, True, r"host_reserve_gib=-2 must be 'auto'"),
+    ({"expandable_segments": "on"}, True, r"expandable_segments='on' must be true or false"),
+])
+def test_bad_memory_setting_is_one_clear_error(memory, checkpointing, message):
+    section = dict(json.loads(DEMO_CONFIG.read_text())["mtraining"], gradient_checkpointing=checkpointing,
+                   memory=memory)
+    with pytest.raises(ConfigError, match=message):
+        parse_run_config(section, 2)
+
+
+def test_host_check_chooses_n_and_refuses_with_the_numbers(monkeypatch):
+    """The Qwen2.5-3B shape at 1M tokens on one GPU (bf16, ZeRO-2 + CPU AdamW): 3.09B parameters x
+    18 bytes = 51.8 GiB of optimizer; a checkpointed input is 1M x 2048 x 2 bytes = 4 GiB (pinned:
+    4 GiB, a power of two). With 125 GiB available (HOST_MEMORY_ENV) and an 8 GiB reserve, auto
+    offloads (125 - 51.8 - 8) // 4 = 16 layers; 40 GiB refuses before anything else; 17 layers
+    given refuses naming 16."""
+    monkeypatch.setenv(HOST_MEMORY_ENV, "125")
+    run, ds_config = e2e_run(1 << 20, host_reserve_gib=8)
+    plan = plan_memory(run, ds_config, 1, cuda=True)
+    assert plan.parameters == 3_085_938_688 and plan.tiled_mlp and plan.tokens_per_rank == 1 << 20
+    assert plan.host["optimizer_gib"] == pytest.approx(3_085_938_688 * 18 / 2 ** 30)
+    assert plan.offload_layers == 16 and plan.gpu["checkpoint_layer_gib"] == 4.0
+    assert plan.gpu["checkpoint_layers_on_gpu"] == 20
+    line = plan.describe()
+    assert line.startswith("ds_mtraining: memory: tiled MLP (16384-token chunks); checkpoints of the first 16 of "
+                           "36 layers to pinned host memory (auto: the host holds 16 of 35)"), line
+    monkeypatch.setenv(HOST_MEMORY_ENV, "40")
+    with pytest.raises(HostMemoryError, match=r"^host memory: the CPU optimizer needs 51.7 GiB \(3.09B parameters "
+                                              r"x 18 bytes x 1/1 ranks on this node\), 0 offloaded layer checkpoints "
+                                              r"0.0 GiB, reserve 8.0 GiB .*: 59.7 GiB > 40.0 GiB available "
+                                              r"\(DS_MTRAINING_HOST_MEMORY_GIB\); use a host with more memory"):
+        plan_memory(run, ds_config, 1, cuda=True)
+    monkeypatch.setenv(HOST_MEMORY_ENV, "125")
+    run, ds_config = e2e_run(1 << 20, host_reserve_gib=8, offload_checkpoints=17)
+    with pytest.raises(HostMemoryError, match=r"set mtraining.memory.offload_checkpoints to at most 16"):
+        plan_memory(run, ds_config, 1, cuda=True)
+    run, ds_config = e2e_run(1 << 20, offload_checkpoints="all", tiled_mlp=False)
+    monkeypatch.setenv(HOST_MEMORY_ENV, "1000")
+    plan = plan_memory(run, ds_config, 1, cuda=True)
+    assert plan.offload_layers == 35 and not plan.tiled_mlp
+    assert plan_memory(e2e_run(1 << 20)[0], ds_config, 1, cuda=False).offload_layers == 0  # auto: CUDA only
+
+
+def test_cli_refuses_a_host_too_small_in_one_line(tmp_path):
+    """The entry point with HOST_MEMORY_ENV=20 (GiB) and the 3B shape: exit 2 with one line naming
+    the numbers, before any process group (no second rank needed)."""
+    config = json.loads(E2E_CONFIG.read_text())
+    config["mtraining"].update(sequence_parallel_size=1)
+    path = tmp_path / "big.json"
+    path.write_text(json.dumps(config))
+    env = dict(os.environ, WORLD_SIZE="1", RANK="0", PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get(
+        "PYTHONPATH", "")]), **{HOST_MEMORY_ENV: "20"})
+    result = subprocess.run([sys.executable, "-m", "ds_mtraining.train", "--deepspeed_config", str(path)],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("ds_mtraining.train: configuration error: host memory: the CPU optimizer needs 51.7 GiB")
+    assert "> 20.0 GiB available (DS_MTRAINING_HOST_MEMORY_GIB)" in last
+
+
+def test_out_of_memory_line_names_length_peak_and_setting():
+    run, ds_config = e2e_run(1 << 20, host_reserve_gib=8)
+    os.environ[HOST_MEMORY_ENV] = "125"
+    try:
+        plan = plan_memory(run, ds_config, 1, cuda=True)
+    finally:
+        del os.environ[HOST_MEMORY_ENV]
+    error = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 10.75 GiB. GPU 0 has a total capacity "
+                                   "of 139.80 GiB of which 1.2 GiB is free.")
+    line = out_of_memory_line(error, run, plan, 2)
+    assert line.startswith("CUDA out of memory at step 2 with seq_len 1048576 (1048576 tokens per GPU): ")
+    assert "(Tried to allocate 10.75 GiB); set mtraining.memory.offload_checkpoints above 16 (of 36" in line
+    assert "\n" not in line
+
+
+# ----------------------------------------------------------------------------- training through the entry point
+def demo_config(**mtraining) -> dict:
+    config = json.loads(DEMO_CONFIG.read_text())
+    config["mtraining"].update(seq_len=512, gradient_checkpointing=True, **mtraining)
+    return config
+
+
+def _memory_worker(rank, world, root):
+    """Three steps of ds_mtraining.train (2 gloo ranks, ZeRO-2 + CPU offload, checkpointing, the
+    sparse ring) without the memory tools and with both (64-token MLP chunks of 256 local tokens,
+    layer 0's input offloaded), then a run whose second backward raises a fake CUDA OOM."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from test_training import _train_in_process
+    results = {}
+    for name, memory in (("off", {"tiled_mlp": False, "offload_checkpoints": "none"}),
+                         ("on", {"tiled_mlp": True, "mlp_chunk_tokens": 64, "offload_checkpoints": 1})):
+        result = _train_in_process(rank, root, name, demo_config(memory=memory), 3, 7)
+        results[name] = {"losses": result["losses"],
+                         "params": {n: p.detach().clone() for n, p in result["model"].named_parameters()}}
+    real, calls = DeepSpeedEngine.backward, []
+
+    def backward(self, loss, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 10.75 GiB. GPU 0 ...")
+        return real(self, loss, *args, **kwargs)
+    DeepSpeedEngine.backward = backward
+    try:
+        _train_in_process(rank, root, "oom", demo_config(memory={"offload_checkpoints": 1}), 3, 7)
+    except OutOfMemory as error:
+        results["oom"] = str(error)
+    finally:
+        DeepSpeedEngine.backward = real
+    return results
+
+
+@pytest.mark.usefixtures("built_ops")  # DeepSpeed's shm op built before the ranks start
+def test_training_with_memory_tools_equals_training_without(tmp_path):
+    """Through ds_mtraining.train on 2 ranks (fp32 on CPU), three steps with the tiled MLP and the
+    offloaded checkpoint: losses within rel 1e-6 and parameters within atol 1e-6 of the run
+    without (the tiles sum the MLP's weight gradients chunk by chunk: another order of fp32
+    additions; AdamW's first steps scale any difference up to lr). A fake CUDA OOM in the second
+    step ends the run with the one line."""
+    results = run_on_ranks(_memory_worker, 2, str(tmp_path), timeout=TIMEOUT_S)
+    for rank in range(2):
+        off, on = results[rank]["off"], results[rank]["on"]
+        assert len(on["losses"]) == 3
+        assert on["losses"] == pytest.approx(off["losses"], rel=1e-6)
+        for name, value in off["params"].items():
+            torch.testing.assert_close(on["params"][name], value, atol=1e-6, rtol=0, msg=name)
+        assert results[rank]["oom"].startswith("CUDA out of memory at step 2 with seq_len 512 (256 tokens per GPU): "
+                                               "no CUDA peak to report (Tried to allocate 10.75 GiB); "), results[rank]
+    plan = json.loads((tmp_path / "run_on" / "memory_plan.json").read_text())
+    assert plan["tiled_mlp"] and plan["offload_layers"] == 1 and plan["tokens_per_rank"] == 256
+
+
+def test_loss_never_holds_sequence_by_vocabulary():
+    """The chunked loss, forward and backward, over 4096 tokens and a 1000-word vocabulary with
+    512-row chunks: no tensor any op returns reaches S x V elements (the largest is one chunk's
+    [512, 1000] logits; the weight's gradient is [V, D]). Liger's fused loss (CUDA) chunks the same
+    way inside its kernels; a CPU run cannot watch it."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from ds_mtraining.loss import token_cross_entropy_sum
+
+    class Largest(TorchDispatchMode):
+        numel = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for tensor in (out if isinstance(out, (tuple, list)) else [out]):
+                if isinstance(tensor, torch.Tensor):
+                    Largest.numel = max(Largest.numel, tensor.numel())
+            return out
+    seq, vocab, hidden = 4096, 1000, 32
+    g = torch.Generator().manual_seed(0)
+    states = torch.randn(seq, hidden, generator=g, requires_grad=True)
+    weight = torch.randn(vocab, hidden, generator=g, requires_grad=True)
+    labels = torch.randint(0, vocab, (seq,), generator=g)
+    with Largest():
+        token_cross_entropy_sum(states, weight, labels, chunk_tokens=512).backward()
+    assert Largest.numel == 512 * vocab < seq * vocab
