@@ -1,7 +1,7 @@
 """ds-mtraining: distributed dynamic sparse attention for ultra-long-context training on DeepSpeed."""
 from .attention import sparse_attention, sparse_attention_with_lse
 from .config import SparseConfig
-from .estimate import estimate_vertical_slash
+from .estimator import estimate_vertical_slash
 from .index import SparseIndex, Stripe
 
 __version__ = "0.1.0"
