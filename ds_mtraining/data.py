@@ -17,7 +17,7 @@ Sources (the ``mtraining.data`` section of the DeepSpeed JSON, see :func:`load_d
   the real embedding and LM-head sizes, nothing read from disk (:class:`RandomSequences`;
   ``"samples"``, default 1024, is the size of one epoch).
 * any source: ``"passkey_fraction"`` (default 0) turns that share of the samples into passkey
-  retrieval samples (:func:`ds_mtraining.eval.passkey.passkey_training_sample`: a random key at a
+  retrieval samples (:func:`ds_mtraining.passkey.passkey_training_sample`: a random key at a
   random depth of the sample's own text, the question and the key at the end), chosen per sample
   index with a seeded generator, so a resumed run sees the same samples. ``"passkey_questions"``
   (default 1) asks for the key that many times per sample (more retrieval examples per step).
@@ -43,7 +43,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .ring.layout import ContiguousLayout, StripedLayout
+from .layout import ContiguousLayout, StripedLayout
 
 DEFAULT_DOCUMENT_CHARS = 1 << 18
 DEFAULT_RANDOM_SAMPLES = 1024
@@ -297,7 +297,7 @@ class PackedSequences:
         self.passkey_fraction, self.tokenizer, self.seed = passkey_fraction, tokenizer, seed
         self.passkey_questions = passkey_questions
         if passkey_fraction:
-            from .eval.passkey import passkey_fixed_tokens
+            from .passkey import passkey_fixed_tokens
             fixed = passkey_fixed_tokens(tokenizer, questions=passkey_questions)
             if fixed > seq_len:
                 raise DataConfigError(f"a passkey sample's fixed text ({passkey_questions} question(s)) takes {fixed} "
@@ -339,7 +339,7 @@ class PackedSequences:
         tokens = self.window(i * self.seq_len, self.seq_len + 1).astype(np.int64)
         rng = self._passkey_rng(i)
         if rng is not None:
-            from .eval.passkey import passkey_training_sample
+            from .passkey import passkey_training_sample
             tokens = passkey_training_sample(tokens, self.tokenizer, rng, questions=self.passkey_questions)
         tokens = torch.from_numpy(tokens)
         return tokens[:-1], tokens[1:]

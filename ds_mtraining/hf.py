@@ -16,7 +16,7 @@ settings' ``keep_output`` it reuses the forward's output too, so each layer runs
 
 The baseline, :func:`use_ulysses_attention`, is what users run today: the model's own dense SDPA
 attention under DeepSpeed-Ulysses (``deepspeed.runtime.sequence_parallel.ulysses_sp``), on
-contiguous shards (:class:`ds_mtraining.ring.layout.ContiguousLayout`).
+contiguous shards (:class:`ds_mtraining.layout.ContiguousLayout`).
 """
 from __future__ import annotations
 

@@ -34,7 +34,7 @@ class Stripe:
     """Which tokens the local queries and keys are, under block striping over ``world`` ranks.
 
     Rank ``r`` holds global blocks ``r, r + world, r + 2 world, ...`` (their token positions:
-    :class:`~ds_mtraining.ring.layout.StripedLayout`); a ring step pairs the queries of ``q_rank``
+    :class:`~ds_mtraining.layout.StripedLayout`); a ring step pairs the queries of ``q_rank``
     with the keys of ``k_rank``. ``Stripe()`` is the single-device case.
     """
 

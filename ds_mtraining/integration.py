@@ -46,7 +46,7 @@ from .config import SparseConfig
 from .data import shard_batch
 from .distributed import ParallelGroups, RING_KINDS, check_parallel_sizes, initialize_groups, shutdown
 from .loss import IGNORE_INDEX, sequence_parallel_cross_entropy, token_cross_entropy_sum
-from .ring.layout import StripedLayout, check_divisible
+from .layout import StripedLayout, check_divisible
 
 MTRAINING_KEY = "mtraining"  # the DeepSpeed JSON's section (as ds_mtraining.train reads it)
 SETTING_KEYS = ("sequence_parallel_size", "ring", "stripe_block", "sparse", "loss_chunk_tokens", "liger",
@@ -395,7 +395,7 @@ def _install_hooks():
     import deepspeed
     from torch.distributed import distributed_c10d
     from .distributed.shm import release_shm_buffer
-    from .ring import estimate_graph
+    from .estimator import graphs as estimator_graphs
     initialize = deepspeed.initialize
 
     @functools.wraps(initialize)
@@ -418,7 +418,7 @@ def _install_hooks():
 
     @functools.wraps(destroy)
     def destroy_process_group(*args, **kwargs):
-        estimate_graph.release()  # a live graph with NCCL collectives makes the destroy hang
+        estimator_graphs.release()  # a live graph with NCCL collectives makes the destroy hang
         return destroy(*args, **kwargs)
 
     deepspeed.initialize = initialize_with_mtraining

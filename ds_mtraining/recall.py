@@ -29,7 +29,7 @@ import torch
 
 from .attention import resolve_softmax_scale
 from .documents import check_doc_start
-from .estimate import check_qk
+from .estimator.rule import check_qk
 from .index import SparseIndex, causal_entries, membership
 
 

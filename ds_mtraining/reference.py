@@ -10,7 +10,7 @@ import torch
 
 from .attention import resolve_softmax_scale
 from .index import PAD, SparseIndex, Stripe, membership
-from .ring.layout import StripedLayout
+from .layout import StripedLayout
 
 MAX_DENSE_ELEMENTS = 1 << 28
 

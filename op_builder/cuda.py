@@ -1,4 +1,5 @@
-"""Builder of the CUDA sparse attention kernels (csrc/cuda: *.cu plus binding.cpp).
+"""Builder of the CUDA ops (csrc/cuda: the attention kernels' *.cu plus binding.cpp, and the fused
+estimator's csrc/cuda/estimator: *.cu plus its binding, estimate_binding.cpp).
 
 JIT builds compile only for the visible devices' architectures: sm_90a for compute capability
 9.0 (so Hopper-only instructions such as wgmma/TMA are allowed), sm_80 for 8.x. A prebuild
@@ -42,24 +43,29 @@ class MTrainingCUDABuilder(MTrainingBuilderMixin, CUDAOpBuilder):
 
     NAME = "mtraining_cuda"
     DEVICE_TYPE = "cuda"
-    SOURCES_HINT = "cuda/*.cu and cuda/binding.cpp"
+    SOURCES_HINT = "cuda/*.cu, cuda/binding.cpp and cuda/estimator/*"
+    SOURCE_DIRS = ("", "estimator")  # under csrc/cuda: the attention kernels, the fused estimator
     TYPICAL_BUILD = "about 80 s on a 16-core H200 machine"
     # CuTe needs relaxed constexpr; line info keeps profiles readable
     EXTRA_NVCC_FLAGS = ["--expt-relaxed-constexpr", "--expt-extended-lambda", "-lineinfo",
                         "-DNDEBUG"]
 
-    def sources(self) -> list[str]:
+    def _files(self, *extensions: str) -> list[str]:
+        """Files of SOURCE_DIRS with these extensions, sorted per directory."""
         cuda = csrc_root() / "cuda"
-        kernels = self._sorted_glob(str(cuda / "*.cu"))
-        binding = cuda / "binding.cpp"
-        extra = self._sorted_glob(str(cuda / "estimate_*.cpp"))  # the fused estimator's binding
-        return kernels + [str(binding)] + extra if kernels and binding.is_file() else []
+        return [path for folder in self.SOURCE_DIRS
+                for path in self._sorted_glob(*(str(cuda / folder / f"*.{ext}") for ext in extensions))]
+
+    def sources(self) -> list[str]:
+        """Every .cu and .cpp of SOURCE_DIRS (the bindings are the .cpp files)."""
+        kernels, bindings = self._files("cu"), self._files("cpp")
+        has_binding = (csrc_root() / "cuda" / "binding.cpp").is_file()
+        return kernels + bindings if kernels and has_binding else []
 
     def sources_use_cutlass(self) -> bool:
         """Whether any CUDA source or header includes CUTLASS or CuTe headers."""
         include = re.compile(r'#\s*include\s*[<"](cutlass|cute)/')
-        files = self._sorted_glob(*(str(csrc_root() / "cuda" / f"*.{ext}")
-                                    for ext in ("cu", "cuh", "h", "cpp")))
+        files = self._files("cu", "cuh", "h", "cpp")
         return any(include.search(Path(path).read_text(errors="replace")) for path in files)
 
     def include_paths(self) -> list[str]:

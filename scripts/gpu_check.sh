@@ -131,10 +131,10 @@ fi
 
 if [ -z "${SKIP_SANITIZER:-}" ]; then
   cat >/tmp/sanitizer_case.py <<'PY'
-# A small case for compute-sanitizer: every kernel (index, forward in both tilings, delta,
-# vertical and slash dK/dV, dQ; the three query-side kernels) for block 64 and 128, a partial last
-# block, GQA, documents, two striped calls, on both tensor-core paths (wgmma by default on Hopper,
-# mma.sync with DS_MTRAINING_CUDA_MMA=warp).
+# A small case for compute-sanitizer: every kernel (index, forward, delta, vertical and slash
+# dK/dV, dQ; both query-side kernels at block 128) for block 64 and 128, a partial last block,
+# GQA, documents, two striped calls, on both tensor-core paths (wgmma by default on Hopper,
+# mma.sync with the test/debug override DS_MTRAINING_CUDA_MMA=warp).
 import os
 import torch
 from ds_mtraining import ops
@@ -143,21 +143,18 @@ from ds_mtraining.index import SparseIndex, Stripe
 g = torch.Generator().manual_seed(0)
 for mma, block, seq, dim in ((m, *shape) for m in ("auto", "warp") for shape in ((64, 300, 64), (128, 512, 128))):
     os.environ["DS_MTRAINING_CUDA_MMA"] = mma
+    os.environ.pop("DS_MTRAINING_CUDA_QUERY", None)
     ops.op_module("cuda").reload_kernel_options()  # read once otherwise
     q, dout = (torch.randn(1, seq, 4, dim, generator=g).cuda().bfloat16() for _ in range(2))
     k, v = (torch.randn(1, seq, 2, dim, generator=g).cuda().bfloat16() for _ in range(2))
     blocks = -(-seq // block)
     index = SparseIndex.from_blocks(torch.randint(1, blocks, (1, 4, 2), generator=g),
                                     torch.randint(0, seq, (1, 4, 70), generator=g), seq, block).to("cuda")
-    os.environ["DS_MTRAINING_CUDA_QUERY"] = "plain"  # the only one with two forward tilings
-    for rows in ("16", "32"):
-        os.environ["DS_MTRAINING_CUDA_FORWARD_ROWS"] = rows
-        ops.op_module("cuda").reload_kernel_options()
-        out, lse = ops.attention_forward(q, k, v, index, 0.1)
+    out, lse = ops.attention_forward(q, k, v, index, 0.1)
     ops.attention_backward(dout, q, k, v, out, lse, index, 0.1)
     # document masking, on each query-side kernel (DS_MTRAINING_CUDA_QUERY; the last is the default)
     doc_start = doc_start_from_cu_seqlens(torch.tensor([0, 5, 90, 200, seq]), seq).cuda()
-    for query in ("plain", "ping_pong", "specialized"):
+    for query in ("plain", "specialized"):
         os.environ["DS_MTRAINING_CUDA_QUERY"] = query
         ops.op_module("cuda").reload_kernel_options()
         out, lse = ops.attention_forward(q, k, v, index, 0.1, doc_start=doc_start)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Multi-GPU checks and the ring scaling benchmark in one device call (kinds nvidia-h200-x2, -x4,
 # -x8, NCCL): build the CUDA op, then each check under `timeout`, in this order:
-#   check_<N>x<P>   ds_mtraining.ring.check as N fake nodes x P GPUs, for each shape of
+#   check_<N>x<P>   ds_mtraining.tools.ring_check as N fake nodes x P GPUs, for each shape of
 #                   NODE_SHAPES (hostfile node0..node<N-1>, --include node0:0,..@node1:P,.., one
 #                   --no_ssh launcher per node): hierarchical vs flat vs one GPU, bf16 rel. error <= 1e-2
 #   ring_vs_1gpu    striped ring (NCCL) vs one GPU, bf16 rel. error <= 1e-2 (tests/test_multi_gpu.py)
@@ -11,7 +11,7 @@
 #   drop_in         the Ulysses drop-in ds_mtraining.layer.DistributedAttention vs one GPU
 #   train_2ranks    deepspeed --num_gpus 2 --module ds_mtraining.train, 2 steps, sequence_parallel_size 2
 #   scaling_flat    the benchmark under deepspeed --num_gpus GPUS (flat ring, given index only)
-#   check_1node     ds_mtraining.ring.check under deepspeed --num_gpus 2
+#   check_1node     ds_mtraining.tools.ring_check under deepspeed --num_gpus 2
 # (the tests/test_multi_gpu.py stages use two of the GPUs). NODE_SHAPES defaults by GPU count:
 # 2 -> "2x1", 4 -> "2x2", 8 -> "2x4 4x2". A stage that no longer fits in BUDGET_S (default 560 s,
 # for a 600 s device call) is skipped. $OUT (default ./multi_gpu_out) gets multi_gpu.log (every
@@ -143,7 +143,7 @@ fi
 wait "$cpu_build" || { echo "CPU op build failed:"; tail -20 "$WORK/cpu_build.log"; } | tee -a "$LOG"
 
 for shape in $NODE_SHAPES; do
-  stage "check_$shape" 120 bash -c "fake_nodes $shape ds_mtraining.ring.check --out '$WORK/check_$shape'"
+  stage "check_$shape" 120 bash -c "fake_nodes $shape ds_mtraining.tools.ring_check --out '$WORK/check_$shape'"
   for json in "$WORK/check_$shape"/rank*.json; do [ -f "$json" ] && cat "$json" && echo; done >>"$LOG"
   grep -h "^rank .*tolerance" "$WORK"/node*.log 2>/dev/null
 done

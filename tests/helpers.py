@@ -16,7 +16,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 from ds_mtraining import SparseConfig, SparseIndex
 from ds_mtraining.data import ByteTokenizer, stdlib_documents
 from ds_mtraining.distributed.spawn import free_port, port_taken
-from ds_mtraining.ring.layout import StripedLayout
+from ds_mtraining.layout import StripedLayout
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -148,12 +148,12 @@ def differing_entries(mine: SparseIndex, theirs: SparseIndex) -> tuple[int, int]
 
 
 class TorchPasses:
-    """Torch versions of ds_mtraining.estimate_cuda's row_stats, masses, select_top_p_pair,
+    """Torch versions of ds_mtraining.estimator.fused's row_stats, masses, select_top_p_padded_pair,
     merge_columns and build_index."""
 
     @staticmethod
     def _logits(q_last, k, q_start, seq_len, scale, world, rank, block):
-        from ds_mtraining.estimate import last_query_scores
+        from ds_mtraining.estimator.rule import last_query_scores
         q_pos = torch.arange(q_start, seq_len, device=q_last.device)
         k_pos = (torch.arange(seq_len, device=q_last.device) if world == 1  # one device: any length
                  else StripedLayout(world, block).positions(seq_len, rank, device=q_last.device))
@@ -178,14 +178,14 @@ class TorchPasses:
         return probs.sum(-2) / lq, shares / lq
 
     @staticmethod
-    def select_top_p_pair(mass_a, p_a, cap_a, mass_b, p_b, cap_b):
+    def select_top_p_padded_pair(mass_a, p_a, cap_a, mass_b, p_b, cap_b):
         return TorchPasses._select(mass_a, p_a, cap_a), TorchPasses._select(mass_b, p_b, cap_b)
 
     @staticmethod
     def _select(mass, p, cap):
         """select_top_p's entries as the CUDA select returns them: ascending, PAD padded to
         min(cap, n), with counts (int32)."""
-        from ds_mtraining.estimate import select_top_p
+        from ds_mtraining.estimator.rule import select_top_p
         from ds_mtraining.index import PAD
         chosen = select_top_p(mass, p, cap)
         width = min(cap, mass.shape[-1])
@@ -213,7 +213,7 @@ class TorchPasses:
 
     @staticmethod
     def build_index(slash, slash_count, vertical, vertical_count, seq_len, config):
-        from ds_mtraining.estimate import sink_columns
+        from ds_mtraining.estimator.rule import sink_columns
         from ds_mtraining.index import PAD
         b, h = slash.shape[:2]
         slash = torch.where(slash == PAD, -1, slash).long()

@@ -8,7 +8,8 @@ from ds_mtraining import SparseConfig, SparseIndex
 from ds_mtraining.bench import balance
 from ds_mtraining.index import Stripe
 from ds_mtraining.reference import dense_mask, mask_between
-from ds_mtraining.ring import StripedLayout, ZigzagLayout, imbalance, pair_work, step_work
+from ds_mtraining.layout import StripedLayout, ZigzagLayout
+from ds_mtraining.ring import imbalance, pair_work, step_work
 
 BLOCK = 64
 

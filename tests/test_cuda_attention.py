@@ -16,7 +16,7 @@ from ds_mtraining import ops
 from ds_mtraining.documents import doc_start_from_cu_seqlens, document_causal_mask
 from ds_mtraining.index import PAD, SparseIndex, Stripe
 from ds_mtraining.reference import dense_attention_with_lse, dense_mask, mask_between
-from ds_mtraining.ring.layout import StripedLayout
+from ds_mtraining.layout import StripedLayout
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -120,8 +120,8 @@ def test_matches_dense_reference(shape, documents):
 
 @pytest.fixture
 def kernel_env(monkeypatch):
-    """Sets DS_MTRAINING_CUDA_* kernel options for one test: the module reads them once, so each
-    change and the restore at the end reload them."""
+    """Sets DS_MTRAINING_CUDA_* test/debug overrides of the kernel paths for one test: the module
+    reads them once, so each change and the restore at the end reload them."""
     module = ops.op_module("cuda")
 
     def set_options(**options):
@@ -134,18 +134,20 @@ def kernel_env(monkeypatch):
     module.reload_kernel_options()
 
 
-@pytest.mark.parametrize("rows_per_warp", ["16", "32"])
-def test_forward_row_tilings_agree(rows_per_warp, kernel_env):
-    """Block 128's two forward tilings (16 or 32 query rows per warp) both match the reference."""
-    kernel_env(FORWARD_ROWS=rows_per_warp)
-    generator = torch.Generator().manual_seed(int(rows_per_warp))
-    q, k, v = random_qkv(1, 1100, 4, 2, 128, torch.bfloat16, generator)
-    index = random_index(1, 4, 1100, 128, 3, 90, generator)
-    poison_allocator()
-    out, lse = ops.attention_forward(q, k, v, index, 0.09)
-    ref_out, ref_lse = dense_attention_with_lse(q.double(), k.double(), v.double(), dense_mask(index).cuda(), 0.09)
-    assert relative_error(out, ref_out) <= TOLERANCE
-    assert float((lse.double() - ref_lse).abs().max()) < 5e-2
+def test_kernel_paths_are_chosen_by_architecture(kernel_env, monkeypatch):
+    """Without overrides the paths follow the device (binding.cpp's choose_kernel_paths): on
+    compute capability 9.x wgmma, TMA and the warp-specialised query kernels, elsewhere mma.sync,
+    cp.async and the plain ones; dQ beside dK/dV everywhere. An override changes its path only."""
+    module = ops.op_module("cuda")
+    for name in ("MMA", "TMA", "CONCURRENT_DQ", "QUERY"):
+        monkeypatch.delenv(f"DS_MTRAINING_CUDA_{name}", raising=False)
+    module.reload_kernel_options()
+    hopper = torch.cuda.get_device_capability()[0] == 9
+    paths = dict(module.kernel_paths(torch.cuda.current_device()))
+    assert paths == {"tensor_cores": "wgmma" if hopper else "mma.sync", "tma": hopper, "concurrent_dq": True,
+                     "query": "specialized" if hopper else "plain"}
+    kernel_env(CONCURRENT_DQ="0")
+    assert dict(module.kernel_paths(torch.cuda.current_device())) == {**paths, "concurrent_dq": False}
 
 
 @pytest.mark.parametrize("documents", [False, True], ids=["plain", "documents"])
@@ -170,8 +172,8 @@ def test_tensor_core_paths_agree(mma, tma, documents, kernel_env):
 
 @pytest.mark.parametrize("documents", [False, True], ids=["plain", "documents"])
 def test_query_kernels_agree(documents, kernel_env):
-    """The query-side kernels at block 128 (one warpgroup per CTA; warp-specialised, the default;
-    warp-specialised with ping-pong) match the float64 reference, forward and gradients, and give bit for bit the
+    """The query-side kernels at block 128 (one warpgroup per CTA; warp-specialised, the default
+    on Hopper) match the float64 reference, forward and gradients, and give bit for bit the
     same out, lse, dq, dk and dv: a partial last block, GQA 4:1, vertical candidates beyond one list
     window (several gathered tiles and refills), at both head dims."""
     for dim, dtype in ((128, torch.bfloat16), (64, torch.float16)):
@@ -183,14 +185,13 @@ def test_query_kernels_agree(documents, kernel_env):
         doc_start = random_doc_start(1, seq, generator) if documents else None
         reference = reference_with_grads(q, k, v, with_documents(dense_mask(index).cuda(), doc_start), dout, 0.1)
         results = {}
-        for query in ("plain", "specialized", "ping_pong"):
+        for query in ("plain", "specialized"):
             kernel_env(QUERY=query)
             paths = ops.op_module("cuda").kernel_paths(torch.cuda.current_device())
             results[query] = kernel_with_grads(q, k, v, index, dout, 0.1, doc_start=doc_start)
             assert_matches(results[query], reference, f"{paths} D{dim}")
-        for query in ("specialized", "ping_pong"):
-            for name, plain, other in zip(("out", "lse", "dq", "dk", "dv"), results["plain"], results[query]):
-                assert torch.equal(plain, other), f"{query} {name} differs from plain at D{dim}"
+        for name, plain, other in zip(("out", "lse", "dq", "dk", "dv"), results["plain"], results["specialized"]):
+            assert torch.equal(plain, other), f"specialized {name} differs from plain at D{dim}"
 
 
 @pytest.mark.parametrize("running_dq", [False, True], ids=["dq", "running_dq"])

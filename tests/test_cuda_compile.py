@@ -26,7 +26,7 @@ import pytest
 
 from helpers import finish
 
-from ds_mtraining_op_builder.cuda import cutlass_include
+from ds_mtraining_op_builder.cuda import MTrainingCUDABuilder, cutlass_include
 
 CUDA_DIR = Path(__file__).resolve().parents[1] / "csrc" / "cuda"
 INCLUDE_DIR = CUDA_DIR.parent / "include"  # mtraining/pattern.h, shared with the CPU kernel
@@ -45,10 +45,10 @@ CUOBJDUMP = shutil.which("cuobjdump")
 
 
 def kernel_sources() -> list[Path]:
-    """Every .cu file, the slow ones (the attention instantiations) first, so that the small
-    ones fill the cores at the end."""
-    return sorted(CUDA_DIR.glob("*.cu"), key=lambda source: (not source.name.startswith(("fwd_", "bwd_")),
-                                                             source.name))
+    """Every .cu file the op builder compiles, the slow ones (the attention instantiations) first,
+    so that the small ones fill the cores at the end."""
+    sources = [Path(s) for s in MTrainingCUDABuilder().sources() if s.endswith(".cu")]
+    return sorted(sources, key=lambda source: (not source.name.startswith(("fwd_", "bwd_")), source.name))
 
 
 def compile_one(source: Path, out_dir: Path):
@@ -56,7 +56,7 @@ def compile_one(source: Path, out_dir: Path):
     the architectures of the cubins in the object, or None without cuobjdump)."""
     output = out_dir / f"{source.stem}.o"
     command = [NVCC, "-c", *TORCH_LIKE_FLAGS, *FAST_FLAGS, "--expt-relaxed-constexpr", f"-I{CUTLASS}",
-               f"-I{INCLUDE_DIR}", *ARCH_FLAGS.values(), str(source), "-o", str(output)]
+               f"-I{INCLUDE_DIR}", f"-I{CUDA_DIR}", *ARCH_FLAGS.values(), str(source), "-o", str(output)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600)
     cubins = None
     if result.returncode == 0 and CUOBJDUMP is not None:
@@ -94,9 +94,18 @@ def test_every_kernel_source_compiles(background_build):
         assert cubins is None or cubins == sorted(ARCH_FLAGS), (name, cubins)
 
 
+def test_op_builder_compiles_every_source():
+    """The op builder's source list is in step with the tree: every .cu and .cpp under csrc/cuda
+    (the estimator's in csrc/cuda/estimator too), each once."""
+    tree = sorted(str(p) for ext in ("cu", "cpp") for p in CUDA_DIR.rglob(f"*.{ext}"))
+    listed = [str(Path(s).resolve()) for s in MTrainingCUDABuilder().sources()]
+    assert sorted(listed) == sorted(str(Path(p).resolve()) for p in tree)
+    assert any(p.endswith("estimator/estimate.cu") for p in listed)
+
+
 def test_kernel_sources_include_no_aten():
     """The kernels take raw pointers: only the bindings may include torch/ATen headers."""
-    for path in (sorted(CUDA_DIR.glob("*.cu")) + sorted(CUDA_DIR.glob("*.cuh")) + [CUDA_DIR / "params.h"]
+    for path in (sorted(CUDA_DIR.rglob("*.cu")) + sorted(CUDA_DIR.rglob("*.cuh")) + [CUDA_DIR / "params.h"]
                  + [INCLUDE_DIR / "mtraining" / "pattern.h"]):
         text = path.read_text()
         for banned in ("#include <ATen", "#include <torch", "#include <c10"):

@@ -1,5 +1,5 @@
-"""GPU tests of the fused vertical-slash estimator (ds_mtraining.estimate_cuda) against the torch
-rule (ds_mtraining.estimate) and float64 masses. Skipped without a CUDA device.
+"""GPU tests of the fused vertical-slash estimator (ds_mtraining.estimator.fused) against the torch
+rule (ds_mtraining.estimator.rule) and float64 masses. Skipped without a CUDA device.
 
 * masses and row statistics vs float64 (relative 1e-3), over shapes: S not a multiple of the
   64-key tile, S < last_q, last_q > 64 (several row chunks), GQA 1/4/8, D 64/128, bf16/fp16;
@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from ds_mtraining import SparseConfig, synthetic
-from ds_mtraining.estimate import (column_and_diagonal_mass, estimate_vertical_slash, select_top_p,
+from ds_mtraining.estimator.rule import (column_and_diagonal_mass, estimate_vertical_slash, select_top_p,
                                    top_p_count)
 from ds_mtraining.index import PAD, SparseIndex
 from helpers import differing_entries
@@ -28,7 +28,7 @@ from helpers import differing_entries
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 if torch.cuda.is_available():
-    from ds_mtraining import estimate_cuda as ec
+    from ds_mtraining.estimator import fused as ec
 
 MASS_TOLERANCE = 1e-3
 
@@ -136,7 +136,7 @@ def torch_selection(mass, p, cap):
 
 
 def fused_selection(mass, p, cap):
-    indices, count = ec.select_top_p(mass, p, cap)
+    indices, count = ec.select_top_p_padded(mass, p, cap)
     n = mass.shape[-1]
     assert indices.shape[-1] == min(cap, n), "the list width is min(cap, n)"
     rows, counts = indices.view(-1, indices.shape[-1]).tolist(), count.flatten().tolist()
@@ -174,9 +174,9 @@ def test_select_pair_equals_two_selections():
     b = (torch.randint(0, 3, (2, 2, 9000), generator=g).float() * 2.0 ** -20).cuda()
     b[1, 0, 8500] = 2000 * 2.0 ** -20  # one dominant entry in the last chunk
     for (pa, ca), (pb, cb) in (((0.5, 4096), (0.9, 100)), ((1.0, 1), (0.3, 9000)), ((0.1, 50_000), (1.0, 5))):
-        (ia, na), (ib, nb) = ec.select_top_p_pair(a, pa, ca, b, pb, cb)
+        (ia, na), (ib, nb) = ec.select_top_p_padded_pair(a, pa, ca, b, pb, cb)
         for mass, p, cap, got in ((a, pa, ca, (ia, na)), (b, pb, cb, (ib, nb))):
-            single = ec.select_top_p(mass, p, cap)
+            single = ec.select_top_p_padded(mass, p, cap)
             assert torch.equal(got[0], single[0]) and torch.equal(got[1], single[1]), f"pair != single, p={p}"
             assert fused_selection(mass, p, cap) == torch_selection(mass, p, cap), f"p={p} cap={cap}"
 
@@ -371,14 +371,14 @@ MANY_SHORT = tuple(int(n) for n in torch.randint(1, 90, (150,), generator=torch.
                                             ((1000, 24, 1, 700, 325, 130), 200)],
                          ids=["five documents", "one document", "151 documents", "last_q 200"])
 def test_document_masses_match_float64(lengths, last_q):
-    """estimate_cuda.document_masses (passes A and B of every document in the same launches)
+    """fused.document_masses (passes A and B of every document in the same launches)
     against the torch document rule in float64 on the same rounded q, k: documents shorter than
     last_q and than a tile, of one token, and not multiples of 64; 151 documents; last_q over
     several 64-row chunks (documents of different chunk and split counts); two batch rows packed
     differently. The same masses, bit for bit, from only the read query rows (q_positions), and no
     autograd graph from a q that requires grad."""
     from ds_mtraining.documents import doc_start_from_cu_seqlens
-    from ds_mtraining.estimate import document_column_and_diagonal_mass, document_query_positions
+    from ds_mtraining.estimator.rule import document_column_and_diagonal_mass, document_query_positions
     seq, scale = sum(lengths), 1.0 / math.sqrt(128)
     q, k = random_qk(2, seq, 8, 2, 128, torch.bfloat16, seed=seq, sharp=1.5)
     cu = [torch.tensor([0, *torch.tensor(order).cumsum(0).tolist()]) for order in (lengths, lengths[::-1])]
@@ -402,25 +402,25 @@ def test_document_masses_reject_documents_outside_the_tensors():
 
 
 def test_document_index_on_gpu_matches_the_torch_rule_without_host_syncs():
-    """The document-aware estimate on one GPU (ring.estimate.estimate_on_comm with doc_start:
+    """The document-aware estimate on one GPU (estimator.estimate_index with doc_start:
     fused masses, selection and finalize): its index against the torch rule's on the same inputs
     (the 1% rule of the noise test), and a second call with the same doc_start (as the next layer
     of a step makes) under set_sync_debug_mode("error")."""
     from ds_mtraining.documents import doc_start_from_cu_seqlens
-    from ds_mtraining.ring.estimate import estimate_on_comm
+    from ds_mtraining.estimator import estimate_index
     lengths = (1000, 2, 24, 1, 700, 325)
     seq = sum(lengths)
     q, k = random_qk(2, seq, 8, 2, 128, torch.bfloat16, seed=seq, sharp=1.5)
     cu = [torch.tensor([0, *torch.tensor(order).cumsum(0).tolist()]) for order in (lengths, lengths[::-1])]
     doc_start = torch.cat([doc_start_from_cu_seqlens(c, seq) for c in cu]).cuda()
     config = SparseConfig(block_size=64, max_vertical=200, max_slash_diagonals=60)
-    first = estimate_on_comm(q, k, config, None, doc_start=doc_start)  # reads the documents once
+    first = estimate_index(q, k, config, None, doc_start=doc_start)  # reads the documents once
     differing, total = differing_entries(first, estimate_vertical_slash(q, k, config, doc_start=doc_start))
     assert differing <= max(2, total // 100), f"{differing} of {total} selected entries differ"
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        second = estimate_on_comm(q, k, config, None, doc_start=doc_start)
+        second = estimate_index(q, k, config, None, doc_start=doc_start)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     for name in ("slash", "slash_count", "vertical", "vertical_count"):
@@ -428,7 +428,7 @@ def test_document_index_on_gpu_matches_the_torch_rule_without_host_syncs():
 
 
 def test_merge_columns_is_the_sorted_union():
-    """estimate_cuda.merge_columns (one CTA per row, chunked scans) against the set union: lists
+    """fused.merge_columns (one CTA per row, chunked scans) against the set union: lists
     longer than a scan chunk (256), overlapping and disjoint, empty selections, a batch row
     without extra columns, entries past the count ignored."""
     from helpers import TorchPasses

@@ -23,9 +23,9 @@ import torch
 
 from ds_mtraining import SparseConfig, synthetic
 from ds_mtraining.documents import doc_start_from_cu_seqlens
-from ds_mtraining.estimate import estimate_vertical_slash
+from ds_mtraining.estimator.rule import estimate_vertical_slash
 from ds_mtraining.layer import AttentionStats, IndexCache, MTrainingAttentionSettings, striped_sparse_attention
-from ds_mtraining.ring.layout import StripedLayout
+from ds_mtraining.layout import StripedLayout
 from helpers import differing_entries
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -59,7 +59,7 @@ def _step(q, k, v, settings, positions, cache, dout):
 
 
 def test_layer_forward_and_backward_do_not_synchronise(monkeypatch):
-    from ds_mtraining import estimate_cuda
+    from ds_mtraining.estimator import fused as estimate_cuda
     fused = []
     real = estimate_cuda.estimate_vertical_slash_cuda
     monkeypatch.setattr(estimate_cuda, "estimate_vertical_slash_cuda", lambda *a, **kw: fused.append(1) or real(*a, **kw))
@@ -149,8 +149,9 @@ def test_hf_qwen2_keep_output_on_gpu(monkeypatch, checkpointing):
 
 # ---------------------------------------------------------------------------- two GPUs
 def _ring_worker(rank, world):
-    from ds_mtraining.estimate_cuda import estimate_vertical_slash_cuda
-    from ds_mtraining.ring.estimate import estimate_index
+    from ds_mtraining.estimator.fused import estimate_vertical_slash_cuda
+    from ds_mtraining.distributed.comm import ring_comm
+    from ds_mtraining.estimator import estimate_index
     device = torch.device("cuda", rank)
     seq = 4096
     layout = StripedLayout(world, CONFIG.block_size)
@@ -165,16 +166,16 @@ def _ring_worker(rank, world):
     torch.cuda.synchronize()
     with sync_is_an_error():
         second = _step(*shards, settings, positions, cache, dout)
-        distributed = estimate_index(shards[0], shards[1], CONFIG)
+        distributed = estimate_index(shards[0], shards[1], CONFIG, ring_comm(None))
     torch.cuda.synchronize()
     same = all(torch.equal(a, b) for a, b in zip(first, second))
     differing, total = differing_entries(distributed, estimate_vertical_slash_cuda(q, k, CONFIG))
     # with documents: the first estimate of a step reads the document list, the next layers' none
     doc_start = doc_start_from_cu_seqlens(torch.tensor([0, 700, 2100, 2104, seq]), seq).to(device)
-    documents_first = estimate_index(shards[0], shards[1], CONFIG, doc_start=doc_start)
+    documents_first = estimate_index(shards[0], shards[1], CONFIG, ring_comm(None), doc_start=doc_start)
     torch.cuda.synchronize()
     with sync_is_an_error():
-        documents_second = estimate_index(shards[0], shards[1], CONFIG, doc_start=doc_start)
+        documents_second = estimate_index(shards[0], shards[1], CONFIG, ring_comm(None), doc_start=doc_start)
     torch.cuda.synchronize()
     documents_same = all(torch.equal(getattr(documents_first, n), getattr(documents_second, n))
                          for n in ("slash", "slash_count", "vertical", "vertical_count"))
@@ -205,10 +206,10 @@ def _graph_worker(rank, world):
     collectives, the gathered selection and the graph, on NCCL) also against the single-device
     fused estimator on the same inputs."""
     from ds_mtraining.attention import resolve_softmax_scale
-    from ds_mtraining.estimate_cuda import estimate_vertical_slash_cuda
-    from ds_mtraining.ring import estimate_graph
-    from ds_mtraining.ring.comm import RingComm
-    from ds_mtraining.ring.estimate import estimate_vertical_slash_cuda_distributed
+    from ds_mtraining.estimator.fused import estimate_vertical_slash_cuda
+    from ds_mtraining.distributed.comm import RingComm
+    from ds_mtraining.estimator import graphs as estimate_graph
+    from ds_mtraining.estimator.distributed import estimate_vertical_slash_cuda_distributed
     device = torch.device("cuda", rank)
     layout = StripedLayout(world, CONFIG.block_size)
     comm = RingComm(None)  # ring_comm() would return None for a group of one

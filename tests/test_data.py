@@ -9,7 +9,7 @@ import torch
 
 from ds_mtraining.data import (ByteTokenizer, DataConfigError, PackedSequences, RankBatches,
                                check_data_spec, load_documents, stdlib_documents, tokenize_documents)
-from ds_mtraining.ring.layout import StripedLayout
+from ds_mtraining.layout import StripedLayout
 
 TEXTS = ["def f():\n    return 1\n" * 40, "héllo wörld — ünïcode\n" * 30, "x = [i for i in range(9)]\n" * 50]
 EOS = ByteTokenizer.eos_token_id

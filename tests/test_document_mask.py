@@ -15,7 +15,7 @@ import torch
 from ds_mtraining import Stripe, ops, sparse_attention_with_lse
 from ds_mtraining.documents import doc_start_from_cu_seqlens, document_causal_mask
 from ds_mtraining.reference import dense_mask
-from ds_mtraining.ring.layout import StripedLayout
+from ds_mtraining.layout import StripedLayout
 from test_attention import assert_matches, dense_reference, random_qkv
 
 TOLERANCE = 1e-5  # fp32 kernels vs float64

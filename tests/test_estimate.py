@@ -8,10 +8,11 @@ import torch
 from ds_mtraining import SparseConfig, estimate_vertical_slash, synthetic
 from ds_mtraining.bench.recall import reference_rule_index
 from ds_mtraining.distributed.spawn import run_on_ranks
-from ds_mtraining.estimate import column_and_diagonal_mass, last_query_scores, select_top_p
+from ds_mtraining.estimator.rule import column_and_diagonal_mass, last_query_scores, select_top_p
 from ds_mtraining.reference import dense_attention_with_lse, dense_mask
-from ds_mtraining.ring import RingComm, StripedLayout
-from ds_mtraining.ring.estimate import estimate_vertical_slash_distributed
+from ds_mtraining.distributed.comm import RingComm
+from ds_mtraining.layout import StripedLayout
+from ds_mtraining.estimator.distributed import estimate_vertical_slash_distributed
 
 HANG_TIMEOUT_S = 150
 # kv head 0 (query heads 0, 1): token diagonal 100 = 64 + 36, straddling block boundaries at

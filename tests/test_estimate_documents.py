@@ -1,14 +1,15 @@
-"""Document masking in the estimator (rules 1'-2' of ds_mtraining.estimate) and in the recall,
+"""Document masking in the estimator (rules 1'-2' of ds_mtraining.estimator.rule) and in the recall,
 against plain float64 loops written here."""
 import math
 
 import pytest
 import torch
 
-from ds_mtraining import SparseConfig, SparseIndex, estimate_vertical_slash, estimate_cuda, synthetic
+from ds_mtraining import SparseConfig, SparseIndex, estimate_vertical_slash, synthetic
 from ds_mtraining.documents import doc_start_from_cu_seqlens, document_causal_mask
-from ds_mtraining.estimate import (column_and_diagonal_mass, document_column_and_diagonal_mass, index_from_masses,
-                                   last_query_scores, select_top_p)
+from ds_mtraining.estimator import fused as estimate_cuda
+from ds_mtraining.estimator.rule import (column_and_diagonal_mass, document_column_and_diagonal_mass,
+                                         index_from_masses, last_query_scores, select_top_p)
 from ds_mtraining.recall import attention_recall, recall
 from ds_mtraining.reference import dense_attention_with_lse, dense_mask
 
@@ -191,9 +192,9 @@ def distributed_documents_equal_single_device(rank, world):
     """The document-aware index from striped shards (keys and only the read query rows gathered)
     equals the single-device one: packings with documents shorter than a block, documents across
     ranks, last_q longer than short documents' windows, two batch rows packed differently."""
-    from ds_mtraining.ring.comm import RingComm
-    from ds_mtraining.ring.estimate import estimate_documents_gathered
-    from ds_mtraining.ring.layout import StripedLayout
+    from ds_mtraining.distributed.comm import RingComm
+    from ds_mtraining.estimator import estimate_index
+    from ds_mtraining.layout import StripedLayout
     comm = RingComm(None)
     block = 64
     seq_len = world * block * 4
@@ -206,7 +207,7 @@ def distributed_documents_equal_single_device(rank, world):
         config = SparseConfig(block_size=block, last_q=last_q, p_vertical=0.9, p_slash=0.9, max_slash_diagonals=40,
                               sink_tokens=2)
         expected = estimate_vertical_slash(q, k, config, doc_start=doc_start)
-        got = estimate_documents_gathered(layout.shard(q, rank), layout.shard(k, rank), config, comm, None, doc_start)
+        got = estimate_index(layout.shard(q, rank), layout.shard(k, rank), config, comm, None, doc_start)
         assert torch.equal(got.slash, expected.slash), f"last_q {last_q}, W={world}: slash differs"
         assert torch.equal(got.vertical, expected.vertical), f"last_q {last_q}, W={world}: vertical differs"
 
@@ -243,8 +244,8 @@ def test_doc_start_checks_and_document_lists_are_read_once_per_tensor(monkeypatc
     gathers, and their slots) are remembered for the last doc_start object (the layers of a step
     share it) until it is modified in place; an invalid modification is still caught."""
     from ds_mtraining import documents
-    from ds_mtraining.estimate import document_query_positions, document_spans
-    from ds_mtraining.estimate_cuda import document_table, position_slots
+    from ds_mtraining.estimator.rule import document_query_positions, document_spans
+    from ds_mtraining.estimator.fused import document_table, position_slots
     doc_start = doc_start_from_cu_seqlens(torch.tensor([0, 3, 8, 20]), 20, batch=2)
     reads = []
     original = torch.Tensor.tolist

@@ -15,7 +15,7 @@ from ds_mtraining.data import ByteTokenizer, PackedSequences
 from ds_mtraining.distributed import run_on_ranks
 from ds_mtraining.eval import (bucket_edges, exact_match, loss_by_position, model_recall, passkey_grid,
                                passkey_prompt, passkey_training_sample)
-from ds_mtraining.eval.passkey import ANSWER, INTRO, NEEDLE, QUESTION
+from ds_mtraining.passkey import ANSWER, INTRO, NEEDLE, QUESTION
 from ds_mtraining.reference import dense_mask
 from ds_mtraining.rope import apply_rotary, rotary_tables
 from ds_mtraining.static import StaticPattern

@@ -15,7 +15,7 @@ from ds_mtraining.distributed import initialize_groups, run_on_ranks
 from ds_mtraining.documents import doc_start_from_cu_seqlens, document_positions
 from ds_mtraining.hf import use_mtraining_attention
 from ds_mtraining.layer import MTrainingAttentionSettings
-from ds_mtraining.ring.layout import StripedLayout
+from ds_mtraining.layout import StripedLayout
 from ds_mtraining.training.model import MTrainingCausalLM
 
 WORLD, BLOCK, SEQ = 2, 64, 512

@@ -8,8 +8,9 @@ from helpers import ring_inputs
 from ds_mtraining import SparseConfig, sparse_attention
 from ds_mtraining.distributed.spawn import run_on_ranks
 from ds_mtraining.reference import outputs_and_grads
-from ds_mtraining.ring import StripedLayout, ring_sparse_attention
-from ds_mtraining.ring.topology import Topology, create_hierarchical_groups, read_hostfile
+from ds_mtraining.layout import StripedLayout
+from ds_mtraining.ring import ring_sparse_attention
+from ds_mtraining.distributed.topology import Topology, create_hierarchical_groups, read_hostfile
 
 BLOCK = 64
 TOL = dict(atol=2e-5, rtol=1e-4)  # fp32 kernels, different merge/accumulation order
@@ -114,7 +115,7 @@ def test_deepspeed_launcher_two_fake_nodes_build_groups_and_match_flat_ring(tmp_
     for node in (0, 1):
         command = [sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", str(hostfile),
                    "--no_ssh", "--node_rank", str(node), "--master_addr", "127.0.0.1",
-                   "--master_port", port, "--module", "ds_mtraining.ring.check",
+                   "--master_port", port, "--module", "ds_mtraining.tools.ring_check",
                    "--out", str(tmp_path / "out"), "--blocks-per-rank", "2"]
         log = tmp_path / f"node{node}.txt"
         nodes.append((start(command, log), log))
@@ -134,7 +135,7 @@ def test_deepspeed_launcher_two_fake_nodes_build_groups_and_match_flat_ring(tmp_
 def test_multi_gpu_check_script_launches_fake_nodes_of_several_gpus(tmp_path):
     """scripts/multi_gpu_check.sh's fake nodes, dry run on CPU (ALLOW_CPU=1 GPUS=4: 2 nodes x 2):
     the --include list gives node 0 GPUs 0,1 and node 1 GPUs 2,3, and every rank's hierarchical
-    ring is within 1e-4 of the flat ring and of one device (ds_mtraining.ring.check)."""
+    ring is within 1e-4 of the flat ring and of one device (ds_mtraining.tools.ring_check)."""
     import json
     import os
     import subprocess

@@ -4,7 +4,7 @@ import torch
 
 from ds_mtraining.index import PAD, SparseIndex, Stripe
 from ds_mtraining.reference import dense_mask, key_block_lists, query_block_lists, vertical_lists
-from ds_mtraining.ring.layout import StripedLayout
+from ds_mtraining.layout import StripedLayout
 
 
 def random_index(seed, batch=2, heads=3, seq_len=700, block=64, nv=20, ns=6):

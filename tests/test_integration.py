@@ -17,7 +17,7 @@ import torch.distributed as dist
 from helpers import dense_loss, every_entry_config, sequence, summed_grads, tiny_model
 from ds_mtraining.distributed import run_on_ranks
 from ds_mtraining.integration import SequenceParallelLoader, resolve_settings, shard_sequences, whole_sequences
-from ds_mtraining.ring.layout import StripedLayout
+from ds_mtraining.layout import StripedLayout
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"

@@ -21,7 +21,7 @@ from ds_mtraining import SparseConfig
 from ds_mtraining.distributed.spawn import run_on_ranks
 from ds_mtraining.layer import DistributedAttention, LayoutError
 from ds_mtraining.reference import dense_attention
-from ds_mtraining.ring.layout import StripedLayout
+from ds_mtraining.layout import StripedLayout
 
 BLOCK, BATCH, HEADS, KV_HEADS, DIM = 64, 2, 8, 4, 16
 # W=2: 3 blocks per rank; W=4: 2 blocks per rank: the re-stripe's splits are uneven and some empty

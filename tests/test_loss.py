@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from ds_mtraining.distributed import run_on_ranks
 from ds_mtraining.loss import IGNORE_INDEX, sequence_parallel_cross_entropy, token_cross_entropy_sum
-from ds_mtraining.ring.layout import StripedLayout
+from ds_mtraining.layout import StripedLayout
 
 TOL = dict(rtol=1e-5, atol=1e-6)  # fp32 chunked vs float64 full logits
 VOCAB, DIM, BATCH, SEQ, BLOCK = 97, 16, 2, 256, 64

@@ -1,5 +1,5 @@
 """Two-GPU checks over NCCL: the striped ring against one GPU, the hierarchical ring as two fake
-nodes x 1 GPU (the documented ``ds_mtraining.ring.check`` through the deepspeed launcher's
+nodes x 1 GPU (the documented ``ds_mtraining.tools.ring_check`` through the deepspeed launcher's
 hostfile) against the flat ring and one GPU, distributed estimation against the single-device
 estimator, the Ulysses drop-in layer against one-GPU attention, and a 2-rank training step.
 
@@ -94,7 +94,8 @@ def _ring_case(seed, seq, block, heads, kv_heads, dim):
 def _ring_vs_one_gpu(rank, world, seq, block, heads, kv_heads, dim):
     from ds_mtraining import SparseConfig, sparse_attention
     from ds_mtraining.reference import outputs_and_grads
-    from ds_mtraining.ring import StripedLayout, ring_sparse_attention
+    from ds_mtraining.layout import StripedLayout
+    from ds_mtraining.ring import ring_sparse_attention
 
     tensors, index = _ring_case(0, seq, block, heads, kv_heads, dim)
     layout = StripedLayout(world, block)
@@ -124,8 +125,9 @@ def _documents_vs_one_gpu(rank, world, seq, block, heads, kv_heads, dim):
     from ds_mtraining import SparseConfig, sparse_attention
     from ds_mtraining.documents import doc_start_from_cu_seqlens
     from ds_mtraining.reference import outputs_and_grads
-    from ds_mtraining.ring import StripedLayout, ring_sparse_attention
-    from ds_mtraining.ring.topology import Topology, create_hierarchical_groups
+    from ds_mtraining.layout import StripedLayout
+    from ds_mtraining.ring import ring_sparse_attention
+    from ds_mtraining.distributed.topology import Topology, create_hierarchical_groups
 
     tensors, index = _ring_case(1, seq, block, heads, kv_heads, dim)
     doc_start = doc_start_from_cu_seqlens(torch.tensor(DOCUMENT_BOUNDS + [seq]), seq).cuda()
@@ -174,7 +176,7 @@ def test_ring_check_two_fake_nodes_hierarchical(tmp_path):
     hostfile.write_text("node0 slots=2\nnode1 slots=2\n")
     port = free_port()
     commands = [deepspeed("--hostfile", hostfile, "--include", "node0:0@node1:1", "--no_ssh", "--node_rank", node,
-                          "--master_addr", "127.0.0.1", "--master_port", port, "--module", "ds_mtraining.ring.check",
+                          "--master_addr", "127.0.0.1", "--master_port", port, "--module", "ds_mtraining.tools.ring_check",
                           "--out", tmp_path / "out") for node in (0, 1)]
     launch(commands, [tmp_path / f"node{node}.log" for node in (0, 1)])
     reports = _check_reports(tmp_path / "out", 2)
@@ -187,7 +189,7 @@ def test_ring_check_two_fake_nodes_hierarchical(tmp_path):
 
 def test_ring_check_one_node_two_gpus(tmp_path):
     """The same check under ``deepspeed --num_gpus 2`` (one node: the hierarchical ring is flat)."""
-    launch([deepspeed("--num_gpus", 2, "--master_port", free_port(), "--module", "ds_mtraining.ring.check",
+    launch([deepspeed("--num_gpus", 2, "--master_port", free_port(), "--module", "ds_mtraining.tools.ring_check",
                       "--out", tmp_path / "out")], [tmp_path / "launch.log"])
     for report in _check_reports(tmp_path / "out", 2):
         assert (report["nodes"], report["per_node"]) == (1, 2), report
@@ -196,7 +198,9 @@ def test_ring_check_one_node_two_gpus(tmp_path):
 # ---------------------------------------------------------------------- distributed estimation
 def _estimation(rank, world, seq, heads, kv_heads, dim):
     from ds_mtraining import SparseConfig, estimate_vertical_slash, synthetic
-    from ds_mtraining.ring import RingComm, StripedLayout, estimate_vertical_slash_distributed
+    from ds_mtraining.distributed.comm import RingComm
+    from ds_mtraining.estimator.distributed import estimate_vertical_slash_distributed
+    from ds_mtraining.layout import StripedLayout
 
     config = SparseConfig(block_size=64)
     layout = StripedLayout(world, config.block_size)

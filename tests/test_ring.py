@@ -14,10 +14,12 @@ from helpers import TorchPasses
 from ds_mtraining import SparseConfig, SparseIndex, estimate_vertical_slash, sparse_attention, synthetic
 from ds_mtraining.distributed.spawn import run_on_ranks
 from ds_mtraining.reference import dense_attention, outputs_and_grads
-from ds_mtraining.ring import RingComm, StripedLayout, merge_lse, merge_partial, ring_sparse_attention
+from ds_mtraining.distributed.comm import RingComm
+from ds_mtraining.layout import StripedLayout
+from ds_mtraining.ring import merge_lse, merge_partial, ring_sparse_attention
 from ds_mtraining.ring.agreement import new_step
-from ds_mtraining.ring.estimate import estimate_vertical_slash_distributed, select_top_p_across_ranks
-from ds_mtraining.estimate import select_top_p
+from ds_mtraining.estimator.distributed import estimate_vertical_slash_distributed, select_top_p_across_ranks
+from ds_mtraining.estimator.rule import select_top_p
 
 BLOCK = 64
 HANG_TIMEOUT_S = 150
@@ -211,7 +213,7 @@ def check_fused_estimator_scheme_on_cpu(rank_in_group, world, group):
     """The distributed scheme of the fused CUDA estimator (diagonal shares spilled to the next
     ranks, fixed-width candidate selection), run with torch versions of the CUDA passes: the
     single-device index, on planted patterns and on noise (last_q > block: several hops)."""
-    from ds_mtraining.ring.estimate import estimate_vertical_slash_cuda_distributed
+    from ds_mtraining.estimator.distributed import estimate_vertical_slash_cuda_distributed
 
     def estimator(q, k, config, comm):
         return estimate_vertical_slash_cuda_distributed(q, k, config, comm, passes=TorchPasses)

@@ -13,8 +13,9 @@ from ds_mtraining.distributed.spawn import run_on_ranks
 from ds_mtraining.documents import doc_start_from_cu_seqlens, document_causal_mask
 from ds_mtraining.layer import DistributedAttention
 from ds_mtraining.reference import dense_attention, dense_mask, outputs_and_grads
-from ds_mtraining.ring import StripedLayout, ring_sparse_attention
-from ds_mtraining.ring.topology import Topology, create_hierarchical_groups
+from ds_mtraining.layout import StripedLayout
+from ds_mtraining.ring import ring_sparse_attention
+from ds_mtraining.distributed.topology import Topology, create_hierarchical_groups
 
 BLOCK, WORLD = 64, 4
 SEQ = WORLD * BLOCK * 2

@@ -6,7 +6,8 @@ import pytest
 import torch
 from helpers import SMALL, dense_loss, sequence, tiny_model
 
-from ds_mtraining import SparseConfig, layer, ops
+from ds_mtraining import SparseConfig, ops
+from ds_mtraining.layer import attention as layer
 from ds_mtraining.hf import use_mtraining_attention
 from ds_mtraining.layer import AttentionStats, IndexCache, MTrainingAttentionSettings
 

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from ds_mtraining import SparseConfig
 from ds_mtraining.distributed import initialize_groups, run_on_ranks
-from ds_mtraining.ring.layout import StripedLayout
+from ds_mtraining.layout import StripedLayout
 from ds_mtraining.training import ConfigError
 from ds_mtraining.training.run_config import load_run_config, parse_run_config
 

@@ -15,7 +15,7 @@
 #include <string>
 
 #include "mtraining/checks.h"
-#include "mtraining/estimate.h"
+#include "estimator/estimate.h"
 #include "mtraining/op_index.h"
 #include "params.h"
 
@@ -65,67 +65,77 @@ StepLists set_index_params(mtr::AttentionParams& p, const OpIndex& index) {
     return lists;
 }
 
-// The kernel choices the environment makes (the benchmark compares them; results are the same):
-//  * DS_MTRAINING_CUDA_MMA=warp: mma.sync even on compute capability 9.x (else wgmma there);
-//  * DS_MTRAINING_CUDA_TMA=0: on the wgmma path, cp.async for every tile (else TMA copies the
-//    contiguous ones);
-//  * DS_MTRAINING_CUDA_FORWARD_ROWS=16: 16 forward query rows per warp at block 128 (else 32);
-//  * DS_MTRAINING_CUDA_CONCURRENT_DQ=0: the backward's dQ kernel after the dK/dV kernels on the
-//    current stream (else on a second stream, beside them);
-//  * DS_MTRAINING_CUDA_QUERY=plain | specialized | ping_pong: the forward and dQ kernels at block
-//    128 on the wgmma path: one warpgroup per CTA, warp-specialised (the default), or
-//    warp-specialised with its two consumers taking turns.
-// Read at the module's first forward, backward or kernel_paths call, and again only by
-// reload_kernel_options: every call in between takes the same kernels.
-struct KernelOptions {
-    bool force_warp_mma;
-    bool tma;
-    int forward_rows_per_warp;  // 0: the default
-    bool concurrent_dq;
-    std::string query;  // "plain", "specialized" or "ping_pong"
-};
-
-KernelOptions read_kernel_options() {
-    const char* mma = std::getenv("DS_MTRAINING_CUDA_MMA");
-    const char* tma = std::getenv("DS_MTRAINING_CUDA_TMA");
-    const char* rows = std::getenv("DS_MTRAINING_CUDA_FORWARD_ROWS");
-    const char* concurrent_dq = std::getenv("DS_MTRAINING_CUDA_CONCURRENT_DQ");
-    const char* query = std::getenv("DS_MTRAINING_CUDA_QUERY");
-    const std::string query_kernel = query != nullptr && *query != '\0' ? query : "specialized";
-    TORCH_CHECK_VALUE(query_kernel == "plain" || query_kernel == "specialized" || query_kernel == "ping_pong",
-                      "DS_MTRAINING_CUDA_QUERY must be plain, specialized or ping_pong, got '", query_kernel, "'");
-    return {mma != nullptr && std::string(mma) == "warp", !(tma != nullptr && std::string(tma) == "0"),
-            rows != nullptr ? std::atoi(rows) : 0, !(concurrent_dq != nullptr && std::string(concurrent_dq) == "0"),
-            query_kernel};
-}
-
-std::mutex kernel_options_mutex;
-std::optional<KernelOptions> kernel_options_read;
-
-KernelOptions kernel_options() {
-    const std::lock_guard<std::mutex> lock(kernel_options_mutex);
-    if (!kernel_options_read) kernel_options_read = read_kernel_options();
-    return *kernel_options_read;
-}
-
-void reload_kernel_options() {
-    const std::lock_guard<std::mutex> lock(kernel_options_mutex);
-    kernel_options_read = read_kernel_options();
-}
-
-// Which kernels run on `device`, and how: wgmma (sm_90a) on compute capability 9.x unless the
-// options force mma.sync; TMA on the wgmma path unless the options turn it off; the backward's dQ
-// on a second stream unless the options turn it off.
+// Which kernels a call runs is chosen here, in code, from the device's architecture (and, in
+// launch.cuh, the index's block size), as FlashAttention's hopper/ heuristics do:
+//  * compute capability 9.x: wgmma tensor-core MMAs (the sm_90a kernels), with TMA copying the
+//    contiguous key/value tiles, and at block 128 the warp-specialised query-side kernels
+//    (specialized_query_kernel.cuh: a producer warpgroup loads, two consumer warpgroups compute);
+//  * 8.x: mma.sync, cp.async copies, one warpgroup-sized CTA per query block (query_kernel.cuh);
+//  * everywhere: the backward's dQ kernel on a second stream, beside the dK/dV kernels.
+// Results are the same on every path (bit for bit between the query kernels and the dQ orders).
 struct KernelPaths {
     bool warpgroup_mma;
     bool tma;
     bool concurrent_dq;
-    std::string query;
+    std::string query;  // "specialized" or "plain" (block 64 always takes plain)
 };
 
-KernelPaths kernel_paths_for(int device, const KernelOptions& options) {
-    const bool warpgroup = at::cuda::getDeviceProperties(device)->major == 9 && !options.force_warp_mma;
-    return {warpgroup, warpgroup && options.tma, options.concurrent_dq, warpgroup ? options.query : "plain"};
+KernelPaths choose_kernel_paths(int device) {
+    const bool hopper = at::cuda::getDeviceProperties(device)->major == 9;
+    return {hopper, hopper, true, hopper ? "specialized" : "plain"};
+}
+
+// Test and debug overrides of that choice (docs/DESIGN.md, "Environment variables"), so that the
+// tests can run every path on one GPU and compare them: DS_MTRAINING_CUDA_MMA=warp (mma.sync on
+// Hopper, what Ampere runs), DS_MTRAINING_CUDA_TMA=0 (cp.async for every tile on the wgmma path),
+// DS_MTRAINING_CUDA_CONCURRENT_DQ=0 (dQ after dK/dV on the current stream),
+// DS_MTRAINING_CUDA_QUERY=plain (the one-warpgroup query kernels on Hopper). Unset, they change
+// nothing. Read at the module's first forward, backward or kernel_paths call, and again only by
+// reload_kernel_options: every call in between takes the same kernels.
+struct KernelOverrides {
+    bool warp_mma;
+    bool no_tma;
+    bool serial_dq;
+    bool plain_query;
+};
+
+bool env_is(const char* name, const char* value) {
+    const char* set = std::getenv(name);
+    return set != nullptr && std::string(set) == value;
+}
+
+KernelOverrides read_kernel_overrides() {
+    const char* query = std::getenv("DS_MTRAINING_CUDA_QUERY");
+    const std::string query_kernel = query != nullptr ? query : "";
+    TORCH_CHECK_VALUE(query_kernel.empty() || query_kernel == "plain" || query_kernel == "specialized",
+                      "DS_MTRAINING_CUDA_QUERY must be plain or specialized (the default), got '", query_kernel, "'");
+    return {env_is("DS_MTRAINING_CUDA_MMA", "warp"), env_is("DS_MTRAINING_CUDA_TMA", "0"),
+            env_is("DS_MTRAINING_CUDA_CONCURRENT_DQ", "0"), query_kernel == "plain"};
+}
+
+std::mutex kernel_overrides_mutex;
+std::optional<KernelOverrides> kernel_overrides_read;
+
+KernelOverrides kernel_overrides() {
+    const std::lock_guard<std::mutex> lock(kernel_overrides_mutex);
+    if (!kernel_overrides_read) kernel_overrides_read = read_kernel_overrides();
+    return *kernel_overrides_read;
+}
+
+void reload_kernel_options() {
+    const std::lock_guard<std::mutex> lock(kernel_overrides_mutex);
+    kernel_overrides_read = read_kernel_overrides();
+}
+
+// The kernel paths of a call on `device`: choose_kernel_paths, then the overrides.
+KernelPaths kernel_paths_for(int device) {
+    KernelPaths paths = choose_kernel_paths(device);
+    const KernelOverrides overrides = kernel_overrides();
+    if (overrides.warp_mma) paths = {false, false, paths.concurrent_dq, "plain"};
+    if (overrides.no_tma) paths.tma = false;
+    if (overrides.serial_dq) paths.concurrent_dq = false;
+    if (overrides.plain_query) paths.query = "plain";
+    return paths;
 }
 
 // One call of the kernels: its inputs (contiguous, q/k/v 16-byte aligned), the per-call lists, the
@@ -171,12 +181,9 @@ Call prepare_call(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tens
     p.seq_k = static_cast<int>(k.size(1));
     p.head_dim = static_cast<int>(q.size(3));
     p.scale = static_cast<float>(scale);
-    const KernelOptions options = kernel_options();
-    p.forward_rows_per_warp = options.forward_rows_per_warp;
-    call.paths = kernel_paths_for(q.get_device(), options);
+    call.paths = kernel_paths_for(q.get_device());
     p.warpgroup_mma = call.paths.warpgroup_mma;
-    p.specialized_query = call.paths.query != "plain";
-    p.query_ping_pong = call.paths.query == "ping_pong";
+    p.specialized_query = call.paths.query == "specialized";
     return call;
 }
 
@@ -335,9 +342,9 @@ std::vector<at::Tensor> step_index(const OpIndex& index_in, int64_t seq_k) {
 
 // The kernel paths a call on CUDA device `device` takes:
 // {"tensor_cores": "wgmma" | "mma.sync", "tma": bool, "concurrent_dq": bool,
-//  "query": "plain" | "specialized" | "ping_pong" (block 128; block 64 takes plain)}.
+//  "query": "plain" | "specialized" (block 128; block 64 takes plain)}.
 py::dict kernel_paths(int64_t device) {
-    const KernelPaths paths = kernel_paths_for(static_cast<int>(device), kernel_options());
+    const KernelPaths paths = kernel_paths_for(static_cast<int>(device));
     py::dict result;
     result["tensor_cores"] = paths.warpgroup_mma ? "wgmma" : "mma.sync";
     result["tma"] = paths.tma;
@@ -355,7 +362,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("kernel_paths", &mtraining::kernel_paths, "the tensor-core path and TMA use of a call on a device",
           py::arg("device"));
     m.def("reload_kernel_options", &mtraining::reload_kernel_options,
-          "re-reads the DS_MTRAINING_CUDA_* kernel options from the environment (read once otherwise)");
+          "re-reads the DS_MTRAINING_CUDA_* test/debug overrides from the environment (read once otherwise)");
     m.def(
         "step_index",
         [](const py::dict& index, int64_t seq_k) {

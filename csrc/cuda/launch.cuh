@@ -81,19 +81,20 @@ __global__ void __launch_bounds__(kDeltaThreads) delta_kernel(const AttentionPar
 template <typename Arch, int BS>
 constexpr bool kHasSpecializedQuery = std::is_same_v<Arch, WarpgroupMma> && BS == 128;
 
-// The forward: the warp-specialised kernel where it exists and is chosen; else query_kernel, with
-// 32 rows per warp (two 16-row slices, MA = 2) amortising each key tile's fragment loads
-// (mma.sync) or its loads and bookkeeping (wgmma: a 128-row CTA of one warpgroup) over twice the
-// rows, at the price of registers. Block 64 keeps 16 rows per warp.
+// The forward: the warp-specialised kernel where it exists and is chosen; else query_kernel, at
+// block 128 with 32 rows per warp (two 16-row slices, MA = 2) amortising each key tile's fragment
+// loads (mma.sync) or its loads and bookkeeping (wgmma: a 128-row CTA of one warpgroup) over twice
+// the rows, at the price of registers. Block 64 keeps 16 rows per warp.
 template <typename Arch, typename T, int D, int BS>
 cudaError_t forward_with(const AttentionParams& p, cudaStream_t stream) {
     if constexpr (kHasSpecializedQuery<Arch, BS>) {
         if (p.specialized_query) return launch_specialized_query_kernel<T, D, false>(p, stream);
     }
     if constexpr (BS == 128) {
-        if (p.forward_rows_per_warp != 16) return launch_query_kernel<Arch, T, D, BS, 2, false>(p, stream);
+        return launch_query_kernel<Arch, T, D, BS, 2, false>(p, stream);
+    } else {
+        return launch_query_kernel<Arch, T, D, BS, 1, false>(p, stream);
     }
-    return launch_query_kernel<Arch, T, D, BS, 1, false>(p, stream);
 }
 
 // Makes `waiter` wait for the work queued on `signaller` so far, through an event.

@@ -69,22 +69,18 @@ struct AttentionParams {
     int slash_len = 0, vertical_len = 0;
     float scale = 0.f;
     int world = 1, q_rank = 0, k_rank = 0;
-    // Forward query rows per warp for block 128 (16 or 32; 0 = the default, 32). A tuning knob
-    // the benchmark compares (env DS_MTRAINING_CUDA_FORWARD_ROWS); results are the same.
-    int forward_rows_per_warp = 0;
     // The query-side kernels (forward, dQ) at block 128 on the wgmma path: warp-specialised
-    // (specialized_query_kernel.cuh; its two consumers in turns with query_ping_pong) or one
-    // warpgroup per CTA (query_kernel.cuh). Env DS_MTRAINING_CUDA_QUERY=specialized (default) |
-    // ping_pong | plain (the benchmark compares); results are the same.
+    // (specialized_query_kernel.cuh, the default there) or one warpgroup per CTA (query_kernel.cuh;
+    // test/debug override DS_MTRAINING_CUDA_QUERY=plain). Set by the binding's
+    // choose_kernel_paths; results are the same.
     bool specialized_query = false;
-    bool query_ping_pong = false;
     // The tensor-core path: wgmma (sm_90a kernels, set by the binding on compute capability 9.x)
-    // or mma.sync. Env DS_MTRAINING_CUDA_MMA=warp forces mma.sync on Hopper (the benchmark compares).
+    // or mma.sync. Test/debug override DS_MTRAINING_CUDA_MMA=warp: mma.sync on Hopper.
     bool warpgroup_mma = false;
     // TMA (sm_90a kernels): encode_tensor_maps sets `tma` and these views of q, k, v and dout
     // (dout only when set) as [rows = batch x seq][heads][D]; the kernels then copy whole 64-row
-    // tiles of contiguous rows with them. Env DS_MTRAINING_CUDA_TMA=0 keeps cp.async for every tile
-    // (the benchmark compares).
+    // tiles of contiguous rows with them. Test/debug override DS_MTRAINING_CUDA_TMA=0: cp.async for
+    // every tile.
     bool tma = false;
     CUtensorMap q_map{}, k_map{}, v_map{}, dout_map{};
 };

@@ -22,9 +22,8 @@
 // for dQ, whose Q and dO take more room) stay in flight. ptxas gives the producer 80 registers
 // without spills (56 spilled its address arithmetic).
 //
-// With ping-pong on (p.query_ping_pong, a benchmark knob: it measured faster only without
-// documents at 5%), the two consumers take turns to issue their score products (named barriers
-// 2 and 3), so that one's softmax runs under the other's products.
+// (The consumers taking turns to issue their score products, "ping-pong", measured faster only
+// without documents at 5%, and was removed: docs/CUDA_NOTES.md.)
 // The arithmetic is query_kernel's, tile by tile and in the same order: results are bit-identical.
 #pragma once
 
@@ -48,15 +47,6 @@ __device__ __forceinline__ void shrink_registers() {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegisters));
 #endif
-}
-
-// Named barriers 2 and 3 order the consumers' score products (ping-pong): consumer c waits on
-// barrier 2 + c (its 128 threads plus the other consumer's arrival) and then lets the other go.
-__device__ __forceinline__ void wait_turn(int consumer) {
-    asm volatile("bar.sync %0, 256;\n" ::"r"(2 + consumer) : "memory");
-}
-__device__ __forceinline__ void pass_turn(int consumer) {
-    asm volatile("bar.arrive %0, 256;\n" ::"r"(3 - consumer) : "memory");
 }
 
 template <typename T, int D, bool kBackward>
@@ -228,29 +218,22 @@ __global__ void __launch_bounds__(SpecializedQueryConfig<T, D, kBackward>::kThre
     auto release = [&](int st) { arrive(empty[st]); };
     auto key_tile = [&](int st) -> const T* { return key_tiles + st * Config::kKeyTileElements; };
     auto value_tile = [&](int st) -> const T* { return value_tiles + st * Config::kKeyTileElements; };
-    // Consumer 1 passes the first turn so that consumer 0 starts (ping-pong only); after the
-    // tiles, consumer 0 takes the turn consumer 1 passed last, so that no arrival is left over.
-    const bool ping_pong = p.query_ping_pong;
-    if (ping_pong && consumer == 1) pass_turn(consumer);
     for (;;) {
         const KeyTile tile = next_tile(stage, phase);
         if (tile.count == kEndOfTiles) break;
         float s[1][8][4];
         float dp[1][8][4];  // backward: dP = dO V^T, in the same batch as S
-        if (ping_pong) wait_turn(consumer);
         if constexpr (kBackward) {
             Arch::template start_scores_pair<1, D>(s, q_rows, key_tile(stage), dp, dout_rows, value_tile(stage));
         } else {
             Arch::template start_scores<1, D>(s, q_rows, key_tile(stage));
         }
-        if (ping_pong) pass_turn(consumer);
         Arch::template finish<0>(s, dp);
         finish_tile<Arch, 1, D, kBackward>(s, dp, acc, softmax, mask, tile, gathered_keys + stage * kKeyTile, p.scale,
                                            key_tile(stage), value_tile(stage));
         release(stage);
         advance(stage, phase);
     }
-    if (ping_pong && consumer == 0) wait_turn(consumer);
 
     store_query_outputs<Arch, T, 1, D, kBackward>(p, acc, softmax, query_first, row0, q_head, lse_row);
 }

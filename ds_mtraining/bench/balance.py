@@ -1,7 +1,7 @@
 """Ring balance benchmark: how evenly block-striped vs zigzag layouts spread dynamic sparse work.
 
 For each sequence length and target sparsity it builds a vertical-slash index with the real
-estimator (:func:`~ds_mtraining.estimate.estimate_vertical_slash`, run per head at the real
+estimator (:func:`~ds_mtraining.estimator.rule.estimate_vertical_slash`, run per head at the real
 length) on synthetic inputs, then for each world size and layout counts the attention entries
 of every (worker, ring step) from the compact index (:func:`~ds_mtraining.ring.work.pair_work`,
 O(selected)) and reports the imbalance metrics of :func:`~ds_mtraining.ring.work.imbalance`.
@@ -37,9 +37,9 @@ import torch
 
 from ..attention import resolve_softmax_scale
 from ..config import SparseConfig
-from ..estimate import estimate_vertical_slash
+from ..estimator.rule import estimate_vertical_slash
 from ..index import PAD, SparseIndex, Stripe
-from ..ring.layout import StripedLayout, ZigzagLayout
+from ..layout import StripedLayout, ZigzagLayout
 from ..ring.work import imbalance, pair_work, step_work
 from . import fresh_output_dir
 

@@ -4,8 +4,8 @@ attention forward+backward with the index it produces.
 For each sequence length (H query heads over Hkv key/value heads, bf16 by default), times with CUDA
 events (median after warm-up):
 
-* ``estimate_torch_ms``: :func:`ds_mtraining.estimate.estimate_vertical_slash`;
-* ``estimate_fused_ms``: :func:`ds_mtraining.estimate_cuda.estimate_vertical_slash_cuda`, plus
+* ``estimate_torch_ms``: :func:`ds_mtraining.estimator.rule.estimate_vertical_slash`;
+* ``estimate_fused_ms``: :func:`ds_mtraining.estimator.fused.estimate_vertical_slash_cuda`, plus
   its passes (``passes_ms``: row statistics, masses, each selection alone and both in the same
   launches (``select_pair``, what the estimator runs), the index);
 * ``fwd_bwd_ms``: ``ds_mtraining.attention.sparse_attention`` forward+backward with the fused
@@ -18,7 +18,7 @@ entries differ between the two indexes. Prints a table; writes JSON to a fresh d
 
 With ``--document-counts N ...`` it also times the document-aware estimate of the same inputs
 packed from N equal documents (``documents`` in the JSON): the fused masses of all documents in
-the same launches (``fused_ms``, what :func:`ds_mtraining.ring.estimate.document_aware_index`
+the same launches (``fused_ms``, what :func:`ds_mtraining.estimator.distributed.document_aware_index`
 takes on CUDA) against the torch rule's batched windows (``torch_masses_ms``), each with the
 fused selection, next to the estimate without documents (``estimate_without_documents_ms``).
 Calls this small are bound by the host's launches: ``fused_kernels_ms`` is the GPU's own time
@@ -49,7 +49,7 @@ TARGET_SHARE = {65536: 0.05}
 
 def index_difference(fused, expected) -> tuple[int, int]:
     """(entries in exactly one of the two indexes, entries of the torch index), over both lists."""
-    from ds_mtraining.estimate_cuda import trimmed
+    from ds_mtraining.estimator.fused import trimmed
     from ds_mtraining.index import PAD
     slash, vertical = trimmed(fused)
     differing = total = 0
@@ -82,9 +82,9 @@ def case_inputs(seq_len, args):
 
 def run_case(seq_len, args, device_name) -> dict:  # noqa: C901 - one flat recipe
     from ds_mtraining import SparseConfig
-    from ds_mtraining import estimate_cuda as ec
+    from ds_mtraining.estimator import fused as ec
     from ds_mtraining.attention import sparse_attention
-    from ds_mtraining.estimate import estimate_vertical_slash
+    from ds_mtraining.estimator.rule import estimate_vertical_slash
 
     q, k, v, dout = case_inputs(seq_len, args)
     config = SparseConfig(block_size=args.block_size)
@@ -99,18 +99,18 @@ def run_case(seq_len, args, device_name) -> dict:  # noqa: C901 - one flat recip
                                         args.repeats)
     stats = ec.row_stats(q_last, k, seq_len - lq, seq_len, scale)
     columns, diagonals = ec.masses(q_last, k, *stats, seq_len - lq, seq_len, scale)
-    picks = ec.select_top_p(columns, config.p_vertical, config.max_vertical)
-    slashes = ec.select_top_p(diagonals, config.p_slash, config.max_slash_diagonals)
+    picks = ec.select_top_p_padded(columns, config.p_vertical, config.max_vertical)
+    slashes = ec.select_top_p_padded(diagonals, config.p_slash, config.max_slash_diagonals)
     case["passes_ms"] = {
         "row_stats": time_ms(lambda: ec.row_stats(q_last, k, seq_len - lq, seq_len, scale), args.warmup, args.repeats),
         "masses": time_ms(lambda: ec.masses(q_last, k, *stats, seq_len - lq, seq_len, scale), args.warmup,
                           args.repeats),
-        "select_vertical": time_ms(lambda: ec.select_top_p(columns, config.p_vertical, config.max_vertical),
+        "select_vertical": time_ms(lambda: ec.select_top_p_padded(columns, config.p_vertical, config.max_vertical),
                                    args.warmup, args.repeats),
-        "select_slash": time_ms(lambda: ec.select_top_p(diagonals, config.p_slash, config.max_slash_diagonals),
+        "select_slash": time_ms(lambda: ec.select_top_p_padded(diagonals, config.p_slash, config.max_slash_diagonals),
                                 args.warmup, args.repeats),
         # both lists in the same launches, as estimate_vertical_slash_cuda runs them
-        "select_pair": time_ms(lambda: ec.select_top_p_pair(columns, config.p_vertical, config.max_vertical,
+        "select_pair": time_ms(lambda: ec.select_top_p_padded_pair(columns, config.p_vertical, config.max_vertical,
                                                             diagonals, config.p_slash, config.max_slash_diagonals),
                                args.warmup, args.repeats),
         "build_index": time_ms(lambda: ec.build_index(*slashes, *picks, seq_len, config), args.warmup, args.repeats),
@@ -159,9 +159,9 @@ def run_documents(seq_len, counts, args, case) -> list[dict]:
     """The document-aware estimate at each document count (module docstring), next to run_case's
     ``case`` of the same inputs without documents (its estimate, and its fwd+bwd for scale)."""
     from ds_mtraining import SparseConfig
-    from ds_mtraining import estimate_cuda as ec
+    from ds_mtraining.estimator import fused as ec
     from ds_mtraining.documents import doc_start_from_cu_seqlens
-    from ds_mtraining.estimate import document_column_and_diagonal_mass
+    from ds_mtraining.estimator.rule import document_column_and_diagonal_mass
 
     q, k, _, _ = case_inputs(seq_len, args)  # run_case's inputs
     config = SparseConfig(block_size=args.block_size)

@@ -167,8 +167,8 @@ class FlexMask:
 def fwd_bwd_pair(seq, target, documents=None, heads=16, kv_heads=2, dim=128, block=128, device="cuda"):
     """One fwd+bwd of ours and of compiled FlexAttention on the benchmark's index at (seq,
     target) and, with ``documents`` (MIN, MAX), its packed documents masking both sides, on fresh
-    bf16 inputs (the scripts that profile or probe one case: scripts/ncu_flex_case.py,
-    scripts/power_probe.py). Returns ({"ours": fn, "flex": fn}, a line of the case's densities)."""
+    bf16 inputs (the scripts that profile or probe one case: ds_mtraining.bench.probes.ncu_flex_case,
+    ds_mtraining.bench.probes.power_probe). Returns ({"ours": fn, "flex": fn}, a line of the case's densities)."""
     from torch.nn.attention.flex_attention import flex_attention
 
     from ds_mtraining.attention import resolve_softmax_scale, sparse_attention
@@ -316,7 +316,6 @@ def run(args):
             index_ms = time_ms(lambda: module.step_index(ops.op_index(index), seq), repeats=args.repeats)
             row = dict(impl="mtraining", seq_len=seq, density=density, target_density=target,
                        **paths,
-                       forward_rows_per_warp=int(os.environ.get("DS_MTRAINING_CUDA_FORWARD_ROWS", "32")),
                        slash_per_head=int(index.slash_count.float().mean()),
                        vertical_per_head=int(index.vertical_count.float().mean()),
                        fwd_ms=ours_fwd, fwd_bwd_ms=ours_fwd_bwd, index_ms=index_ms,

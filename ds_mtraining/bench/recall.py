@@ -9,7 +9,7 @@ Inputs: planted RoPE patterns (:func:`ds_mtraining.synthetic.planted_qk`) at ``-
 with ``--checkpoint`` (a ``scripts/train_demo.sh`` save directory), post-RoPE q/k captured from
 every attention layer of that model on held-out text at ``--demo-seq-lens``. Methods:
 
-* ``token-diagonal``: the shipped estimator (:func:`~ds_mtraining.estimate.estimate_vertical_slash`),
+* ``token-diagonal``: the shipped estimator (:func:`~ds_mtraining.estimator.rule.estimate_vertical_slash`),
   over a top-p sweep; ``default`` marks ``SparseConfig()``;
 * ``block-pooled``: the previous rule (mass pooled per block diagonal over the last rows, cap
   ``max_slash_diagonals // block_size`` block diagonals), same sweep;
@@ -34,7 +34,7 @@ import torch
 from .. import synthetic
 from ..attention import resolve_softmax_scale
 from ..config import SparseConfig
-from ..estimate import estimate_vertical_slash, last_query_scores, select_top_p, sink_columns
+from ..estimator.rule import estimate_vertical_slash, last_query_scores, select_top_p, sink_columns
 from ..index import SparseIndex
 from ..recall import attention_recall, oracle_recall
 from . import index_for_density

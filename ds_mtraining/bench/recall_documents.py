@@ -13,9 +13,9 @@ document, no attention across documents).
 Measured (recall: kept share of the exact attention mass over all rows; density: computed over
 attended entries, both with the document mask; means over layers and heads):
 
-* ``packed, documents (<weight>)``: :func:`~ds_mtraining.estimate.estimate_vertical_slash` with
+* ``packed, documents (<weight>)``: :func:`~ds_mtraining.estimator.rule.estimate_vertical_slash` with
   ``doc_start`` on the packed sequence, for each document weight of
-  :data:`~ds_mtraining.estimate.DOCUMENT_WEIGHTS` (``tokens`` is the shipped rule);
+  :data:`~ds_mtraining.estimator.rule.DOCUMENT_WEIGHTS` (``tokens`` is the shipped rule);
 * ``packed, last queries only``: the estimator without ``doc_start`` (only the sequence's last
   queries, which see only the last document), measured with the document mask;
 * ``alone``: each document estimated and measured as its own sequence, same budgets; recall
@@ -41,7 +41,7 @@ import torch
 from ..config import SparseConfig
 from ..data import ByteTokenizer, stdlib_documents
 from ..documents import doc_start_from_cu_seqlens
-from ..estimate import (DOCUMENT_WEIGHTS, document_column_and_diagonal_mass, estimate_vertical_slash,
+from ..estimator.rule import (DOCUMENT_WEIGHTS, document_column_and_diagonal_mass, estimate_vertical_slash,
                         index_from_masses)
 from ..recall import attention_recall
 

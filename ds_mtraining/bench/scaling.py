@@ -63,10 +63,13 @@ from ..attention import resolve_softmax_scale, sparse_attention
 from ..config import SparseConfig, slash_cap_for_blocks
 from ..distributed import shutdown
 from ..index import Stripe
-from ..ring import RingComm, StripedLayout, estimate_graph, estimate_vertical_slash_distributed, ring_sparse_attention
-from ..ring.estimate import estimate_on_comm
-from ..ring import comm as ring_comm
-from ..ring.topology import Topology, create_hierarchical_groups
+from ..distributed import comm as ring_comm
+from ..distributed.comm import RingComm
+from ..distributed.topology import Topology, create_hierarchical_groups
+from ..estimator import estimate_index, graphs as estimate_graph
+from ..estimator.distributed import estimate_vertical_slash_distributed
+from ..layout import StripedLayout
+from ..ring import ring_sparse_attention
 from ..ring.work import imbalance, pair_work, step_work
 
 MODES = ("given_index", "per_call_estimation", "per_call_estimation_eager")
@@ -132,7 +135,7 @@ def instrumented(spans: Spans):
     inside its backward), transfer waits (``PendingRotation.wait``), distributed estimation and
     rank-agreement check wherever a ds_mtraining module holds them."""
     targets = {"attention_forward": "kernel_fwd", "attention_backward": "kernel_bwd",
-               "attention_delta": "kernel_delta", "estimate_on_comm": "estimate", "check_ranks_agree": "agreement"}
+               "attention_delta": "kernel_delta", "estimate_index": "estimate", "check_ranks_agree": "agreement"}
     originals = {name: {getattr(module, name) for module in _our_modules()
                         if callable(getattr(module, name, None))} for name in targets}
     patched = []
@@ -335,7 +338,7 @@ def run_case(seq_len, args, device, dtype, topology, rings, hierarchy, clock, la
         baseline = {}
         if rank == 0:
             def single(q, k, v):
-                idx = given if given is not None else estimate_on_comm(q.detach(), k.detach(), config, None, scale)
+                idx = given if given is not None else estimate_index(q.detach(), k.detach(), config, None, scale)
                 return sparse_attention(q, k, v, idx, scale)
             t1, t1_host = timed(lambda: fwd_bwd(single, full[:3], full[3]), clock, device,
                                 args.warmup, args.repeats, everyone=False)
@@ -346,7 +349,7 @@ def run_case(seq_len, args, device, dtype, topology, rings, hierarchy, clock, la
             t1k, _ = timed(kernels_only, clock, device, 1, args.repeats, everyone=False)
             t1e = [0.0]
             if given is None:
-                t1e, _ = timed(lambda: estimate_on_comm(full[0], full[1], config, None, scale), clock, device,
+                t1e, _ = timed(lambda: estimate_index(full[0], full[1], config, None, scale), clock, device,
                                1, args.repeats, everyone=False)
             baseline = dict(one_gpu_ms=statistics.median(t1), one_gpu_host_ms=statistics.median(t1_host),
                             one_gpu_kernel_ms=statistics.median(t1k), one_gpu_estimate_ms=statistics.median(t1e),

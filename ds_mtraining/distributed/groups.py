@@ -11,17 +11,18 @@ data-parallel size only, i.e. it *sums* over the ranks of a sequence-parallel gr
 loss must therefore be its share of the sequence's mean (see :mod:`ds_mtraining.loss`).
 
 For the hierarchical ring, the inner (per node) and outer (across nodes) groups of every
-sequence-parallel group are created by :func:`ds_mtraining.ring.topology.create_hierarchical_groups`
+sequence-parallel group are created by :func:`.topology.create_hierarchical_groups`
 from the launcher's nodes x ranks-per-node topology.
 
 Every rank creates every group, in the same order (``torch.distributed.new_group`` is collective).
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
+
+from .topology import Topology, create_hierarchical_groups, local_world_size
 
 RING_KINDS = ("flat", "hierarchical", "auto")
 
@@ -46,15 +47,6 @@ def check_parallel_sizes(world_size: int, sequence_parallel_size: int,
             f"{sequence_parallel_size} ranks")
 
 
-def local_world_size() -> int | None:
-    """Ranks per node as the launcher reported it (DeepSpeed's ``LOCAL_SIZE``, torchrun's
-    ``LOCAL_WORLD_SIZE``, Open MPI's ``OMPI_COMM_WORLD_LOCAL_SIZE``), or None if none did."""
-    for name in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"):
-        if os.environ.get(name, "").isdigit():
-            return int(os.environ[name])
-    return None
-
-
 def resolve_ring_kind(ring: str, sequence_parallel_size: int, ranks_per_node: int | None,
                       key: str = "mtraining.ring") -> str:
     """``auto`` becomes ``hierarchical`` when a sequence-parallel group spans more than one node,
@@ -77,7 +69,7 @@ class ParallelGroups:
         sequence_data_group: every rank holding a model replica (ZeRO partitions and reduces here).
         model_group: this rank alone (no tensor/pipeline model parallelism).
         ring: "flat" or "hierarchical".
-        hierarchy: this rank's :class:`~ds_mtraining.ring.topology.HierarchicalGroups` (inner and
+        hierarchy: this rank's :class:`~ds_mtraining.distributed.topology.HierarchicalGroups` (inner and
             outer ring groups) for the hierarchical ring, or None for the flat ring.
     """
 
@@ -180,7 +172,6 @@ def initialize_groups(sequence_parallel_size: int, ring: str = "flat",
 
     hierarchy = None
     if topology is not None:
-        from ds_mtraining.ring.topology import create_hierarchical_groups
         hierarchy = create_hierarchical_groups(topology, sequence_rank_lists)
     return ParallelGroups(sp, sequence_group, data_group, sequence_data_group, model_group, ring,
                           hierarchy, sequence_ranks, data_ranks)
@@ -189,7 +180,6 @@ def initialize_groups(sequence_parallel_size: int, ring: str = "flat",
 def hierarchical_topology(world: int, ranks_per_node: int | None, sequence_rank_lists: list[list[int]]):
     """The nodes x ranks-per-node topology for the hierarchical ring, validated against the
     sequence-parallel groups before any group is created."""
-    from ds_mtraining.ring.topology import Topology
     try:
         topology = Topology.of_world(world, ranks_per_node or world)
         for ranks in sequence_rank_lists:

@@ -22,11 +22,24 @@ import torch.multiprocessing as mp
 START_METHOD = "spawn"
 
 
+_shutdown_hooks: list = []
+
+
+def on_shutdown(hook) -> None:
+    """Registers ``hook()`` to run in :func:`shutdown` before the process group is destroyed
+    (once per hook; in registration order): how a module above this one, such as the estimator's
+    CUDA graphs (:mod:`ds_mtraining.estimator.graphs`), releases what holds the group, without
+    this module importing it."""
+    if hook not in _shutdown_hooks:
+        _shutdown_hooks.append(hook)
+
+
 def shutdown() -> None:
-    """Destroys the default process group, after resetting the estimator's CUDA graphs (a live
-    graph with NCCL collectives makes ``destroy_process_group`` hang). No-op when none exists."""
-    from ..ring import estimate_graph
-    estimate_graph.release()
+    """Runs the :func:`on_shutdown` hooks (the estimator's CUDA graphs are reset there: a live
+    graph with NCCL collectives makes ``destroy_process_group`` hang), then destroys the default
+    process group. No-op for the group when none exists."""
+    for hook in _shutdown_hooks:
+        hook()
     if dist.is_initialized():
         dist.destroy_process_group()
 

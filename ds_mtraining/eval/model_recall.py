@@ -25,7 +25,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from ..config import SparseConfig
-from ..estimate import estimate_vertical_slash
+from ..estimator.rule import estimate_vertical_slash
 from ..recall import attention_recall, oracle_recall
 from ..static import StaticPattern
 

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from ..attention import SUPPORTED_DTYPES
 from ..config import SparseConfig
 from ..index import SparseIndex
-from .comm import RingComm
+from ..distributed.comm import RingComm
 
 # What each entry of a rank's descriptor holds: its call (_describe), then its index's fingerprint.
 _CALL_FIELDS = (["q.batch", "q.seq", "q.heads", "q.head_dim", "q.dtype",

@@ -31,7 +31,7 @@ import torch
 
 from .. import ops
 from ..index import SparseIndex
-from .comm import GRAD_TAG, PendingRotation, RingComm
+from ..distributed.comm import GRAD_TAG, PendingRotation, RingComm
 from .schedule import RingSchedule
 
 GRAD_STREAM_ENV = "DS_MTRAINING_RING_GRAD_STREAM"

@@ -12,20 +12,20 @@ from ..attention import check_attention_inputs, resolve_softmax_scale, sparse_at
 from ..config import SparseConfig
 from ..documents import check_doc_start
 from ..index import SparseIndex
+from ..distributed.comm import ring_comm
+from ..distributed.topology import HierarchicalGroups
+from ..estimator import estimate_index
+from ..layout import StripedLayout
 from .agreement import check_due, check_ranks_agree, mark_checked, ranks_check_key
-from .comm import ring_comm
-from .estimate import estimate_on_comm
-from .layout import StripedLayout
 from .loop import RingSparseAttentionFunction
 from .schedule import ring_schedule
-from .topology import HierarchicalGroups
 
 
 def _single_device(q, k, v, config: SparseConfig, softmax_scale, index: SparseIndex | None, doc_start, kept):
     check_attention_inputs(q, k, v, index)
     scale = resolve_softmax_scale(q.shape[-1], softmax_scale)
     if index is None:  # the estimator and the attention each check doc_start
-        index = estimate_on_comm(q, k, config, None, scale, doc_start)
+        index = estimate_index(q, k, config, None, scale, doc_start)
     return sparse_attention_with_lse(q, k, v, index, scale, doc_start=doc_start, kept=kept)
 
 
@@ -38,7 +38,7 @@ def ring_sparse_attention_with_lse(q, k, v, config: SparseConfig, group=None,
 
     Args:
         q: [B, S/W, H, D], this rank's striped shard of the queries (after RoPE with the global
-            position ids, see :class:`~ds_mtraining.ring.layout.StripedLayout`).
+            position ids, see :class:`~ds_mtraining.layout.StripedLayout`).
         k, v: [B, S/W, Hkv, D], H a multiple of Hkv.
         config: the sparse pattern's budgets; ``config.block_size`` is the stripe width.
         group: the sequence-parallel process group (``None``: the default group, or the
@@ -49,7 +49,7 @@ def ring_sparse_attention_with_lse(q, k, v, config: SparseConfig, group=None,
             (distributedly, each call: the fused CUDA estimator for CUDA inputs it takes, the
             torch rule otherwise).
         hierarchy: this rank's inner/outer groups of ``group``
-            (:func:`~ds_mtraining.ring.topology.create_hierarchical_groups`) to run the
+            (:func:`~ds_mtraining.distributed.topology.create_hierarchical_groups`) to run the
             hierarchical ring; ``None`` runs the flat ring.
         doc_start: int32 [B, S] for the *whole* sequence (every rank passes the same): document
             masking, each query sees only its own document (:mod:`ds_mtraining.documents`).
@@ -94,7 +94,7 @@ def ring_sparse_attention_with_lse(q, k, v, config: SparseConfig, group=None,
     if checking:
         mark_checked(check_key)
     if index is None:
-        index = estimate_on_comm(q, k, config, comm, scale, doc_start)
+        index = estimate_index(q, k, config, comm, scale, doc_start)
     return RingSparseAttentionFunction.apply(q, k, v, index, scale, ring_schedule(comm, hierarchy), doc_start,
                                              kept)
 

@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 from ..index import Stripe
-from .comm import KV_TAG, RingComm
-from .topology import HierarchicalGroups
+from ..distributed.comm import KV_TAG, RingComm
+from ..distributed.topology import HierarchicalGroups
 
 
 class RingSchedule:

@@ -25,7 +25,7 @@ import torch
 
 from ..documents import document_ends
 from ..index import PAD, SparseIndex
-from .layout import Layout
+from ..layout import Layout
 
 _DIAGONALS_PER_CHUNK = 256
 

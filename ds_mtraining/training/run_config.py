@@ -9,7 +9,7 @@ from pathlib import Path
 from ..config import SUPPORTED_BLOCK_SIZES, SparseConfig
 from ..data import DataConfigError, check_data_spec, folder_spec, load_tokenizer
 from ..distributed import RING_KINDS, ParallelConfigError, check_parallel_sizes
-from ..ring.layout import check_divisible
+from ..layout import check_divisible
 from . import MTRAINING_KEY, ConfigError
 from .memory import MemorySettings, parse_memory
 from .model import PRESETS, check_liger_setting, model_config

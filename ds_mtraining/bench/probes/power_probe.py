@@ -3,7 +3,7 @@ benchmark's index and documents at 128K, both sides masked by them): ours, then 
 twice, 60 timed fwd+bwd each, with nvidia-smi sampling every 50 ms (docs/CUDA_NOTES.md, "ncu: the
 documents case"):
 
-    python3 scripts/power_probe.py [--density 0.05] [--samples OUT.csv] [--out OUT.json]
+    python3 -m ds_mtraining.bench.probes.power_probe [--density 0.05] [--samples OUT.csv] [--out OUT.json]
 
 Prints each phase's median time and, per phase, the samples' SM clock (median, lowest), power
 (median, highest) and clock-throttle reasons (0x4: the software power cap); --out also writes them

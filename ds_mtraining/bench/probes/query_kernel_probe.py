@@ -1,10 +1,11 @@
-"""Probe: the query-side kernels (DS_MTRAINING_CUDA_QUERY = plain, specialized, ping_pong) on the
+"""Probe: the query-side kernels (DS_MTRAINING_CUDA_QUERY = plain, specialized; ping_pong was
+compared too until it was removed) on the
 kernel benchmark's 128K case with and without documents, in one process: whether each matches
 plain bit for bit (out, dq, dk, dv), and the median forward and forward+backward ms of each,
 beside FlexAttention with the combined mask (one H200).
 
-    python3 scripts/query_kernel_probe.py [--seq 131072] [--densities 0.05] [--documents 4096 32768]
-        [--kernels plain specialized ping_pong] [--out probe.json]
+    python3 -m ds_mtraining.bench.probes.query_kernel_probe [--seq 131072] [--densities 0.05]
+        [--documents 4096 32768] [--kernels plain specialized] [--out probe.json]
 """
 import argparse
 import datetime
@@ -25,7 +26,7 @@ def main():
     parser.add_argument("--seq", type=int, default=131072)
     parser.add_argument("--densities", type=float, nargs="+", default=[0.05])
     parser.add_argument("--documents", type=int, nargs=2, default=[4096, 32768])
-    parser.add_argument("--kernels", nargs="+", default=["plain", "specialized", "ping_pong"])
+    parser.add_argument("--kernels", nargs="+", default=["plain", "specialized"], choices=["plain", "specialized"])
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--skip-flex", action="store_true")
     parser.add_argument("--out", default="query_kernel_probe.json")
@@ -88,7 +89,8 @@ def main():
     os.environ.pop("DS_MTRAINING_CUDA_QUERY", None)
     with open(args.out, "w") as f:
         json.dump(dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                       device=torch.cuda.get_device_name(), command="python3 " + " ".join(sys.argv),
+                       device=torch.cuda.get_device_name(), command="python3 -m ds_mtraining.bench.probes.query_kernel_probe "
+                       + " ".join(sys.argv[1:]),
                        seq=seq, documents=args.documents, rows=rows), f, indent=1)
 
 

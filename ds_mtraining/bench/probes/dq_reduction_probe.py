@@ -23,7 +23,7 @@ Then checks dQ against the step count per row (every way must add exactly its st
 milliseconds and TB/s, to set beside the dQ kernel's time (``bench.kernel --kernel-split``) that
 fusing would remove:
 
-    python3 scripts/dq_reduction_probe.py [--density 0.05] [--out OUT.json]
+    python3 -m ds_mtraining.bench.probes.dq_reduction_probe [--density 0.05] [--out OUT.json]
 """
 import argparse
 import datetime
@@ -143,7 +143,7 @@ def main():
     cases = {"red_v4": (TILE, "red_v4", None), "bulk": (TILE, "bulk", None), "bulk_128_keys": (BLOCK, "bulk", None),
              "bulk_128_keys_in_l2": (BLOCK, "bulk", L2_ROWS), "store_v4": (TILE, "store_v4", None)}
     result = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                  device=torch.cuda.get_device_name(), command="python3 scripts/dq_reduction_probe.py "
+                  device=torch.cuda.get_device_name(), command="python3 -m ds_mtraining.bench.probes.dq_reduction_probe "
                   f"--density {args.density}", density=index.density(), seq=SEQ, heads=HEADS, dim=DIM, cases={})
     walks = {keys: slash_steps(index.slash, doc_start, keys) for keys in {keys for keys, _, _ in cases.values()}}
     for name, (keys_per_cta, mode, rows) in cases.items():

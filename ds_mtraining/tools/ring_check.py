@@ -2,10 +2,10 @@
 launcher's topology, and the hierarchical ring's outputs and gradients against the flat ring's
 and against one-device sparse attention on the whole sequence.
 
-    deepspeed --hostfile HOSTFILE --module ds_mtraining.ring.check --out DIR
+    deepspeed --hostfile HOSTFILE --module ds_mtraining.tools.ring_check --out DIR
     # two fake nodes on one machine, one command per node (N = 0, 1):
     deepspeed --hostfile H --include node0:0@node1:1 --no_ssh --node_rank N \\
-        --master_addr 127.0.0.1 --master_port P --module ds_mtraining.ring.check --out DIR
+        --master_addr 127.0.0.1 --master_port P --module ds_mtraining.tools.ring_check --out DIR
 
 On GPUs q/k/v are bfloat16 (the CUDA kernels take bf16/fp16) and the tolerance is a relative
 error (max |a - b| / max |b| per tensor) of 1e-2; on CPU (gloo) they are float32 and the
@@ -26,11 +26,11 @@ import torch.distributed as dist
 from ..attention import sparse_attention
 from ..config import SparseConfig
 from ..distributed import shutdown
+from ..distributed.topology import Topology, create_hierarchical_groups
 from ..index import SparseIndex
+from ..layout import StripedLayout
 from ..reference import outputs_and_grads
-from .layout import StripedLayout
-from .ring_attention import ring_sparse_attention
-from .topology import Topology, create_hierarchical_groups
+from ..ring import ring_sparse_attention
 
 # max |a - b| / max |b| of out, dq, dk, dv
 TOLERANCE = {torch.float32: 1e-4,   # fp32 kernels: only the order of merges and accumulations differs

@@ -21,7 +21,15 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from ..distributed.groups import local_world_size
+
+
+def local_world_size() -> int | None:
+    """Ranks per node as the launcher reported it (DeepSpeed's ``LOCAL_SIZE``, torchrun's
+    ``LOCAL_WORLD_SIZE``, Open MPI's ``OMPI_COMM_WORLD_LOCAL_SIZE``), or None if none did."""
+    for name in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"):
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    return None
 
 
 def read_hostfile(path: str) -> list[tuple[str, int]]:
@@ -60,7 +68,7 @@ class Topology:
     @classmethod
     def from_env(cls, world_size: int | None = None, hostfile: str | None = None) -> "Topology":
         """From the launcher: a hostfile's slots (all nodes must have the same number), else the
-        ranks per node that the launcher exported (:func:`~ds_mtraining.distributed.local_world_size`),
+        ranks per node that the launcher exported (:func:`local_world_size`),
         checked against WORLD_SIZE."""
         world = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
         if hostfile:

@@ -1,6 +1,6 @@
 """The fused distributed estimator replayed from a CUDA graph.
 
-Why: :func:`~ds_mtraining.ring.estimate.estimate_vertical_slash_cuda_distributed` is host-bound.
+Why: :func:`~ds_mtraining.estimator.distributed.estimate_vertical_slash_cuda_distributed` is host-bound.
 At 128K on two H200s its GPU work is ~0.25 ms, but the host issues ~100 launches and four
 collectives per call, and each rank's collectives wait for the slower host. A graph per input
 shape records all of them once; each later call copies its inputs into the graph's static
@@ -15,7 +15,8 @@ the ranks capture and replay in step. Capture and replay never synchronise with 
 
 A captured NCCL collective keeps its communicator busy: ``destroy_process_group`` hangs while
 such a graph lives (pytorch/pytorch#115388). :func:`release` resets the graphs first;
-:func:`ds_mtraining.distributed.shutdown` does both, in that order.
+:func:`ds_mtraining.distributed.shutdown` runs it (registered below with
+:func:`~ds_mtraining.distributed.on_shutdown`) before it destroys the group.
 """
 from __future__ import annotations
 
@@ -25,10 +26,11 @@ from collections import OrderedDict
 import torch
 
 from ..config import SparseConfig
-from ..estimate_cuda import trusted_index
+from ..distributed import on_shutdown
+from ..distributed.comm import RingComm
 from ..index import SparseIndex
-from .comm import RingComm
-from .estimate import estimate_from_held_queries, held_estimator_queries
+from .distributed import estimate_from_held_queries, held_estimator_queries
+from .fused import trusted_index
 
 MAX_GRAPHS = 8  # shapes kept (training uses one per sequence length; each holds its buffers)
 ENV = "DS_MTRAINING_ESTIMATOR_GRAPHS"
@@ -100,3 +102,6 @@ def release() -> None:
         graph.graph.reset()
     _graphs.clear()
     _seen.clear()
+
+
+on_shutdown(release)  # before the process group is destroyed

@@ -1,4 +1,4 @@
-"""Distributed vertical-slash estimation: :func:`~ds_mtraining.estimate.estimate_vertical_slash`
+"""Distributed vertical-slash estimation: :func:`~ds_mtraining.estimator.rule.estimate_vertical_slash`
 on the unstriped sequence, computed from the ranks' striped shards with small collectives
 (sizes in elements, L = last_q, W ranks, S/W local tokens, nb_local = S / (W block) blocks):
 
@@ -15,13 +15,13 @@ on the unstriped sequence, computed from the ranks' striped shards with small co
   rank sorts its own masses and all-gathers only its leading candidates (mass, position; ``W x B x
   H x width`` each, width <= cap). A merged prefix is exact up to the first rank whose candidate list
   ran out; if the top-p count reaches past it, the ranks widen their lists to the cap (one more
-  all-gather). Ties break by position exactly as in :func:`~ds_mtraining.estimate.select_top_p`.
+  all-gather). Ties break by position exactly as in :func:`~ds_mtraining.estimator.rule.select_top_p`.
 
 Every rank ends with the same global :class:`~ds_mtraining.index.SparseIndex`.
 
 With document masking (``doc_start``), :func:`estimate_documents_gathered` all-gathers k and only
 the query rows the document-aware rule reads (each document's last ``last_q``:
-:func:`~ds_mtraining.estimate.document_query_positions`) and runs the rule on every rank: exact
+:func:`~ds_mtraining.estimator.rule.document_query_positions`) and runs the rule on every rank: exact
 and simple, but the keys cost O(S) memory per rank (``S x Hkv x D``; a sharded version is
 future work).
 
@@ -41,13 +41,11 @@ import torch.distributed as dist
 
 from ..attention import resolve_softmax_scale
 from ..config import SparseConfig
-from ..documents import check_doc_start, remember_last
-from ..estimate import (check_qk, document_column_and_diagonal_mass, document_query_positions,
-                        estimate_vertical_slash, index_from_masses, last_key_mass, last_query_scores,
-                        sink_columns, top_p_count)
+from ..distributed.comm import RingComm
 from ..index import SparseIndex
-from .comm import RingComm, ring_comm
-from .layout import StripedLayout
+from ..layout import StripedLayout
+from . import fused
+from .rule import check_qk, last_key_mass, last_query_scores, sink_columns, top_p_count
 
 def _tail_runs(seq_len: int, world: int, block: int, count: int) -> list[tuple[int, int, int, int]]:
     """(owner rank, local start, local end, offset in the tail) of each run of the last ``count``
@@ -118,7 +116,7 @@ def _candidate_widths(local_len: int, cap: int, world: int) -> list[int]:
 
 def select_top_p_across_ranks(local_mass: torch.Tensor, local_positions: torch.Tensor, p: float,
                               cap: int, comm: RingComm) -> torch.Tensor:
-    """:func:`~ds_mtraining.estimate.select_top_p` over the concatenation of every rank's
+    """:func:`~ds_mtraining.estimator.rule.select_top_p` over the concatenation of every rank's
     ``local_mass`` [B, H, n] (global ``local_positions`` [n], ascending), without gathering it.
 
     Returns global positions [B, H, <=cap], -1 padded, identical on every rank.
@@ -210,7 +208,7 @@ def estimate_vertical_slash_distributed(q: torch.Tensor, k: torch.Tensor, config
 # ---------------------------------------------------------------------- fused CUDA, distributed
 def merge_row_stats(row_max: torch.Tensor, row_sum: torch.Tensor, group=None
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every rank's :func:`ds_mtraining.estimate_cuda.row_stats` combined into the global ones
+    """Every rank's :func:`ds_mtraining.estimator.fused.row_stats` combined into the global ones
     (collective, on the GPU): one all-gather of the (max, sum) pairs, then on every rank, in rank
     order, the max over ranks and each rank's sum rescaled to it, summed."""
     world = dist.get_world_size(group)
@@ -274,7 +272,7 @@ def estimate_vertical_slash_cuda_distributed(q: torch.Tensor, k: torch.Tensor, c
                                              comm: RingComm, softmax_scale: float | None = None,
                                              passes=None) -> SparseIndex:
     """:func:`estimate_vertical_slash_distributed` with the fused CUDA estimator's passes
-    (:mod:`ds_mtraining.estimate_cuda`) and without host synchronisation. Collectives per call
+    (:mod:`ds_mtraining.estimator.fused`) and without host synchronisation. Collectives per call
     (elements): broadcast of the last L queries (``L x H x D``), an all-gather of the row
     statistics (``W x 2 x B x H x L``, :func:`merge_row_stats`), the diagonal spill to the next
     rank(s) (:func:`owned_diagonals_from_shares`, about ``(L - 1) / block`` of a local mass list)
@@ -282,9 +280,9 @@ def estimate_vertical_slash_cuda_distributed(q: torch.Tensor, k: torch.Tensor, c
     then selects from as on one device: four collectives. The result is exact (the rule on the
     global masses) and identical on every rank.
 
-    ``passes``: an object with the functions ``row_stats``, ``masses``, ``select_top_p_pair`` and
+    ``passes``: an object with the functions ``row_stats``, ``masses``, ``select_top_p_padded_pair`` and
     ``build_index`` of
-    :mod:`ds_mtraining.estimate_cuda` (the default); tests pass torch versions to run this on CPU."""
+    :mod:`ds_mtraining.estimator.fused` (the default); tests pass torch versions to run this on CPU."""
     check_qk(q, k)
     return estimate_from_held_queries(held_estimator_queries(q, k, config, comm), k, config, comm,
                                       resolve_softmax_scale(q.shape[-1], softmax_scale), passes)
@@ -301,9 +299,8 @@ def estimate_from_held_queries(held: torch.Tensor, k: torch.Tensor, config: Spar
                                scale: float, passes=None) -> SparseIndex:
     """:func:`estimate_vertical_slash_cuda_distributed` from this rank's
     :func:`held_last_queries` and keys: every launch of the path, with fixed shapes and no host
-    synchronisation (what :mod:`ds_mtraining.ring.estimate_graph` captures)."""
-    from .. import estimate_cuda
-    passes = passes if passes is not None else estimate_cuda
+    synchronisation (what :mod:`ds_mtraining.estimator.graphs` captures)."""
+    passes = passes if passes is not None else fused
     seq_len = k.shape[1] * comm.world
     world, rank, block = comm.world, comm.rank, config.block_size
     layout = StripedLayout(world, block)
@@ -318,113 +315,7 @@ def estimate_from_held_queries(held: torch.Tensor, k: torch.Tensor, config: Spar
     gathered = local.new_empty(world * 2, *local.shape[1:])
     dist.all_gather_into_tensor(gathered, local.contiguous(), group=comm.group)
     columns, by_last_key = layout.unshard_stacked(gathered.view(world, *local.shape))
-    (vertical, vertical_count), (slash, slash_count) = passes.select_top_p_pair(
+    (vertical, vertical_count), (slash, slash_count) = passes.select_top_p_padded_pair(
         columns, config.p_vertical, config.max_vertical,
         by_last_key.flip(-1), config.p_slash, config.max_slash_diagonals)  # by t = S - 1 - last key
     return passes.build_index(slash, slash_count, vertical, vertical_count, seq_len, config)
-
-
-def fused_estimator_takes(q: torch.Tensor, k: torch.Tensor, config: SparseConfig, seq_len: int) -> bool:
-    """Whether the fused CUDA estimator takes these inputs (:func:`ds_mtraining.estimate_cuda.supports`)."""
-    if not q.is_cuda:
-        return False
-    from .. import estimate_cuda
-    return estimate_cuda.supports(q, k, config, seq_len) is None
-
-
-@remember_last
-def _gather_plan(positions: torch.Tensor, seq_len: int, world: int, rank: int, block_size: int):
-    """How :func:`_rows_at` gathers the rows at ``positions``: per rank, the slots of
-    ``positions`` it holds (device indices; their count, a host int), and this rank's local rows
-    of its own. Remembered for the last ``positions`` object, which
-    :func:`~ds_mtraining.estimate.document_query_positions` remembers per ``doc_start``: a step's
-    later layers read nothing on the host here."""
-    layout = StripedLayout(world, block_size)
-    held = [layout.positions(seq_len, r, device=positions.device) for r in range(world)]
-    slots = [torch.isin(positions, rows).nonzero().squeeze(1) for rows in held]
-    counts = [len(s) for s in slots]
-    return slots, counts, torch.searchsorted(held[rank], positions[slots[rank]])
-
-
-def _rows_at(x: torch.Tensor, layout: StripedLayout, comm: RingComm, positions: torch.Tensor) -> torch.Tensor:
-    """[B, len(positions), ...] on every rank: the rows of the sharded ``x`` [B, S/W, ...] at the
-    global ``positions`` (ascending, the same on every rank), each rank sending the ones it holds
-    (one all-gather, padded to the largest share)."""
-    slots, counts, mine = _gather_plan(positions, x.shape[1] * comm.world, comm.world, comm.rank,
-                                       layout.block_size)
-    part = x.new_zeros(x.shape[0], max(counts), *x.shape[2:])
-    part[:, :counts[comm.rank]] = x.index_select(1, mine)  # index_select/index_copy_: no host sync on GPUs
-    parts = _all_gather(part, comm)
-    rows = x.new_empty(x.shape[0], len(positions), *x.shape[2:])
-    for rank in range(comm.world):
-        rows.index_copy_(1, slots[rank], parts[rank][:, :counts[rank]])
-    return rows
-
-
-def estimate_documents_gathered(q, k, config: SparseConfig, comm: RingComm, softmax_scale, doc_start
-                                ) -> SparseIndex:
-    """The document-aware index (:func:`~ds_mtraining.estimate.estimate_vertical_slash` with
-    ``doc_start``) of the whole sequence, from the ranks' striped shards: every rank gathers all
-    keys and the query rows the rule reads."""
-    check_qk(q, k)
-    b, local, _, d = q.shape
-    layout = StripedLayout(comm.world, config.block_size)
-    doc_start = check_doc_start(doc_start, b, local * comm.world, q.device)
-    k_all = layout.unshard(list(_all_gather(k, comm).unbind(0)))
-    positions = document_query_positions(doc_start, config.last_q)
-    return document_aware_index(_rows_at(q, layout, comm, positions), k_all, doc_start, config,
-                                resolve_softmax_scale(d, softmax_scale), positions)
-
-
-def document_aware_index(q, k, doc_start, config: SparseConfig, scale: float, q_positions=None) -> SparseIndex:
-    """The document-aware index of whole-sequence keys ``k`` (``q``: every query, or only the rows
-    at ``q_positions``). Where the fused estimator takes the inputs (CUDA), its masses (all
-    documents in the same launches), selection and finalize; else the torch rule's masses and
-    selection (:func:`~ds_mtraining.estimate.index_from_masses`). With the step's documents read
-    once (its first layer), neither path synchronises with the host."""
-    if fused_estimator_takes(q, k, config, k.shape[1]):
-        from ..estimate_cuda import document_masses, index_from_document_masses
-        columns, diagonals = document_masses(q, k, doc_start, config.last_q, scale, q_positions)
-        return index_from_document_masses(columns, diagonals, config, doc_start)
-    columns, diagonals = document_column_and_diagonal_mass(q, k, doc_start, config.last_q, scale,
-                                                           q_positions=q_positions)
-    return index_from_masses(columns, diagonals, config, doc_start)
-
-
-def estimate_on_comm(q, k, config: SparseConfig, comm: RingComm | None,
-                     softmax_scale: float | None = None, doc_start=None) -> SparseIndex:
-    """The global index of the shards ``q``/``k`` over ``comm``'s ring (None: one device): the
-    fused CUDA estimator (no host synchronisation, its index built trusted) when it takes the
-    inputs (on a ring, replayed from a CUDA graph: :mod:`ds_mtraining.ring.estimate_graph`), else
-    the torch rule (CPU; on CUDA it synchronises). With ``doc_start`` (document masking) the
-    document-aware rule: its masses from the fused passes, all documents at once, where they take
-    the inputs (the document list read on the host once per ``doc_start``), its selection fused
-    there too (:func:`document_aware_index`)."""
-    if doc_start is not None:
-        if comm is None:
-            check_qk(q, k)
-            doc_start = check_doc_start(doc_start, q.shape[0], q.shape[1], q.device)
-            return document_aware_index(q, k, doc_start, config, resolve_softmax_scale(q.shape[-1], softmax_scale))
-        return estimate_documents_gathered(q, k, config, comm, softmax_scale, doc_start)
-    world = 1 if comm is None else comm.world
-    if fused_estimator_takes(q, k, config, q.shape[1] * world):
-        if comm is None:
-            from ..estimate_cuda import estimate_vertical_slash_cuda
-            return estimate_vertical_slash_cuda(q, k, config, softmax_scale)
-        from . import estimate_graph
-        if estimate_graph.graphs_enabled():
-            check_qk(q, k)
-            return estimate_graph.captured_estimate(q, k, config, comm,
-                                                    resolve_softmax_scale(q.shape[-1], softmax_scale))
-        return estimate_vertical_slash_cuda_distributed(q, k, config, comm, softmax_scale)
-    if comm is None:
-        return estimate_vertical_slash(q, k, config, softmax_scale)
-    return estimate_vertical_slash_distributed(q, k, config, comm, softmax_scale)
-
-
-def estimate_index(q, k, config: SparseConfig, group=None, softmax_scale: float | None = None,
-                   doc_start=None) -> SparseIndex:
-    """This step's global vertical-slash index: from the striped shards of ``group`` with small
-    collectives, or on one device when there is no group of several ranks
-    (:func:`estimate_on_comm`)."""
-    return estimate_on_comm(q, k, config, ring_comm(group), softmax_scale, doc_start)

@@ -14,7 +14,7 @@
 
 #include "estimate_api.cuh"
 #include "mtraining/checks.h"
-#include "mtraining/estimate.h"
+#include "estimate.h"
 
 namespace mtraining {
 namespace {

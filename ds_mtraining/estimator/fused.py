@@ -1,8 +1,8 @@
 """Fused CUDA estimator of the vertical-slash pattern: the rule of
-:func:`ds_mtraining.estimate.estimate_vertical_slash`, without host synchronisation.
+:func:`ds_mtraining.estimator.rule.estimate_vertical_slash`, without host synchronisation.
 
-Four kernels (``csrc/cuda/estimate_kernels.cuh``), each exposed here for the distributed path
-(:func:`ds_mtraining.ring.estimate.estimate_vertical_slash_cuda_distributed`: passes A and B on
+Four kernels (``csrc/cuda/estimator/estimate_kernels.cuh``), each exposed here for the distributed path
+(:func:`ds_mtraining.estimator.distributed.estimate_vertical_slash_cuda_distributed`: passes A and B on
 each rank's keys, the row statistics merged across ranks, the diagonal shares
 spilled to the next rank(s) instead of all-reduced, the selection over fixed-width candidates):
 
@@ -11,7 +11,7 @@ spilled to the next rank(s) instead of all-reduced, the selection over fixed-wid
 * :func:`masses` (pass B): with the global row statistics, the column masses of the local keys and
   the token-diagonal masses ``[B, H, S]`` of the local keys' entries (summed over ranks they are
   the global ones), both divided by the row count;
-* :func:`select_top_p` (:func:`select_top_p_pair`: two lists in the same launches): the top-p
+* :func:`select_top_p_padded` (:func:`select_top_p_padded_pair`: two lists in the same launches): the top-p
   entries of each mass row (multi-CTA radix threshold search, ties to the lower index), as a
   fixed-width ascending list plus counts;
 * :func:`build_index` : token diagonals and columns to the compact :class:`SparseIndex`
@@ -33,22 +33,22 @@ import sys
 
 import torch
 
-from .attention import resolve_softmax_scale
-from .config import SUPPORTED_BLOCK_SIZES, SparseConfig
-from .documents import remember_last
-from .estimate import DOCUMENT_WEIGHTS, check_qk, document_sink_columns, document_spans
-from .index import PAD, SparseIndex
+from ..attention import resolve_softmax_scale
+from ..config import SUPPORTED_BLOCK_SIZES, SparseConfig
+from ..documents import remember_last
+from ..index import PAD, SparseIndex
+from .rule import DOCUMENT_WEIGHTS, check_qk, document_sink_columns, document_spans
 
 MAX_LAST_Q = 256  # query rows the kernels keep in shared memory (4 chunks of 64)
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 SUPPORTED_HEAD_DIMS = (64, 128)
 
-__all__ = ["estimate_vertical_slash_cuda", "row_stats", "masses", "select_top_p", "select_top_p_pair",
+__all__ = ["estimate_vertical_slash_cuda", "row_stats", "masses", "select_top_p_padded", "select_top_p_padded_pair",
            "build_index", "trusted_index", "supports", "document_masses"]
 
 
 def _op():
-    from .ops import op_module
+    from ..ops import op_module
     return op_module("cuda")
 
 
@@ -98,7 +98,7 @@ def masses(q_last: torch.Tensor, k: torch.Tensor, row_max: torch.Tensor, row_sum
            q_start: int, seq_len: int, scale: float, world: int = 1, rank: int = 0,
            block_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Pass B, given the global row statistics (:func:`row_stats`, merged over ranks by
-    ``ring.estimate.merge_row_stats``). Returns float32 (columns [B, H, Sk]: the mass of each local key,
+    :func:`~ds_mtraining.estimator.distributed.merge_row_stats`). Returns float32 (columns [B, H, Sk]: the mass of each local key,
     diagonals [B, H, seq_len]: the mass of token diagonal ``t = query - key`` over the local keys),
     both summed over the L rows and divided by L."""
     return tuple(_op().estimate_masses(q_last, k, row_max, row_sum, int(q_start), int(seq_len),
@@ -117,8 +117,8 @@ def _stripe_block(world: int, block_size: int | None) -> int:
     return int(block_size)
 
 
-def select_top_p(mass: torch.Tensor, p: float, cap: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The top-p rule of :func:`ds_mtraining.estimate.select_top_p` on each row of ``mass``
+def select_top_p_padded(mass: torch.Tensor, p: float, cap: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top-p rule of :func:`ds_mtraining.estimator.rule.select_top_p` on each row of ``mass``
     [..., n] (float32, non-negative, summing to at most 16): the fewest largest entries (ties to the
     lower index) whose mass reaches ``p`` times the row's total, at least 1 and at most ``cap``.
 
@@ -126,9 +126,9 @@ def select_top_p(mass: torch.Tensor, p: float, cap: int) -> tuple[torch.Tensor, 
     return tuple(_op().estimate_select(mass.float(), float(p), int(cap)))
 
 
-def select_top_p_pair(mass_a: torch.Tensor, p_a: float, cap_a: int, mass_b: torch.Tensor, p_b: float,
+def select_top_p_padded_pair(mass_a: torch.Tensor, p_a: float, cap_a: int, mass_b: torch.Tensor, p_b: float,
                       cap_b: int) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
-    """:func:`select_top_p` on two mass lists (each with its own ``p`` and ``cap``) in the same
+    """:func:`select_top_p_padded` on two mass lists (each with its own ``p`` and ``cap``) in the same
     kernel launches: ((indices_a, count_a), (indices_b, count_b)), equal to two separate calls."""
     ia, ca, ib, cb = _op().estimate_select_pair(mass_a.float(), float(p_a), int(cap_a), mass_b.float(),
                                                 float(p_b), int(cap_b))
@@ -151,7 +151,7 @@ def build_index(slash_tokens: torch.Tensor, slash_count: torch.Tensor, columns: 
 @torch.no_grad()
 def estimate_vertical_slash_cuda(q: torch.Tensor, k: torch.Tensor, config: SparseConfig,
                                  softmax_scale: float | None = None) -> SparseIndex:
-    """:func:`ds_mtraining.estimate.estimate_vertical_slash` on the GPU in eleven kernel launches
+    """:func:`ds_mtraining.estimator.rule.estimate_vertical_slash` on the GPU in eleven kernel launches
     (one a memset) and no host synchronisation. q [B, S, H, D], k [B, S, Hkv, D] (bfloat16 or
     float16, D 64 or 128, on CUDA). The lists are fixed-width (``PAD`` tails); the selected
     entries equal the torch rule's up to float summation order (only entries at the top-p
@@ -159,7 +159,7 @@ def estimate_vertical_slash_cuda(q: torch.Tensor, k: torch.Tensor, config: Spars
     check_qk(q, k)
     reason = supports(q, k, config, q.shape[1])
     if reason is not None:
-        raise ValueError(f"estimate_vertical_slash_cuda: {reason}; use ds_mtraining.estimate."
+        raise ValueError(f"estimate_vertical_slash_cuda: {reason}; use ds_mtraining.estimator.rule."
                          f"estimate_vertical_slash")
     if k.dtype != q.dtype or k.device != q.device:
         raise ValueError(f"q ({q.dtype}, {q.device}) and k ({k.dtype}, {k.device}) must share dtype and device")
@@ -169,7 +169,7 @@ def estimate_vertical_slash_cuda(q: torch.Tensor, k: torch.Tensor, config: Spars
     q_last = q[:, s - lq:]
     stats = row_stats(q_last, k, s - lq, s, scale)
     columns, diagonals = masses(q_last, k, *stats, s - lq, s, scale)
-    (vertical, v_count), (slash, s_count) = select_top_p_pair(
+    (vertical, v_count), (slash, s_count) = select_top_p_padded_pair(
         columns, config.p_vertical, config.max_vertical, diagonals, config.p_slash, config.max_slash_diagonals)
     return build_index(slash, s_count, vertical, v_count, s, config)
 
@@ -190,7 +190,7 @@ def merge_columns(selected: torch.Tensor, count: torch.Tensor, extra: torch.Tens
 
 @remember_last
 def document_sinks(doc_start: torch.Tensor, config: SparseConfig) -> torch.Tensor:
-    """int32 [B, n]: :func:`~ds_mtraining.estimate.document_sink_columns` of each batch row,
+    """int32 [B, n]: :func:`~ds_mtraining.estimator.rule.document_sink_columns` of each batch row,
     ``PAD`` padded (remembered: one conversion per ``doc_start``)."""
     sinks = document_sink_columns(doc_start, 1, config)[:, 0]
     return torch.where(sinks < 0, PAD, sinks).to(torch.int32).contiguous()
@@ -198,16 +198,16 @@ def document_sinks(doc_start: torch.Tensor, config: SparseConfig) -> torch.Tenso
 
 def index_from_document_masses(columns: torch.Tensor, diagonals: torch.Tensor, config: SparseConfig,
                                doc_start: torch.Tensor, passes=None) -> SparseIndex:
-    """:func:`ds_mtraining.estimate.index_from_masses` with ``doc_start`` from the fused kernels:
+    """:func:`ds_mtraining.estimator.rule.index_from_masses` with ``doc_start`` from the fused kernels:
     the top-p selection of both lists, every document's sinks merged into the selected columns
     (:func:`merge_columns`), the finalize kernel (its sequence sinks, tokens 0 .. sink_tokens - 1,
     are always among the documents' sinks). No host synchronisation once the step's documents
     are known (:func:`document_sinks` is remembered). The selected entries equal the torch rule's
     up to float summation order, as in :func:`estimate_vertical_slash_cuda`. ``passes``:
-    ``select_top_p_pair``, ``merge_columns`` and ``build_index`` (default: this module's kernels;
+    ``select_top_p_padded_pair``, ``merge_columns`` and ``build_index`` (default: this module's kernels;
     tests pass torch versions)."""
     passes = _kernels(passes)
-    (vertical, vertical_count), (slash, slash_count) = passes.select_top_p_pair(
+    (vertical, vertical_count), (slash, slash_count) = passes.select_top_p_padded_pair(
         columns, config.p_vertical, config.max_vertical, diagonals, config.p_slash, config.max_slash_diagonals)
     sinks = document_sinks(doc_start, config)
     if sinks.shape[-1] > 0:
@@ -250,7 +250,7 @@ def document_table(doc_start: torch.Tensor, last_q: int, weight: str) -> tuple[l
 def document_masses(q: torch.Tensor, k: torch.Tensor, doc_start: torch.Tensor, last_q: int, scale: float,
                     q_positions: torch.Tensor | None = None, weight: str = "tokens"
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`ds_mtraining.estimate.document_column_and_diagonal_mass` fused: column and
+    """:func:`ds_mtraining.estimator.rule.document_column_and_diagonal_mass` fused: column and
     token-diagonal masses [B, H, S] float32 of every document's last ``min(last_q, n)`` queries
     against its own keys, row means weighted by ``DOCUMENT_WEIGHTS[weight]``, summed per batch
     row. Every document is a contiguous slice of q and k, an ordinary causal sequence of n
@@ -260,7 +260,7 @@ def document_masses(q: torch.Tensor, k: torch.Tensor, doc_start: torch.Tensor, l
     (:func:`position_slots`).
 
     ``q``: [B, S, H, D], or with ``q_positions`` [B, len(q_positions), H, D], the rows at those
-    global positions (at least :func:`~ds_mtraining.estimate.document_query_positions`)."""
+    global positions (at least :func:`~ds_mtraining.estimator.rule.document_query_positions`)."""
     starts, lengths, rows, first_scored, weights = document_table(doc_start, last_q, weight)
     if q_positions is not None:  # a document's scored rows are consecutive there too
         slots = position_slots(q_positions)

@@ -42,10 +42,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .attention import resolve_softmax_scale
-from .config import SparseConfig
-from .documents import check_doc_start, cu_seqlens_from_doc_start, remember_last
-from .index import SparseIndex
+from ..attention import resolve_softmax_scale
+from ..config import SparseConfig
+from ..documents import check_doc_start, cu_seqlens_from_doc_start, remember_last
+from ..index import SparseIndex
 
 
 def check_qk(q: torch.Tensor, k: torch.Tensor):
