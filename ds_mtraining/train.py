@@ -79,6 +79,19 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+
+def name_accelerator():
+    """DeepSpeed picks CUDA where torch sees a GPU, else the CPU with a warning from every process:
+    named here, the warning goes. CPU ranks (``DS_ACCELERATOR=cpu``, also on a GPU machine) hide the
+    GPUs from every library, so that nothing (liger, the peak-memory metric) reaches for one."""
+    if "DS_ACCELERATOR" not in os.environ and not (torch.cuda.is_available() and torch.cuda.device_count() > 0):
+        os.environ["DS_ACCELERATOR"] = "cpu"
+    if os.environ.get("DS_ACCELERATOR") == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+
+name_accelerator()  # before any import of DeepSpeed (training.memory imports it)
+
 from ds_mtraining.data import DataConfigError, RankBatches, datasets_offline, load_tokenizer, training_samples
 from ds_mtraining.distributed import ParallelConfigError, initialize_groups, shutdown
 from ds_mtraining.distributed.shm import release_shm_buffer
@@ -399,18 +412,7 @@ def peak_memory() -> dict:
     return {"peak_memory_gib": max(values), **{f"peak_memory_gib_rank{r}": v for r, v in enumerate(values)}}
 
 
-def name_accelerator():
-    """DeepSpeed picks CUDA where torch sees a GPU, else the CPU with a warning from every process:
-    named here, the warning goes. CPU ranks (``DS_ACCELERATOR=cpu``, also on a GPU machine) hide the
-    GPUs from every library, so that nothing (liger, the peak-memory metric) reaches for one."""
-    if "DS_ACCELERATOR" not in os.environ and not (torch.cuda.is_available() and torch.cuda.device_count() > 0):
-        os.environ["DS_ACCELERATOR"] = "cpu"
-    if os.environ.get("DS_ACCELERATOR") == "cpu":
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""
-
-
 def main(argv=None):
-    name_accelerator()
     rank = launcher_rank()
     quiet_other_ranks(rank)
     quiet_known_warnings()

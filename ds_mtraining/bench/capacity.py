@@ -37,6 +37,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from ..distributed.spawn import free_port
 from . import e2e
 from .launch import metric_path, read_metric
 
@@ -136,10 +137,10 @@ class Capacity:
             config["mtraining"]["memory"] = memory
         gpus = None if self.args.cpu else list(range(self.args.world))
         folder = self.logs / f"{model}_{mode}_w{self.args.world}_s{seq_len}{name}"
-        self.port += 1
+        port, self.port = self.port or free_port(), 0  # --port for the first launch, then free ones
         self.say(f"{model} {mode} W={self.args.world} S={seq_len}{name} ...")
         try:
-            result = self.launcher(config, gpus, self.args.world, folder, self.port, self.args)
+            result = self.launcher(config, gpus, self.args.world, folder, port, self.args)
         except e2e.LaunchFailed as error:
             self.say(f"    does not train: {error.kind}: {str(error).splitlines()[0][:200]}")
             return {"fits": False, "failure": error.kind, "error": str(error)[-2000:]}
@@ -299,7 +300,8 @@ def parse_args(argv=None):
                         help="also time S with the memory settings and with the tools off (same invocation)")
     parser.add_argument("--overhead_only", action="store_true", help="with --overhead_at: no search")
     parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--port", type=int, default=29750, help="master port of the first launch (then +1 each)")
+    parser.add_argument("--port", type=int, default=0,
+                        help="master port of the first launch (0: a free one); later launches take free ones")
     parser.add_argument("--out", default=None, help="results folder (default bench_results/capacity-<UTC time>)")
     parser.add_argument("--tag", default=None, help="capacity_<tag>.json (default: the device, e.g. h200x1)")
     parser.add_argument("--cpu", action="store_true", help="CPU ranks (gloo) even where GPUs exist")
