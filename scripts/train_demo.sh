@@ -24,12 +24,15 @@ echo "demo: expect index density 0.9-1.0: an untrained model on 1024-token seque
      "so top-p keeps nearly every entry (a model trained at 32K keeps about 13%: docs/RESULTS.md)"
 if [ "$DEMO_ACCELERATOR" = cpu ]; then export DS_ACCELERATOR=cpu; fi
 
+launcher=(deepspeed)  # the launcher's command; its module where pip installed no script (--target)
+command -v deepspeed >/dev/null || launcher=(python -m deepspeed.launcher.runner)
+
 # The launcher's own last lines come after a rank's error: repeat the rank's one line at the end.
 # (stderr goes through tee, stdout stays the terminal, so the progress bar stays live)
 errors="$(mktemp)"
 trap 'rm -f "$errors"' EXIT
 set +e
-{ deepspeed --quiet --num_gpus 2 --master_port "${PORT:-$DEMO_PORT}" \
+{ "${launcher[@]}" --quiet --num_gpus 2 --master_port "${PORT:-$DEMO_PORT}" \
     --module ds_mtraining.train --deepspeed_config "$DEMO_CONFIG" \
     --steps "${STEPS:-30}" --save_dir "${SAVE_DIR:-runs/demo}" --save_interval 10 "$@" \
     2>&1 1>&3 3>&- | tee "$errors" >&2; } 3>&1

@@ -101,7 +101,7 @@ def _lengths_error(mt_groups) -> str | None:
 
 
 def _worker(rank, world, root):
-    from ds_mtraining.ring import estimate_graph
+    from ds_mtraining.estimator import graphs as estimate_graph
     from test_training import _train_in_process
     root = Path(root)
     full = every_entry_config(SEQ, BLOCK).to_dict()
