@@ -234,7 +234,8 @@ def kill_launcher_when_ready(process: subprocess.Popen, log: Path, outcome: dict
 def _kill_launcher_when_ready(process: subprocess.Popen, log: Path, outcome: dict):
     deadline = time.monotonic() + LAUNCH_TIMEOUT_S
     pids = {}
-    while not (len(pids := rank_pids(process)) == 2 and all(loaded(pid, "deepspeed_shm_comm") for pid in pids.values())):
+    while not (len(pids := rank_pids(process)) == 2
+               and all(loaded(pid, "deepspeed_shm_comm") for pid in pids.values())):
         if process.poll() is not None or time.monotonic() > deadline:
             outcome["error"] = f"the ranks never got past init_distributed:\n{log.read_text()[-3000:]}"
             return
