@@ -45,7 +45,7 @@ class MTrainingCUDABuilder(MTrainingBuilderMixin, CUDAOpBuilder):
     DEVICE_TYPE = "cuda"
     SOURCES_HINT = "cuda/*.cu, cuda/binding.cpp and cuda/estimator/*"
     SOURCE_DIRS = ("", "estimator")  # under csrc/cuda: the attention kernels, the fused estimator
-    TYPICAL_BUILD = "about 80 s on a 16-core H200 machine"
+    TYPICAL_BUILD = "about 45 s on a 16-core H200 machine"
     # CuTe needs relaxed constexpr; line info keeps profiles readable
     EXTRA_NVCC_FLAGS = ["--expt-relaxed-constexpr", "--expt-extended-lambda", "-lineinfo",
                         "-DNDEBUG"]
