@@ -38,7 +38,7 @@ import sys
 from pathlib import Path
 
 from ..distributed.spawn import free_port
-from . import e2e
+from . import e2e, fresh_output_dir
 from .launch import metric_path, read_metric
 
 MODES = ("mtraining", "ulysses", "dense")
@@ -318,8 +318,7 @@ def parse_args(argv=None):
     if args.tag is None:
         args.tag = e2e.device_tag(args.device, args.cpu, args.world)
     if args.out is None:
-        args.out = str(Path("bench_results", "capacity-" + datetime.datetime.now(datetime.timezone.utc)
-                            .strftime("%Y%m%dT%H%M%SZ")))
+        args.out = str(fresh_output_dir("capacity"))
     args.date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     args.command = " ".join(["python -m ds_mtraining.bench.capacity", *(argv if argv is not None else sys.argv[1:])])
     return args
