@@ -22,7 +22,7 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2MLP
 from ds_mtraining.distributed import run_on_ranks
 from ds_mtraining.training import ConfigError
 from ds_mtraining.training.memory import HOST_MEMORY_ENV, CheckpointOffload, HostMemoryError, OutOfMemory, \
-    out_of_memory_line, plan_memory, tile_mlps, tiled_mlp
+    gpu_need_gib, out_of_memory_line, plan_memory, tile_mlps, tiled_mlp
 from ds_mtraining.training.run_config import load_run_config, parse_run_config
 from helpers import REPO
 
@@ -189,19 +189,29 @@ def test_bad_memory_setting_is_one_clear_error(memory, checkpointing, message):
 def test_host_check_chooses_n_and_refuses_with_the_numbers(monkeypatch):
     """The Qwen2.5-3B shape at 1M tokens on one GPU (bf16, ZeRO-2 + CPU AdamW): 3.09B parameters x
     18 bytes = 51.8 GiB of optimizer; a checkpointed input is 1M x 2048 x 2 bytes = 4 GiB (pinned:
-    4 GiB, a power of two). With 125 GiB available (HOST_MEMORY_ENV) and an 8 GiB reserve, auto
-    offloads (125 - 51.8 - 8) // 4 = 16 layers; 40 GiB refuses before anything else; 17 layers
-    given refuses naming 16."""
+    4 GiB, a power of two). With 125 GiB available (HOST_MEMORY_ENV) and an 8 GiB reserve, the host
+    holds (125 - 51.8 - 8) // 4 = 16 layers. On a 139.8 GiB GPU auto offloads the fewest layers
+    whose GPU estimate fits: 15 at 1M (21 x 4 GiB + 1 layer's copy + 6.5 GiB of weights and
+    buckets + 33.0 GiB of transients = 129.5 GiB, x 1.05 + 4 = 140.0 > 139.8 with 14), none at
+    256K; with a 24 GiB reserve the host holds 12 and the line says the GPU will not fit. 40 GiB
+    of host refuses before anything else; 17 layers given refuses naming 16."""
     monkeypatch.setenv(HOST_MEMORY_ENV, "125")
     run, ds_config = e2e_run(1 << 20, host_reserve_gib=8)
-    plan = plan_memory(run, ds_config, 1, cuda=True)
+    plan = plan_memory(run, ds_config, 1, cuda=True, gpu_gib=139.8)
     assert plan.parameters == 3_085_938_688 and plan.tiled_mlp and plan.tokens_per_rank == 1 << 20
     assert plan.host["optimizer_gib"] == pytest.approx(3_085_938_688 * 18 / 2 ** 30)
-    assert plan.offload_layers == 16 and plan.gpu["checkpoint_layer_gib"] == 4.0
-    assert plan.gpu["checkpoint_layers_on_gpu"] == 20
+    assert plan.offload_layers == 15 and plan.gpu["checkpoint_layer_gib"] == 4.0
+    assert plan.gpu["checkpoint_layers_on_gpu"] == 21
+    assert gpu_need_gib(plan.gpu, plan.transients) == pytest.approx(137.9, abs=0.05)
     line = plan.describe()
-    assert line.startswith("ds_mtraining: memory: tiled MLP (16384-token chunks); checkpoints of the first 16 of "
-                           "36 layers to pinned host memory (auto: the host holds 16 of 35)"), line
+    assert line.startswith("ds_mtraining: memory: tiled MLP (16384-token chunks); checkpoints of the first 15 of "
+                           "36 layers to pinned host memory (auto: the GPU estimate 137.9 of 139.8 GiB; the host "
+                           "holds 16)"), line
+    assert plan_memory(e2e_run(1 << 18)[0], ds_config, 1, cuda=True, gpu_gib=139.8).offload_layers == 0
+    short = plan_memory(e2e_run(1 << 20, host_reserve_gib=24)[0], ds_config, 1, cuda=True, gpu_gib=139.8)
+    assert short.offload_layers == 12 and short.offload_choice.startswith(
+        "auto: the GPU needs 15 offloaded, the host holds 12; GPU estimate 150.5 > 139.8 GiB: expect an "
+        "out-of-memory error"), short.offload_choice
     monkeypatch.setenv(HOST_MEMORY_ENV, "40")
     with pytest.raises(HostMemoryError, match=r"^host memory: the CPU optimizer needs 51.7 GiB \(3.09B parameters "
                                               r"x 18 bytes x 1/1 ranks on this node\), 0 offloaded layer checkpoints "
@@ -240,14 +250,14 @@ def test_out_of_memory_line_names_length_peak_and_setting():
     run, ds_config = e2e_run(1 << 20, host_reserve_gib=8)
     os.environ[HOST_MEMORY_ENV] = "125"
     try:
-        plan = plan_memory(run, ds_config, 1, cuda=True)
+        plan = plan_memory(run, ds_config, 1, cuda=True, gpu_gib=139.8)
     finally:
         del os.environ[HOST_MEMORY_ENV]
     error = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 10.75 GiB. GPU 0 has a total capacity "
                                    "of 139.80 GiB of which 1.2 GiB is free.")
     line = out_of_memory_line(error, run, plan, 2)
     assert line.startswith("CUDA out of memory at step 2 with seq_len 1048576 (1048576 tokens per GPU): ")
-    assert "(Tried to allocate 10.75 GiB); set mtraining.memory.offload_checkpoints above 16 (of 36" in line
+    assert "(Tried to allocate 10.75 GiB); set mtraining.memory.offload_checkpoints above 15 (of 36" in line
     assert "\n" not in line
 
 
