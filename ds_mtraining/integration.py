@@ -47,12 +47,14 @@ from .data import shard_batch
 from .distributed import ParallelGroups, RING_KINDS, check_parallel_sizes, initialize_groups, shutdown
 from .loss import IGNORE_INDEX, sequence_parallel_cross_entropy, token_cross_entropy_sum
 from .layout import StripedLayout, check_divisible
+from .training.run_config import SECTION_KEYS
 
 MTRAINING_KEY = "mtraining"  # the DeepSpeed JSON's section (as ds_mtraining.train reads it)
 SETTING_KEYS = ("sequence_parallel_size", "ring", "stripe_block", "sparse", "loss_chunk_tokens", "liger",
                 "keep_attention_output", "attention", "static")
-# the section's keys that belong to ds_mtraining.train's own loop, not to a model: ignored here
-TRAIN_ONLY_KEYS = ("seq_len", "model", "tokenizer", "data", "gradient_checkpointing", "document_masking")
+# the section's keys that belong to ds_mtraining.train's own loop, not to a model (the data, the
+# memory tools' loop): ignored here, so one JSON serves both
+TRAIN_ONLY_KEYS = tuple(sorted(SECTION_KEYS - set(SETTING_KEYS)))
 SHARDINGS = ("world", "sequence")
 DOCUMENT_KEYS = ("cu_seqlens", "cu_seq_lens_q", "doc_start")
 DROPPED_KEYS = ("cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")  # flash-attn kwargs of HF collators

@@ -252,6 +252,12 @@ def test_settings_come_from_the_train_json_and_keywords_override():
     settings = resolve_settings(REPO / "ds_configs" / "cpu_demo.json", 4, loss_chunk_tokens=64)
     assert (settings.sequence_parallel_size, settings.sparse.block_size, settings.loss_chunk_tokens) == (2, 64, 64)
     assert resolve_settings(None, 2).sequence_parallel_size == 2
+    # every key ds_mtraining.train reads is welcome (the memory tools belong to its loop), one JSON for both
+    e2e = json.loads((REPO / "ds_configs" / "e2e_zero2_offload_bf16.json").read_text())
+    e2e["mtraining"].update(sequence_parallel_size=1, memory={"tiled_mlp": False, "offload_checkpoints": "none"})
+    assert resolve_settings(e2e, 1).loss_chunk_tokens == 4096
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['memroy'\] in 'mtraining'"):
+        resolve_settings({"mtraining": {"memroy": {}}}, 1)
     with pytest.raises(ValueError, match=r"sequence_parallel_size=3 does not divide the world size 4"):
         resolve_settings(None, 4, sequence_parallel_size=3)
 

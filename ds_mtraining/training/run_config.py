@@ -80,16 +80,18 @@ def check_model(spec: dict, vocab_size: int):
     return config
 
 
+SECTION_KEYS = frozenset({"seq_len", "sequence_parallel_size", "ring", "stripe_block", "sparse", "model", "tokenizer",
+                          "data", "loss_chunk_tokens", "gradient_checkpointing", "attention", "static",
+                          "document_masking", "liger", "keep_attention_output", "memory"})
+
+
 def parse_run_config(section: dict, world_size: int) -> RunConfig:
     """Validates the ``mtraining`` section against a world of ``world_size`` ranks."""
     if not isinstance(section, dict):
         raise ConfigError(f"the DeepSpeed JSON needs a \"{MTRAINING_KEY}\" object, got {section!r}")
-    known = {"seq_len", "sequence_parallel_size", "ring", "stripe_block", "sparse", "model", "tokenizer",
-             "data", "loss_chunk_tokens", "gradient_checkpointing", "attention", "static", "document_masking",
-             "liger", "keep_attention_output", "memory"}
-    unknown = sorted(set(section) - known)
+    unknown = sorted(set(section) - SECTION_KEYS)
     if unknown:
-        raise ConfigError(f"unknown key(s) {unknown} in '{MTRAINING_KEY}'; valid keys are {sorted(known)}")
+        raise ConfigError(f"unknown key(s) {unknown} in '{MTRAINING_KEY}'; valid keys are {sorted(SECTION_KEYS)}")
     sp = section.get("sequence_parallel_size", world_size)
     try:
         check_parallel_sizes(world_size, sp, key=f"{MTRAINING_KEY}.sequence_parallel_size")
