@@ -93,10 +93,11 @@ def test_optimizer_too_large_for_the_host_stops_the_search(tmp_path):
 
 def test_host_refusal_is_its_own_failure_kind(tmp_path, monkeypatch):
     """bench.e2e's launch reports the run's exit as an error with the log's tail; a host-check line
-    in it makes the failure "host"."""
+    in it makes the failure "host", and the error is that line alone."""
     def refused(*_args):
-        raise e2e.LaunchFailed("error", "... configuration error: host memory: the CPU optimizer needs 134.6 GiB")
+        raise e2e.LaunchFailed("error", "[launch.py] spawned ...\nds_mtraining.train: configuration error: host "
+                                        "memory: the CPU optimizer needs 134.6 GiB\n[launch.py] exit 2")
     monkeypatch.setattr(e2e, "launch", refused)
     with pytest.raises(e2e.LaunchFailed) as failure:
         capacity.capacity_launch({}, None, 1, tmp_path, 0, None)
-    assert failure.value.kind == "host"
+    assert failure.value.kind == "host" and str(failure.value) == "host memory: the CPU optimizer needs 134.6 GiB"

@@ -62,8 +62,9 @@ def capacity_launch(config: dict, gpus, world: int, folder: Path, port: int, arg
     try:
         result = e2e.launch(config, gpus, world, folder, port, args)
     except e2e.LaunchFailed as error:
-        if error.kind == "error" and "host memory:" in str(error):
-            raise e2e.LaunchFailed("host", str(error)) from None
+        if error.kind == "error" and "host memory:" in str(error):  # the refusal's one line, not the log's tail
+            line = next(line for line in str(error).splitlines() if "host memory:" in line)
+            raise e2e.LaunchFailed("host", line[line.index("host memory:"):]) from None
         raise
     run_dir = folder / "run"
     for name in EXTRA_METRICS:
