@@ -124,3 +124,34 @@ def test_documents_training_end_to_end(tmp_path):
         record["tail_mean_loss"]["document_masking"] / record["tail_mean_loss"]["no_document_masking"] - 1)
     first = {name: run["loss"][0] for name, run in record["runs"].items()}
     assert first["document_masking"] != first["no_document_masking"], f"document masking changed nothing: {first}"
+
+
+def test_integration_bench_reads_the_example_log_and_writes_the_ratio(tmp_path, monkeypatch):
+    """bench.integration with the launches faked: the example's step lines (9.0/2.0/2.2/2.0 s) give
+    the median after one warm-up step, 2.0 s -> 1024 tok/s; train's 1.6 s gives 1280 tok/s; the
+    ratio is 0.8. A side that fails leaves the ratio None and records why."""
+    from ds_mtraining.bench import e2e, integration
+
+    def example_ran(command, log, env, timeout):
+        assert str(integration.EXAMPLE) in command and "--gradient_checkpointing" not in command  # as cpu_demo
+        config = json.loads((log.parent / "config.json").read_text())
+        assert config["mtraining"]["memory"] == integration.MEMORY_TOOLS_OFF and config["mtraining"]["seq_len"] == 2048
+        log.write_text("[launch] spawned\n" + "".join(
+            json.dumps({"step": i + 1, "loss": 5.0 - i, "tokens_per_s": 0, "step_s": s}) + "\n"
+            for i, s in enumerate([9.0, 2.0, 2.2, 2.0])))
+
+    def train(config, gpus, world, folder, port, args):
+        return {"step_s": 1.6, "tokens_per_s": 2048 / 1.6, "losses": [5.0]}
+
+    monkeypatch.setattr(integration, "run_logged", example_ran)
+    args = integration.parse_args(["--cpu", "--config", str(REPO / "ds_configs" / "cpu_demo.json"), "--model",
+                                   "tiny-qwen2", "--seq_len", "2048", "--world", "2", "--steps", "4", "--out",
+                                   str(tmp_path), "--tag", "t"])
+    record = integration.compare(args, train)
+    assert record["sides"]["own_loop"]["step_s"] == 2.0 and record["own_loop_over_train"] == pytest.approx(0.8)
+    assert json.loads((tmp_path / "integration_t.json").read_text())["sides"]["own_loop"]["losses"] == [5, 4, 3, 2]
+
+    def failing(*_args):
+        raise e2e.LaunchFailed("timeout", "still running after 540 s")
+    record = integration.compare(args, train, failing)
+    assert record["own_loop_over_train"] is None and record["sides"]["own_loop"]["failure"] == "timeout"

@@ -1,0 +1,155 @@
+"""``python -m ds_mtraining.bench.integration``: the user's own training loop with MTraining
+(``examples/deepspeed_loop_mtraining.py``, :mod:`ds_mtraining.integration`) against
+``ds_mtraining.train`` on the same setting, as tokens/s and their ratio (goal: at least 0.95).
+
+Both launches train the same model preset (random weights, ``--model``, all layers unless
+``--layers``) on random tokens of ``--seq_len`` with the same DeepSpeed JSON (``--config``, default
+ZeRO-2 + CPU optimizer offload, bf16, activation checkpointing; its ``mtraining`` section, so the
+same sparse, liger and activation-checkpointing settings), one after the other on the same GPUs. The memory tools
+are off in both (``mtraining.memory``: tiled MLP off, no offload): they run in
+``ds_mtraining.train``'s loop only, and the comparison is of the loops, not of the settings. Each
+side's step time is the median after ``--warmup`` steps.
+
+Writes ``OUT/integration_<tag>.json`` and prints a table.
+
+    python -m ds_mtraining.bench.integration --model qwen2.5-3b --seq_len 131072 --steps 5 \\
+        --out benchmarks/results --tag h200
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from ..distributed.spawn import free_port
+from . import e2e, fresh_output_dir
+from .launch import LaunchTimeout, launcher_env, run_logged
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO / "examples" / "deepspeed_loop_mtraining.py"
+MEMORY_TOOLS_OFF = {"tiled_mlp": False, "offload_checkpoints": "none"}
+
+
+def bench_config(base: dict, args) -> dict:
+    """The one JSON both launches read."""
+    config = json.loads(json.dumps(base))
+    config["mtraining"].update(seq_len=args.seq_len, sequence_parallel_size=args.world, model=args.model,
+                               memory=MEMORY_TOOLS_OFF)
+    if args.layers is not None:
+        config["mtraining"]["model"] = {"name_or_path": args.model,
+                                        "config_overrides": {"num_hidden_layers": args.layers}}
+    return config
+
+
+def step_lines(log: str) -> list[dict]:
+    """The example's per-step JSON lines (``examples/common.py:report``: step, loss, step_s) in its log."""
+    return [json.loads(line) for line in log.splitlines() if line.startswith("{") and '"step_s"' in line]
+
+
+def launch_example(config: dict, gpus: list | None, world: int, folder: Path, port: int, args) -> dict:
+    """The own-loop example through the deepspeed launcher; its median step time after the warm-up."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    placement = ["--include", "localhost:" + ",".join(map(str, gpus))] if gpus else ["--num_gpus", str(world)]
+    command = [sys.executable, "-m", "deepspeed.launcher.runner", *placement, "--master_port", str(port),
+               str(EXAMPLE), "--deepspeed_config", str(folder / "config.json"), "--model", args.model,
+               "--seq_len", str(args.seq_len), "--steps", str(args.steps), "--seed", str(args.seed),
+               *(["--gradient_checkpointing"] if config["mtraining"].get("gradient_checkpointing") else []),
+               *(["--layers", str(args.layers)] if args.layers is not None else [])]
+    env = launcher_env()
+    if not gpus:
+        env.setdefault("OMP_NUM_THREADS", "1")
+        env["DS_ACCELERATOR"] = "cpu"
+    log = folder / "train.log"
+    started = time.monotonic()
+    try:
+        run_logged(command, log, env, args.timeout)
+    except LaunchTimeout as error:
+        raise e2e.LaunchFailed("timeout", str(error)) from None
+    except RuntimeError as error:
+        raise e2e.LaunchFailed("error", str(error)) from None
+    steps = step_lines(log.read_text(errors="replace"))
+    times = [step["step_s"] for step in steps]
+    timed = times[args.warmup:]
+    if not timed:
+        raise e2e.LaunchFailed("error", f"{log}: {len(times)} step(s) logged, none after the {args.warmup} warm-up")
+    step_s = statistics.median(timed)
+    micro = config.get("train_micro_batch_size_per_gpu", 1) * config.get("gradient_accumulation_steps", 1)
+    return {"step_s": step_s, "tokens_per_s": micro * args.seq_len / step_s, "step_times_s": times,
+            "losses": [step["loss"] for step in steps], "wall_s": time.monotonic() - started, "log": str(log)}
+
+
+def compare(args, train_launch=e2e.launch, example_launch=launch_example) -> dict:
+    """Both launches (train first) and the ratio; a side that fails is recorded with its reason."""
+    config = bench_config(json.loads(Path(args.config).read_text()), args)
+    gpus = None if args.cpu else list(range(args.world))
+    logs = Path(args.out) / f"integration_{args.tag}"
+    record = {"date": args.date, "device": args.device, "command": args.command, "config": args.config,
+              "model": args.model, "layers": args.layers, "seq_len": args.seq_len, "world": args.world,
+              "steps": args.steps, "warmup": args.warmup, "memory": MEMORY_TOOLS_OFF, "sides": {}}
+    for name, launch in (("train", train_launch), ("own_loop", example_launch)):
+        print(f"integration: {name} ...", flush=True)
+        port, args.port = args.port or free_port(), 0
+        try:
+            result = launch(config, gpus, args.world, logs / name, port, args)
+            record["sides"][name] = result
+            print(f"integration:     step {result['step_s']:.2f} s, {result['tokens_per_s']:.0f} tok/s", flush=True)
+        except e2e.LaunchFailed as error:
+            record["sides"][name] = {"failure": error.kind, "error": str(error)[-2000:]}
+            print(f"integration:     failed: {error.kind}: {str(error).splitlines()[0][:200]}", flush=True)
+    train, own = (record["sides"][name].get("tokens_per_s") for name in ("train", "own_loop"))
+    record["own_loop_over_train"] = own / train if train and own else None
+    path = Path(args.out) / f"integration_{args.tag}.json"
+    path.write_text(json.dumps(record, indent=1))
+    ratio = record["own_loop_over_train"]
+    print(f"integration: own loop / ds_mtraining.train tokens/s = {ratio:.3f}" if ratio is not None
+          else "integration: no ratio (a side failed)")
+    print(f"integration: results in {path}", flush=True)
+    return record
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m ds_mtraining.bench.integration",
+                                     description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--config", default=str(REPO / "ds_configs" / "e2e_zero2_offload_bf16.json"),
+                        help="DeepSpeed JSON both launches start from")
+    parser.add_argument("--model", default="qwen2.5-3b", help="model preset")
+    parser.add_argument("--layers", type=int, default=None, help="override the depth (default: the preset's)")
+    parser.add_argument("--seq_len", type=int, default=131072)
+    parser.add_argument("--world", type=int, default=1, help="GPUs (sequence-parallel ranks)")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=1, help="first steps left out of the median")
+    parser.add_argument("--timeout", type=float, default=540.0, help="seconds per launch (then killed)")
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--port", type=int, default=0, help="master port of the first launch (0: a free one)")
+    parser.add_argument("--out", default=None, help="results folder (default bench_results/integration-<time>)")
+    parser.add_argument("--tag", default=None, help="integration_<tag>.json (default: the device, e.g. h200x1)")
+    parser.add_argument("--cpu", action="store_true", help="CPU ranks (gloo) even where GPUs exist")
+    args = parser.parse_args(argv)
+    args.profile_step = 0  # (what bench.e2e's launch reads)
+    if not args.cpu:
+        import torch
+        args.cpu = not torch.cuda.is_available()
+    if args.warmup >= args.steps:
+        parser.error(f"--warmup {args.warmup} leaves no timed step of --steps {args.steps}")
+    args.device = e2e.device_name(args.cpu)
+    if args.tag is None:
+        args.tag = e2e.device_tag(args.device, args.cpu, args.world)
+    if args.out is None:
+        args.out = str(fresh_output_dir("integration"))
+    args.date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    args.command = " ".join(["python -m ds_mtraining.bench.integration", *(argv if argv is not None else sys.argv[1:])])
+    return args
+
+
+def main(argv=None):
+    return compare(parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()
