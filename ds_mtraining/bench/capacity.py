@@ -31,14 +31,12 @@ memory against length per mode).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 from ..distributed.spawn import free_port
-from . import e2e, fresh_output_dir
+from . import e2e
 from .launch import metric_path, read_metric
 
 MODES = ("mtraining", "ulysses", "dense")
@@ -307,22 +305,9 @@ def parse_args(argv=None):
     parser.add_argument("--tag", default=None, help="capacity_<tag>.json (default: the device, e.g. h200x1)")
     parser.add_argument("--cpu", action="store_true", help="CPU ranks (gloo) even where GPUs exist")
     args = parser.parse_args(argv)
-    args.profile_step = 0  # (what bench.e2e's launch reads)
-    if not args.cpu:
-        import torch
-        args.cpu = not torch.cuda.is_available()
-    if args.warmup >= args.steps:
-        parser.error(f"--warmup {args.warmup} leaves no timed step of --steps {args.steps}")
     if args.starting_len > args.max_len:
         parser.error(f"--starting_len {args.starting_len} > --max_len {args.max_len}")
-    args.device = e2e.device_name(args.cpu)
-    if args.tag is None:
-        args.tag = e2e.device_tag(args.device, args.cpu, args.world)
-    if args.out is None:
-        args.out = str(fresh_output_dir("capacity"))
-    args.date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    args.command = " ".join(["python -m ds_mtraining.bench.capacity", *(argv if argv is not None else sys.argv[1:])])
-    return args
+    return e2e.finish_launch_args(parser, args, "capacity", argv)
 
 
 def main(argv=None):

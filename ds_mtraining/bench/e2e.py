@@ -76,6 +76,7 @@ from pathlib import Path
 from ..config import slash_cap_for_blocks
 from ..training.profile import ATTENTION_KINDS
 from ..distributed.spawn import free_port
+from . import fresh_output_dir
 from .launch import LaunchTimeout, launcher_env, metric_path, read_metric, run_logged, training_command
 
 MODES = {"mtraining": "sparse", "ulysses": "ulysses", "dense": "dense"}
@@ -529,7 +530,7 @@ def parse_args(argv=None):
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--port", type=int, default=0,
                         help="master port of the first launch (0: a free one); later launches take free ones")
-    parser.add_argument("--out", default=None, help="results folder (default bench_results/e2e-<UTC time>)")
+    parser.add_argument("--out", default=None, help="results folder (default bench_results/e2e-<time>)")
     parser.add_argument("--tag", default=None, help="e2e_<tag>.json (default: the device, e.g. h200x2, or cpu)")
     parser.add_argument("--smoke", action="store_true",
                         help=f"CPU end-to-end check at tiny sizes (2 gloo ranks): {SMOKE}, unless given")
@@ -560,25 +561,34 @@ def parse_args(argv=None):
         for name, value in SMOKE.items():
             if name not in given:
                 setattr(args, name, value)
-    if not args.cpu:
-        import torch
-        args.cpu = not torch.cuda.is_available()
     if args.gpus is None:
         args.gpus = list(range(args.world))
     if len(args.gpus) < args.world:
         parser.error(f"--gpus {args.gpus}: need {args.world} ids for --world {args.world}")
     if args.layers[0] == args.layers[1] or min(args.layers) < 1:
         parser.error(f"--layers {args.layers}: two different positive depths")
+    if args.smoke and args.tag is None:
+        args.tag = "smoke"
+    return finish_launch_args(parser, args, "e2e", argv)
+
+
+def finish_launch_args(parser, args, name: str, argv):
+    """What the launching benchmarks (e2e, capacity, integration) derive from their arguments:
+    CPU ranks where no GPU is visible, the warm-up check, the device and its tag, a fresh output
+    folder unless ``--out``, the date and the command line."""
+    args.profile_step = getattr(args, "profile_step", 0)  # (what launch reads)
+    if not args.cpu:
+        import torch
+        args.cpu = not torch.cuda.is_available()
     if args.warmup >= args.steps:
         parser.error(f"--warmup {args.warmup} leaves no timed step of --steps {args.steps}")
     args.device = device_name(args.cpu)
     if args.tag is None:
-        args.tag = "smoke" if args.smoke else device_tag(args.device, args.cpu, args.world)
+        args.tag = device_tag(args.device, args.cpu, args.world)
     if args.out is None:
-        args.out = str(Path("bench_results", "e2e-" + datetime.datetime.now(datetime.timezone.utc)
-                            .strftime("%Y%m%dT%H%M%SZ")))
+        args.out = str(fresh_output_dir(name))
     args.date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    args.command = " ".join(["python -m ds_mtraining.bench.e2e", *(argv if argv is not None else sys.argv[1:])])
+    args.command = " ".join([f"python -m ds_mtraining.bench.{name}", *(argv if argv is not None else sys.argv[1:])])
     return args
 
 

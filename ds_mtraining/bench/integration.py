@@ -18,7 +18,6 @@ Writes ``OUT/integration_<tag>.json`` and prints a table.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import statistics
 import sys
@@ -26,7 +25,7 @@ import time
 from pathlib import Path
 
 from ..distributed.spawn import free_port
-from . import e2e, fresh_output_dir
+from . import e2e
 from .launch import LaunchTimeout, launcher_env, run_logged
 
 REPO = Path(__file__).resolve().parents[2]
@@ -130,21 +129,7 @@ def parse_args(argv=None):
     parser.add_argument("--out", default=None, help="results folder (default bench_results/integration-<time>)")
     parser.add_argument("--tag", default=None, help="integration_<tag>.json (default: the device, e.g. h200x1)")
     parser.add_argument("--cpu", action="store_true", help="CPU ranks (gloo) even where GPUs exist")
-    args = parser.parse_args(argv)
-    args.profile_step = 0  # (what bench.e2e's launch reads)
-    if not args.cpu:
-        import torch
-        args.cpu = not torch.cuda.is_available()
-    if args.warmup >= args.steps:
-        parser.error(f"--warmup {args.warmup} leaves no timed step of --steps {args.steps}")
-    args.device = e2e.device_name(args.cpu)
-    if args.tag is None:
-        args.tag = e2e.device_tag(args.device, args.cpu, args.world)
-    if args.out is None:
-        args.out = str(fresh_output_dir("integration"))
-    args.date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    args.command = " ".join(["python -m ds_mtraining.bench.integration", *(argv if argv is not None else sys.argv[1:])])
-    return args
+    return e2e.finish_launch_args(parser, parser.parse_args(argv), "integration", argv)
 
 
 def main(argv=None):

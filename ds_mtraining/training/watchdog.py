@@ -8,6 +8,9 @@ Ctrl-C or SIGTERM. Each rank runs a watchdog thread that
 * on a collective that fails because a peer died (gloo: "Connection closed by peer"), names the
   dead rank (ranks on this node are checked by pid).
 
+A thread needs the GIL, which DeepSpeed's CPU shared-memory collectives hold while they spin; a
+guard process per rank (:mod:`.launcher_guard`) stops a rank stuck there once its launcher is gone.
+
 Every case ends in one line on stderr, printed by one rank (the lowest survivor, rank 0 for the
 launcher and signals), naming what happened and the last checkpoint, then ``os._exit``: no
 traceback from the survivors, no hang.
@@ -17,63 +20,14 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 
-LAUNCHER_WORDS = ("deepspeed", "mpirun", "mpiexec", "orted", "prted", "prterun")
-POLL_S = 0.5
-
-
-def _stat(pid: int) -> tuple[str, str] | None:
-    """(state, start time) of a live process, None when it is gone or a zombie."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = text[text.rindex(")") + 2:].split()
-    return None if fields[0] in "ZX" else (fields[0], fields[19])
-
-
-def _parent(pid: int) -> int:
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-        return int(text[text.rindex(")") + 2:].split()[1])
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
-def launcher_processes() -> list[tuple[int, str]]:
-    """The launcher processes above this one: (pid, start time), nearest first."""
-    chain, pid = [], os.getppid()
-    while pid > 1:
-        try:
-            command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            break
-        if not any(word in command for word in LAUNCHER_WORDS):
-            break
-        stat = _stat(pid)
-        if stat is None:
-            break
-        chain.append((pid, stat[1]))
-        pid = _parent(pid)
-    return chain
-
-
-def _stop_marker(pid: int) -> Path:
-    """Left by a rank that stops on purpose (signal, launcher gone, a peer's death), so that its
-    peers on the node do not report it as a rank that died."""
-    return Path(tempfile.gettempdir()) / f"ds_mtraining-stopped-{pid}"
-
-
-def last_checkpoint(save_dir: str) -> str:
-    latest = Path(save_dir) / "latest"
-    if latest.is_file():
-        return f"last checkpoint {Path(save_dir).resolve()} (tag {latest.read_text().strip()}); continue with --resume"
-    return f"no checkpoint in {Path(save_dir).resolve()} yet"
+from . import launcher_guard
+from .launcher_guard import last_checkpoint, launcher_processes, process_stat, stop_marker
 
 
 class Watchdog:
@@ -82,7 +36,7 @@ class Watchdog:
 
     def __init__(self, save_dir: str, rank: int):
         self.save_dir, self.rank, self.step = save_dir, rank, 0
-        self.launchers = launcher_processes()
+        self.launchers = launcher_processes(os.getpid())
         self.peers: dict[int, int] = {}  # rank -> pid, for the ranks on this node
         self._lock = threading.Lock()
         self._read_fd = None
@@ -93,11 +47,15 @@ class Watchdog:
         read_fd, write_fd = os.pipe()
         os.set_blocking(write_fd, False)
         self._read_fd = read_fd
-        _stop_marker(os.getpid()).unlink(missing_ok=True)  # a stale one of an earlier process
+        stop_marker(os.getpid()).unlink(missing_ok=True)  # a stale one of an earlier process
         signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, lambda *_: None)  # handled by the thread, through the wakeup pipe
         threading.Thread(target=self._run, name="mtraining-watchdog", daemon=True).start()
+        if self.launchers:  # the backstop for a rank spinning in C++ with the GIL held
+            chain = ",".join(f"{pid}:{started}" for pid, started in self.launchers)
+            subprocess.Popen([sys.executable, launcher_guard.__file__, str(os.getpid()), str(self.rank),
+                              self.save_dir, chain], stdin=subprocess.DEVNULL, start_new_session=True)
         return self
 
     def know_peers(self):
@@ -110,21 +68,15 @@ class Watchdog:
     # ------------------------------------------------------------------ checks
     def dead_peers(self) -> list[int]:
         return sorted(rank for rank, pid in self.peers.items()
-                      if rank != self.rank and _stat(pid) is None and not _stop_marker(pid).exists())
+                      if rank != self.rank and process_stat(pid) is None and not stop_marker(pid).exists())
 
     def launcher_gone(self) -> int | None:
-        for pid, started in self.launchers:
-            stat = _stat(pid)
-            if stat is None or stat[1] != started:
-                return pid
-        if self.launchers and os.getppid() != self.launchers[0][0]:
-            return self.launchers[0][0]
-        return None
+        return launcher_guard.launcher_gone(os.getpid(), self.launchers)
 
     def _run(self):
         import select
         while True:
-            ready, _, _ = select.select([self._read_fd], [], [], POLL_S)
+            ready, _, _ = select.select([self._read_fd], [], [], launcher_guard.POLL_S)
             if ready:
                 data = os.read(self._read_fd, 64)
                 signums = [b for b in data if b in (signal.SIGTERM, signal.SIGINT)]
@@ -170,7 +122,7 @@ class Watchdog:
     def stop(self, what: str, code: int, printer: int):
         with self._lock:  # one message per process, even if the thread and the main thread both get here
             try:
-                _stop_marker(os.getpid()).touch()
+                stop_marker(os.getpid()).touch()
             except OSError:
                 pass
             if self.rank == printer:

@@ -1,0 +1,116 @@
+"""A rank's guard process: stops the rank when its launcher is gone and the rank cannot stop itself.
+
+The watchdog thread (:mod:`.watchdog`) needs the GIL, and DeepSpeed's CPU shared-memory
+collectives (its shm comm op: ``initialize`` waiting for the peers' buffers, the allreduce waiting
+on their flags) spin in C++ holding it. A rank spinning there for a peer that has already
+stopped never lets its watchdog run: with the launcher killed it would spin at 100% CPU forever.
+This guard is a separate small process (standard library only, started by path so that it
+imports neither torch nor the package): it polls the rank and the launchers above it, and when a
+launcher is gone and the rank is still alive ``GRACE_S`` later, it says so in the run's one line
+(rank 0's guard; the rank's own watchdog prints it when it can) and SIGKILLs the rank. It exits
+with the rank.
+
+    python launcher_guard.py RANK_PID RANK SAVE_DIR PID:START[,PID:START...]
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+LAUNCHER_WORDS = ("deepspeed", "mpirun", "mpiexec", "orted", "prted", "prterun")
+POLL_S = 0.5
+GRACE_S = 5.0  # the watchdog thread stops its rank within POLL_S when it can run at all
+
+
+def process_stat(pid: int) -> tuple[str, str] | None:
+    """(state, start time) of a live process, None when it is gone or a zombie."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2:].split()
+    return None if fields[0] in "ZX" else (fields[0], fields[19])
+
+
+def parent_pid(pid: int) -> int:
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+        return int(text[text.rindex(")") + 2:].split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def launcher_processes(pid: int) -> list[tuple[int, str]]:
+    """The launcher processes above ``pid``: (pid, start time), nearest first."""
+    chain, pid = [], parent_pid(pid)
+    while pid > 1:
+        try:
+            command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            break
+        if not any(word in command for word in LAUNCHER_WORDS):
+            break
+        stat = process_stat(pid)
+        if stat is None:
+            break
+        chain.append((pid, stat[1]))
+        pid = parent_pid(pid)
+    return chain
+
+
+def launcher_gone(pid: int, launchers: list[tuple[int, str]]) -> int | None:
+    """The first launcher above ``pid`` that is gone (or no longer its parent), else None."""
+    for launcher, started in launchers:
+        stat = process_stat(launcher)
+        if stat is None or stat[1] != started:
+            return launcher
+    if launchers and parent_pid(pid) != launchers[0][0]:
+        return launchers[0][0]
+    return None
+
+
+def stop_marker(pid: int) -> Path:
+    """Left by a rank that stops on purpose (signal, launcher gone, a peer's death), so that its
+    peers on the node do not report it as a rank that died."""
+    return Path(tempfile.gettempdir()) / f"ds_mtraining-stopped-{pid}"
+
+
+def last_checkpoint(save_dir: str) -> str:
+    latest = Path(save_dir) / "latest"
+    if latest.is_file():
+        return f"last checkpoint {Path(save_dir).resolve()} (tag {latest.read_text().strip()}); continue with --resume"
+    return f"no checkpoint in {Path(save_dir).resolve()} yet"
+
+
+def guard(rank_pid: int, rank: int, save_dir: str, launchers: list[tuple[int, str]]):
+    """Polls until the rank is gone; see the module docstring."""
+    while process_stat(rank_pid) is not None:
+        gone = launcher_gone(rank_pid, launchers)
+        if gone is not None:
+            time.sleep(GRACE_S)
+            if process_stat(rank_pid) is None:
+                return
+            stopping = stop_marker(rank_pid).exists()  # its watchdog ran and said so: no second line
+            stop_marker(rank_pid).touch()
+            if rank == 0 and not stopping:
+                sys.stderr.write(f"ds_mtraining.train: the launcher (pid {gone}) is gone, so every rank stops (rank 0 "
+                                 f"was stuck in a collective whose peer had stopped; killed); "
+                                 f"{last_checkpoint(save_dir)}\n")
+                sys.stderr.flush()
+            os.kill(rank_pid, signal.SIGKILL)
+            return
+        time.sleep(POLL_S)
+
+
+def main(argv: list[str]):
+    rank_pid, rank, save_dir, chain = argv
+    launchers = [(int(pid), started) for pid, started in (item.split(":") for item in chain.split(",") if item)]
+    guard(int(rank_pid), int(rank), save_dir, launchers)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

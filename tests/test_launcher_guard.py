@@ -1,0 +1,66 @@
+"""The rank's guard process (ds_mtraining.training.launcher_guard) with stand-in processes: a fake
+launcher (its command line names deepspeed) whose child spins in a busy loop, as a rank does inside
+DeepSpeed's shm collectives with the GIL held, where its watchdog thread cannot run."""
+import subprocess
+import sys
+import time
+
+import pytest
+
+from ds_mtraining.training import launcher_guard
+
+SPIN = "while True: pass"
+LAUNCHER = ("import subprocess, sys, time; rank = subprocess.Popen([sys.executable, '-c', sys.argv[1]]); "
+            "print(rank.pid, flush=True); time.sleep(120)")
+
+
+def start_launcher_and_rank(rank_code: str):
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, rank_code, "deepspeed"], stdout=subprocess.PIPE,
+                                text=True)
+    rank_pid = int(launcher.stdout.readline())
+    chain = launcher_guard.launcher_processes(rank_pid)
+    assert chain and chain[0][0] == launcher.pid, chain
+    return launcher, rank_pid, chain
+
+
+def run_guard(rank_pid, rank, save_dir, chain):
+    return subprocess.Popen([sys.executable, launcher_guard.__file__, str(rank_pid), str(rank), str(save_dir),
+                             ",".join(f"{pid}:{started}" for pid, started in chain)], stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_guard_kills_a_spinning_rank_once_its_launcher_is_gone(tmp_path, rank):
+    """Launcher SIGKILLed: within POLL_S + GRACE_S (+ start-up) the spinning rank is killed; rank
+    0's guard says so in the run's one line, another rank's guard says nothing."""
+    launcher, rank_pid, chain = start_launcher_and_rank(SPIN)
+    guard = run_guard(rank_pid, rank, tmp_path, chain)
+    try:
+        time.sleep(1.0)
+        assert guard.poll() is None and launcher_guard.process_stat(rank_pid) is not None  # nothing gone yet
+        launcher.kill()
+        launcher.wait()
+        killed = time.monotonic()
+        _, err = guard.communicate(timeout=launcher_guard.GRACE_S + 20)
+        assert launcher_guard.process_stat(rank_pid) is None
+        assert time.monotonic() - killed < launcher_guard.GRACE_S + 10
+    finally:
+        subprocess.run(["kill", "-9", str(rank_pid)], capture_output=True)
+        launcher_guard.stop_marker(rank_pid).unlink(missing_ok=True)
+    lines = err.strip().splitlines()
+    if rank == 0:
+        assert lines == [f"ds_mtraining.train: the launcher (pid {launcher.pid}) is gone, so every rank stops (rank 0 "
+                         f"was stuck in a collective whose peer had stopped; killed); no checkpoint in "
+                         f"{tmp_path.resolve()} yet"], err
+    else:
+        assert lines == [], err
+
+
+def test_guard_leaves_a_rank_that_stops_by_itself_and_exits_with_it(tmp_path):
+    """A rank that exits on its own (its watchdog's os._exit): the guard exits too, says nothing
+    and kills nothing."""
+    launcher, rank_pid, chain = start_launcher_and_rank("import time; time.sleep(1.5)")
+    guard = run_guard(rank_pid, 0, tmp_path, chain)
+    _, err = guard.communicate(timeout=30)
+    launcher.kill()
+    launcher.wait()
+    assert guard.returncode == 0 and err == ""
