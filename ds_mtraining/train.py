@@ -194,6 +194,7 @@ def train(args, watchdog: Watchdog | None = None) -> dict:
     from ds_mtraining.layer import AttentionStats, MTrainingAttentionSettings
     from ds_mtraining.static import attention_pattern
 
+    startup = StartupClock()  # where a long start-up goes (a 3B model: minutes)
     datasets_offline()
     world_size = int(os.environ.get("WORLD_SIZE", os.environ.get("OMPI_COMM_WORLD_SIZE", "1")))
     run, ds_config = load_run_config(args.deepspeed_config, world_size, args.model, args.data)
@@ -221,8 +222,10 @@ def train(args, watchdog: Watchdog | None = None) -> dict:
     if watchdog is not None:
         watchdog.know_peers()
 
+    startup.done("config, data, process groups and ops")
     torch.manual_seed(args.seed)
     model = build_model(run.model)
+    startup.done("model")
     fused_off = use_fused_kernels(model, run.liger)
     if launcher_rank() == 0:
         print("ds_mtraining: liger-kernel RMSNorm/RoPE/SwiGLU and fused linear cross-entropy: "
@@ -242,6 +245,7 @@ def train(args, watchdog: Watchdog | None = None) -> dict:
 
     engine, _, _, _ = deepspeed.initialize(model=module, config=ds_config, mpu=groups,
                                            model_parameters=[p for p in module.parameters() if p.requires_grad])
+    startup.done("DeepSpeed engine")
     micro_batch = engine.train_micro_batch_size_per_gpu()
     accumulation = engine.gradient_accumulation_steps()
     if ulysses:
@@ -261,9 +265,10 @@ def train(args, watchdog: Watchdog | None = None) -> dict:
     if dist.get_rank() == 0:
         Path(args.save_dir).mkdir(parents=True, exist_ok=True)
         (Path(args.save_dir) / "memory_plan.json").write_text(json.dumps(plan.to_dict(), indent=1))
+        (Path(args.save_dir) / "startup.json").write_text(json.dumps(startup.seconds, indent=1))
     offload = (CheckpointOffload(plan.offload_layers, plan.num_layers, engine.device.type == "cuda")
                if plan.offload_layers else contextlib.nullcontext())
-    progress.print(describe_run(run, groups))
+    progress.print(describe_run(run, groups) + f"; {startup.describe()}")
     if args.resume:
         progress.print(f"resumed from {args.save_dir} at step {step} (data position {position})")
     tokens_per_step = micro_batch * accumulation * groups.get_data_parallel_world_size() * run.seq_len
@@ -321,6 +326,23 @@ def train(args, watchdog: Watchdog | None = None) -> dict:
         progress.print(f"next:       more steps: --resume --steps {2 * step}; a Hugging Face model: --resume "
                        f"--steps {step} --export_hf DIR, then python -m ds_mtraining.eval DIR")
     return {"losses": history, "step": step, "model": model}  # (the model: for in-process callers, tests)
+
+
+class StartupClock:
+    """Seconds per start-up phase, in order (``done(phase)`` ends one)."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def done(self, phase: str):
+        now = time.perf_counter()
+        self.seconds[phase] = now - self._last
+        self._last = now
+
+    def describe(self) -> str:
+        parts = ", ".join(f"{phase} {seconds:.0f} s" for phase, seconds in self.seconds.items())
+        return f"ready in {sum(self.seconds.values()):.0f} s ({parts})"
 
 
 def local_rank() -> int:

@@ -116,6 +116,9 @@ def test_smoke_end_to_end(tmp_path):
         assert row[mode]["step_s"] is not None, f"{mode}: {row[mode].get('error')}\n{done.stdout[-3000:]}"
         assert row[mode]["step_s"] > 0 and row[mode]["layers"] == 2 and not row[mode]["extrapolated"]
         assert len(row[mode]["runs"][0]["losses"]) == 2 and row[mode]["peak_memory_gib"] is None  # CPU
+        startup = row[mode]["runs"][0]["startup_s"]  # train.py's start-up phases, in order
+        assert list(startup) == ["config, data, process groups and ops", "model", "DeepSpeed engine"], startup
+        assert 0 < sum(startup.values()) < row[mode]["runs"][0]["wall_s"], startup
     assert 0 < row["mtraining"]["density"] <= 1 and row["ulysses"]["density"] is None  # only an index has one
     mtraining, ulysses = (row[mode]["runs"][0]["profile_ms_by_kind"] for mode in ("mtraining", "ulysses"))
     assert mtraining["attention"] > 0 and mtraining["gemm"] > 0 and ulysses["gemm"] > 0

@@ -210,6 +210,9 @@ def launch(config: dict, gpus: list | None, world: int, folder: Path, port: int,
     wall = time.monotonic() - started
     micro = config.get("train_micro_batch_size_per_gpu", 1) * config.get("gradient_accumulation_steps", 1)
     result = read_run(folder / "run", micro * config["mtraining"]["seq_len"], args.warmup, world, args.profile_step)
+    startup = folder / "run" / "startup.json"  # (train.py's start-up phases: a 3B model takes minutes)
+    if startup.is_file():
+        result["startup_s"] = json.loads(startup.read_text())
     profile_path = folder / "run" / f"profile_step{args.profile_step}_rank0.json"
     if args.profile_step and profile_path.is_file():  # rank 0's step time by kind of work, its top kernels
         profile = json.loads(profile_path.read_text())
