@@ -24,6 +24,7 @@ import numpy as np
 
 from . import fresh_output_dir
 from .launch import launcher_env, read_metric, run_in_lanes, run_logged, training_command
+from .provenance import provenance
 
 RUNS = {"document_masking": True, "no_document_masking": False}
 
@@ -101,7 +102,7 @@ def main(argv=None):
         print(f"ds_mtraining.bench.documents_training: error: {error}", file=sys.stderr)
         sys.exit(2)
     import torch
-    results = {"date": time.strftime("%Y-%m-%d"),
+    results = {"date": time.strftime("%Y-%m-%d"), **provenance(),
                "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
                "command": " ".join(["python -m ds_mtraining.bench.documents_training"] + sys.argv[1:]),
                "config": config, "tail": args.tail, "runs": runs,

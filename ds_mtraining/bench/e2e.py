@@ -77,6 +77,7 @@ from ..config import slash_cap_for_blocks
 from ..training.profile import ATTENTION_KINDS
 from ..distributed.spawn import free_port
 from .launch import LaunchTimeout, launcher_env, metric_path, read_metric, run_logged, training_command
+from .provenance import provenance
 
 MODES = {"mtraining": "sparse", "ulysses": "ulysses", "dense": "dense"}
 QUADRATIC = ("ulysses", "dense")  # dense attention: step time grows with S^2 (MTraining's about with S)
@@ -382,7 +383,8 @@ class Bench:
         return sorted(merged.values(), key=lambda r: (r["model"], r["seq_len"], r["world"]))
 
     def save(self) -> dict:
-        invocation = {"date": self.args.date, "device": self.args.device, "command": self.args.command}
+        invocation = {"date": self.args.date, "device": self.args.device, "command": self.args.command,
+                      **provenance()}
         record = {**invocation, "config": self.args.config, "steps": self.args.steps, "warmup": self.args.warmup,
                   "partial_layers": self.args.layers, "invocations": self.earlier["invocations"] + [invocation],
                   "rows": self.rows_merged()}

@@ -42,6 +42,7 @@ import torch
 
 from ..attention import resolve_softmax_scale
 from . import fresh_output_dir, kernel_split_ms, time_ms, wall_time_ms
+from .provenance import provenance
 
 TARGET_MS = {131072: 1.0, 262144: 2.0}
 TARGET_SHARE = {65536: 0.05}
@@ -247,7 +248,7 @@ def main(argv=None):
         if args.document_counts:
             documents += run_documents(seq_len, args.document_counts, args, cases[-1])
             torch.cuda.empty_cache()
-    result = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), device=device_name,
+    result = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), **provenance(), device=device_name,
                   command=" ".join(sys.argv), cases=cases, documents=documents)
     out.write_text(json.dumps(result, indent=2))
     print()

@@ -46,6 +46,7 @@ from pathlib import Path
 import numpy as np
 
 from .launch import launcher_env, read_metric, run_in_lanes, run_logged, training_command
+from .provenance import provenance
 
 MODES = ("dense", "sparse", "static")
 STATIC_DENSITY_TAIL = 0.1  # static trains at sparse's mean density over this last share of steps
@@ -459,8 +460,9 @@ def main(argv=None):
         study = Path(args.study)
     tag = args.tag or study.name
     results = compare(study)
-    results.update(date=time.strftime("%Y-%m-%d"), command=" ".join(["python -m ds_mtraining.bench.quality"] + sys.argv[1:]),
-                   device=_device_name(), study=str(study))
+    results.update(date=time.strftime("%Y-%m-%d"), **provenance(),
+                   command=" ".join(["python -m ds_mtraining.bench.quality"] + sys.argv[1:]), device=_device_name(),
+                   study=str(study))
     out = Path(args.results)
     out.mkdir(parents=True, exist_ok=True)
     results["plots"] = plot(results, out, tag)

@@ -38,6 +38,7 @@ from ..estimator.rule import estimate_vertical_slash, last_query_scores, select_
 from ..index import SparseIndex
 from ..recall import attention_recall, oracle_recall
 from . import index_for_density
+from .provenance import provenance
 
 TOP_PS = (0.5, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99)
 REFERENCE_P, REFERENCE_CAP = 0.9, 4096
@@ -295,7 +296,7 @@ def main(argv=None) -> int:
             print(f"{name:<22} {method:<16} {row['density_mean']:8.4f} {row['recall_mean']:7.4f} "
                   f"{row['recall_min']:8.4f}")
         print(f"{name:<22} verdict: {result['verdict']}")
-    record = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    record = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **provenance(),
               "device": (torch.cuda.get_device_name() if args.device.startswith("cuda")
                          else f"CPU ({platform.processor() or platform.machine()})"),
               "command": " ".join(["python -m ds_mtraining.bench.recall", *(sys.argv[1:] if argv is None else argv)]),

@@ -44,6 +44,7 @@ from ..documents import doc_start_from_cu_seqlens
 from ..estimator.rule import (DOCUMENT_WEIGHTS, document_column_and_diagonal_mass, estimate_vertical_slash,
                         index_from_masses)
 from ..recall import attention_recall
+from .provenance import provenance
 
 CHOSEN_WEIGHT = "tokens"  # the rule estimate_vertical_slash ships
 
@@ -215,7 +216,7 @@ def main(argv=None) -> int:
               f"{'>=' if c['met'] else '<'} alone {c['alone_recall']:.4f}: {'met' if c['met'] else 'NOT met'}")
     met = all(c["met"] for c in check.values())
     args.out.mkdir(parents=True, exist_ok=True)
-    record = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    record = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **provenance(),
               "command": " ".join(["python -m ds_mtraining.bench.recall_documents",
                                    *(sys.argv[1:] if argv is None else argv)]),
               "device": f"CPU ({platform.processor() or platform.machine()})", "torch": torch.__version__,

@@ -71,6 +71,7 @@ from ..estimator.distributed import estimate_vertical_slash_distributed
 from ..layout import StripedLayout
 from ..ring import ring_sparse_attention
 from ..ring.work import imbalance, pair_work, step_work
+from .provenance import provenance
 
 MODES = ("given_index", "per_call_estimation", "per_call_estimation_eager")
 RINGS = ("flat", "hierarchical")
@@ -540,11 +541,12 @@ def main(argv=None):
                 torch.cuda.empty_cache()
         if rank == 0:
             print(table(cases))
-            run = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            stamp = provenance()  # the file's and this run's: earlier runs keep their own
+            run = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **stamp,
                        command=" ".join([launch["launcher"], "... -m ds_mtraining.bench.scaling", *sys.argv[1:]]),
                        launch=launch, rings=rings, modes=args.modes)
             record = dict(device=(torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu")
-                          + f" x{world}", torch=torch.__version__, world=world,
+                          + f" x{world}", **stamp, torch=torch.__version__, world=world,
                           shape=dict(heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
                                      block_size=args.block_size, dtype=str(dtype).removeprefix("torch.")),
                           index=("estimated once per length by the distributed estimator from random q/k "
