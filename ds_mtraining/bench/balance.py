@@ -328,7 +328,7 @@ def main(argv=None) -> int:
 
 
 def _goals(rows: list[dict]) -> dict:
-    """The issue's goals at the widest world, for each sequence length, stated as met or missed."""
+    """The balance goals at the widest world, for each sequence length, stated as met or missed."""
     widest = max(r["world"] for r in rows)
     goals, lines = {"world": widest, "by_seq_len": {}}, []
     for seq_len in sorted({r["seq_len"] for r in rows}):

@@ -17,8 +17,8 @@ Compute per step = the measured kernel time at ``--ref-len`` scaled by the entri
 (each step 1/W^2 of it) and the K/V bytes of its shape, next to the measured ring time (fake nodes
 on one machine share its links: give ``--inter-gbps`` as the intra-node rate there).
 
-    python -m ds_mtraining.bench.comm [--kernel-json benchmarks/results/kernel_h200.json]
-    python -m ds_mtraining.bench.comm --against-scaling benchmarks/results/multi_gpu_h200x2.json \
+    python -m ds_mtraining.bench.comm [--kernel-json benchmarks/results/kernel_h200_2026-11-29.json]
+    python -m ds_mtraining.bench.comm --against-scaling benchmarks/results/ring_scaling_h200x2_2026-11-30.json \
         --intra-gbps 300 --inter-gbps 300
 """
 from __future__ import annotations

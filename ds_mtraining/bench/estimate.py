@@ -11,7 +11,7 @@ events (median after warm-up):
 * ``fwd_bwd_ms``: ``ds_mtraining.attention.sparse_attention`` forward+backward with the fused
   index (and ``fwd_bwd_torch_index_ms`` with the torch estimator's, whose lists are trimmed);
 
-and reports ``share_torch`` / ``share_fused`` = estimate / (estimate + fwd_bwd), the issue's
+and reports ``share_torch`` / ``share_fused`` = estimate / (estimate + fwd_bwd), the
 targets (fused <= 1 ms at 128K, <= 2 ms at 256K, share <= 5% at 64K) and how many selected
 entries differ between the two indexes. Prints a table; writes JSON to a fresh directory
 (``bench_results/estimate-<time>``) unless ``--out`` names a file or directory.

@@ -22,7 +22,7 @@ attended entries, both with the document mask; means over layers and heads):
   weighted by tokens (each row counts once, as in the packed recall) and density over all
   documents' causal entries (as the packed density), plus the plain means over documents.
 
-Each at top-p ``--top-ps`` (p_vertical = p_slash, default caps). The issue's check, per top-p:
+Each at top-p ``--top-ps`` (p_vertical = p_slash, default caps). The check, per top-p:
 packed recall with documents (the shipped weight) >= alone recall (token-weighted).
 """
 from __future__ import annotations

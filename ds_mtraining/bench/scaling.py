@@ -37,7 +37,7 @@ Launch (the form is recorded in the JSON):
     # CPU smoke test (gloo, tiny sizes):
     OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 -m ds_mtraining.bench.scaling --smoke
 
-Writes OUT/multi_gpu_<device>x<W>.json (e.g. benchmarks/results/multi_gpu_h200x2.json), merging
+Writes OUT/multi_gpu_<device>x<W>.json (e.g. multi_gpu_h200x2.json), merging
 with the cases of an earlier launch form already there, and prints a table.
 """
 from __future__ import annotations
