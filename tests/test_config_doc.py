@@ -2,10 +2,10 @@
 ``parse_run_config`` really gives (``python -m ds_mtraining.tools.config_doc`` writes them)."""
 import json
 import re
+from dataclasses import fields
 
 from ds_mtraining.tools import config_doc
 from ds_mtraining.training.run_config import INPUT_KEYS, RunConfig, parse_run_config
-from dataclasses import fields
 
 
 def rows() -> dict:

@@ -26,7 +26,7 @@ Writes ``OUT/capacity_<tag>.json`` (``max_seq_len`` per model and mode, ``commit
 memory against length per mode).
 
     python -m ds_mtraining.bench.capacity --models qwen2.5-3b --modes mtraining --density 0.05 \\
-        --starting_len 1048576 --out benchmarks/results --tag h200x1
+        --starting_len 1048576 --out OUT --tag h200x1
 """
 from __future__ import annotations
 

@@ -48,9 +48,9 @@ dense modes) or the full-depth launch runs out of GPU memory or time, and then g
 integer N times N layers and reports them as measured (no extrapolation). Every result says
 ``extrapolated`` and lists the launches behind it (``runs``).
 
-    python -m ds_mtraining.bench.e2e --out benchmarks/results --tag h200x2
+    python -m ds_mtraining.bench.e2e --out OUT --tag h200x2
     python -m ds_mtraining.bench.e2e --models qwen2.5-3b --seq_lens 262144 --parts single --single_depth 4 \\
-        --out benchmarks/results --tag h200x2
+        --out OUT --tag h200x2
     python -m ds_mtraining.bench.e2e --smoke      # CPU: a tiny model, 2 gloo ranks, end to end
 
 Writes ``OUT/e2e_<tag>.json`` after every measurement, so a run cut off keeps what it measured

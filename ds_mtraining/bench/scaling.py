@@ -29,8 +29,8 @@ level = max / mean over ranks of the kernel time; the ring-step tables give
 
 Launch (the form is recorded in the JSON):
 
-    torchrun --nproc_per_node 2 -m ds_mtraining.bench.scaling --out benchmarks/results
-    deepspeed --num_gpus 2 --module ds_mtraining.bench.scaling --out benchmarks/results
+    torchrun --nproc_per_node 2 -m ds_mtraining.bench.scaling --out OUT
+    deepspeed --num_gpus 2 --module ds_mtraining.bench.scaling --out OUT
     # two fake nodes x 1 GPU (flat and hierarchical ring), one command per node N = 0, 1:
     deepspeed --hostfile H --include node0:0@node1:1 --no_ssh --node_rank N \\
         --master_addr 127.0.0.1 --master_port P --module ds_mtraining.bench.scaling --out ...
