@@ -151,7 +151,7 @@ def parse_args(argv=None):
                     "--deepspeed_config ds_configs/cpu_demo.json --save_dir runs/demo).",
         epilog=f"MTraining's settings go in the DeepSpeed JSON's \"{MTRAINING_KEY}\" section: "
                + ", ".join(f.name for f in fields(RunConfig))
-               + ". README.md (section Training) explains each; ds_configs/ holds working examples.",
+               + ". docs/CONFIG.md explains each, with its default; ds_configs/ holds working examples.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps to reach")

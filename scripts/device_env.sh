@@ -1,9 +1,9 @@
-# Sourced by the device scripts (gpu_check.sh, multi_gpu_check.sh, quality_study.sh), from the
+# Sourced by the GPU scripts (gpu_check.sh, multi_gpu_check.sh, quality_study.sh), from the
 # repository root: the Python environment of a bare GPU machine.
 # - installs the wheels carried in .whl/ (deepspeed, datasets, ...) into /tmp/site when deepspeed
 #   is missing, and puts the checkout on PYTHONPATH;
 # - links op_builder/ as ds_mtraining_op_builder (the name setup.py installs it under);
-# - NVLink multicast off (the machines' rule; also for launchers that build their own env);
+# - NVLink multicast off (also for launchers that build their own env);
 # - one extension cache and 16 build jobs.
 export PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/torch_ext} MAX_JOBS=${MAX_JOBS:-16}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1

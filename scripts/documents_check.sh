@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Document masking on GPUs in one device call (nvidia-h200-x2; on one GPU the two-GPU stage and
+# Document masking on GPUs in one run (two GPUs; on one GPU the two-GPU stage and
 # the second training lane are skipped): build the CUDA op, then each stage under `timeout`:
 #   cuda_tests     tests/test_cuda_*.py: both kernels against float64 dense attention, with and
 #                  without documents (a document shorter than a block, boundaries in stripes)
@@ -12,7 +12,7 @@
 # $OUT (default ./documents_out) gets documents_check.log (every stage's output), the benchmarks'
 # JSON/PNG and summary.txt (printed last).
 #
-#   device run, carry .whl:  bash scripts/documents_check.sh
+#   GPU run (offline wheels in .whl/):  bash scripts/documents_check.sh
 #   STEPS (300): training steps; KERNEL_ARGS (--seq-lens 131072 --densities 0.05 0.1);
 #   ONLY="kernel training": run only these stages (and the build)
 set -uo pipefail

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# One device call: build the CUDA op through the op builder, run the GPU tests, compute-sanitizer
+# One GPU run: build the CUDA op through the op builder, run the GPU tests, compute-sanitizer
 # (memcheck + racecheck) on a small case, the kernel benchmark, other kernel paths' benchmark at
 # 128K (VARIANTS, default: mma.sync and wgmma without TMA; Hopper runs wgmma with TMA by default)
 # and an ncu profile of each kernel at 128K. Logs and JSON go to $OUT (default
 # ./gpu_check_out, at most 8 files); a short summary is printed last.
 #
-#   device run, carry .whl:  bash scripts/gpu_check.sh
+#   GPU run (offline wheels in .whl/):  bash scripts/gpu_check.sh
 #   BENCH_ARGS="--seq-lens 131072" bash scripts/gpu_check.sh      # a shorter benchmark
 #   VARIANTS="no_tma:DS_MTRAINING_CUDA_TMA=0" bash scripts/gpu_check.sh   # one other path only
 #   SKIP_TESTS=1 / SKIP_SANITIZER=1 / SKIP_BENCH=1 / SKIP_VARIANT=1 / SKIP_PROFILE=1 / SKIP_NCU=1

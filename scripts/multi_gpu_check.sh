@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Multi-GPU checks and the ring scaling benchmark in one device call (kinds nvidia-h200-x2, -x4,
-# -x8, NCCL): build the CUDA op, then each check under `timeout`, in this order:
+# Multi-GPU checks and the ring scaling benchmark in one run (2, 4 or 8 GPUs of one host, NCCL):
+# build the CUDA op, then each check under `timeout`, in this order:
 #   check_<N>x<P>   ds_mtraining.tools.ring_check as N fake nodes x P GPUs, for each shape of
 #                   NODE_SHAPES (hostfile node0..node<N-1>, --include node0:0,..@node1:P,.., one
 #                   --no_ssh launcher per node): hierarchical vs flat vs one GPU, bf16 rel. error <= 1e-2
@@ -14,11 +14,11 @@
 #   check_1node     ds_mtraining.tools.ring_check under deepspeed --num_gpus 2
 # (the tests/test_multi_gpu.py stages use two of the GPUs). NODE_SHAPES defaults by GPU count:
 # 2 -> "2x1", 4 -> "2x2", 8 -> "2x4 4x2". A stage that no longer fits in BUDGET_S (default 560 s,
-# for a 600 s device call) is skipped. $OUT (default ./multi_gpu_out) gets multi_gpu.log (every
+# under a 600 s limit) is skipped. $OUT (default ./multi_gpu_out) gets multi_gpu.log (every
 # stage's output), the benchmark's multi_gpu_<gpu>x<W>.json and multi_gpu_summary.txt (the
 # PASS/FAIL table, printed last).
 #
-#   device run:  bash scripts/multi_gpu_check.sh        (scripts/gpu_check.sh calls it on 2+ GPUs)
+#   GPU run:     bash scripts/multi_gpu_check.sh        (scripts/gpu_check.sh calls it on 2+ GPUs)
 #   SCALING_ARGS="--seq-lens 131072 262144" / SKIP_SCALING=1 / SKIP_BUILD=1 (op built already)
 #   ONLY="check_2x1 scaling_2x1": run only these stages (and the build)
 #   GPUS=4: use the first 4 GPUs (default: all visible); NODE_SHAPES="4x1": other fake-node shapes

@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # The dense / MTraining / static quality study (python -m ds_mtraining.bench.quality) in one
-# device call: a dense stage 1 at 4K (data parallel on every GPU, PRETRAIN_STEPS) trains the
+# run of at most BUDGET_S: a dense stage 1 at 4K (data parallel on every GPU, PRETRAIN_STEPS) trains the
 # shared initialisation; then dense continues at 32K on GPU 0 while MTraining and then static
-# continue on GPU 1 (nvidia-h200-x2; on one GPU the three run in turn), the step count
+# continue on GPU 1 (on one GPU the three run in turn), the step count
 # calibrated to fit BUDGET_S. Checkpoints and exported models stay on the machine (too large to bring back); $OUT
 # gets quality_<TAG>.json, its PNGs, quality.log and study.tar.gz (the study directory's JSON,
-# metrics and logs, refreshed every 20 s, so a call cut short still returns what finished;
+# metrics and logs, refreshed every 20 s, so a run cut short still leaves what finished;
 # `bench.quality compare` rebuilds the results from it).
 #
 #   data:        python -m ds_mtraining.eval.corpus ... --out data/quality   (see its --help)
-#   device run:  bash scripts/quality_study.sh      carry: .whl and data/quality
+#   GPU run:     bash scripts/quality_study.sh      (offline wheels in .whl/, data in data/quality)
 #   Env: BUDGET_S (570: seconds for this script), CONFIG (ds_configs/quality_32k.json),
 #        PRETRAIN_CONFIG (ds_configs/quality_pretrain_4k.json; empty: none), PRETRAIN_STEPS (800),
 #        DATA (data/quality), TAG (32k), STEPS (fixed steps instead of calibrating),

@@ -60,7 +60,8 @@ def test_search_up_and_down_resume_breakdown_and_overhead(tmp_path):
     assert sparse["lengths"]["786432"]["tokens_per_s"] == pytest.approx(2 ** 18 / 1.05)
     saved = json.loads((tmp_path / "capacity_t.json").read_text())
     assert saved["models"] == json.loads(json.dumps(record["models"]))
-    assert len(saved["git_commit"]) == 40 and isinstance(saved["git_dirty"], bool)
+    assert len(saved["commit"]) == 40 and isinstance(saved["dirty"], bool)
+    assert {k: saved["invocations"][0][k] for k in ("commit", "dirty")} == {k: saved[k] for k in ("commit", "dirty")}
     assert (tmp_path / "capacity_t.png").stat().st_size > 10_000
 
     calls.clear()

@@ -139,6 +139,6 @@ def test_help_shows_the_launcher_form_and_the_config_keys():
                                                     "ds_mtraining.train")
     from dataclasses import fields
     from ds_mtraining.training.run_config import RunConfig
-    assert all(field.name in text for field in fields(RunConfig)) and "README.md (section Training)" in text
+    assert all(field.name in text for field in fields(RunConfig)) and "docs/CONFIG.md explains each" in text
     for option in ("--seed SEED model initialisation", "--log_interval LOG_INTERVAL log", "--overwrite delete"):
         assert option in text, option

@@ -42,6 +42,7 @@ from ..index import PAD, SparseIndex, Stripe
 from ..layout import StripedLayout, ZigzagLayout
 from ..ring.work import imbalance, pair_work, step_work
 from . import fresh_output_dir
+from .provenance import provenance
 
 LAYOUTS = {"striped": StripedLayout, "zigzag": ZigzagLayout}
 MASS_SHARES = {"local": 0.30, "slash": 0.60, "columns": 0.08}  # background: the rest (2%)
@@ -305,7 +306,7 @@ def main(argv=None) -> int:
     goals = _goals(rows)
     for line in goals["lines"]:
         print(line)
-    result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **provenance(),
               "device": (torch.cuda.get_device_name() if measure else
                          f"CPU ({platform.processor() or platform.machine()}); work from the index"),
               "command": " ".join(["python -m ds_mtraining.bench.balance",
@@ -327,7 +328,7 @@ def main(argv=None) -> int:
 
 
 def _goals(rows: list[dict]) -> dict:
-    """The issue's goals at the widest world, for each sequence length, stated as met or missed."""
+    """The balance goals at the widest world, for each sequence length, stated as met or missed."""
     widest = max(r["world"] for r in rows)
     goals, lines = {"world": widest, "by_seq_len": {}}, []
     for seq_len in sorted({r["seq_len"] for r in rows}):

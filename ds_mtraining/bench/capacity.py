@@ -9,7 +9,7 @@ JSON`` overrides ``mtraining.memory`` for every launch). Lengths are the ladder 
 and the 1.5x steps between them (128K, 192K, 256K, 384K, 512K, 768K, 1M, 1.5M, ...). The search
 starts at ``--starting_len``: up the ladder while launches train (to ``--max_len``), down it
 while they do not; a length already in the results file is not launched again, so a study runs
-as several short calls (each within a device call's time) and merges into one file.
+as several short invocations (each within a time limit) and merges into one file.
 
 For each length: peak GPU memory per rank, resident GPU memory between steps, host memory (the
 ranks' peak resident set, summed), checkpoints offloaded, step time, tokens/s, density; a launch
@@ -21,23 +21,23 @@ checkpoints on the GPU) and the analytic transients of one layer and of the loss
 named. ``--overhead_at S`` also times S with and without the memory tools (tiled MLP off,
 no offload) in the same invocation: ``overhead`` = with / without.
 
-Writes ``OUT/capacity_<tag>.json`` (``max_seq_len`` per model and mode, the git commit and
-whether the tree was dirty) after every launch, and ``OUT/capacity_<tag>.png`` (GPU and host
+Writes ``OUT/capacity_<tag>.json`` (``max_seq_len`` per model and mode, ``commit`` and ``dirty``:
+:mod:`ds_mtraining.bench.provenance`) after every launch, and ``OUT/capacity_<tag>.png`` (GPU and host
 memory against length per mode).
 
     python -m ds_mtraining.bench.capacity --models qwen2.5-3b --modes mtraining --density 0.05 \\
-        --starting_len 1048576 --out benchmarks/results --tag h200x1
+        --starting_len 1048576 --out OUT --tag h200x1
 """
 from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 from pathlib import Path
 
 from ..distributed.spawn import free_port
 from . import e2e
 from .launch import metric_path, read_metric
+from .provenance import provenance
 
 MODES = ("mtraining", "ulysses", "dense")
 FAILURES = ("oom", "host", "timeout", "error")
@@ -197,10 +197,10 @@ class Capacity:
         for modes in self.record["models"].values():
             for entry in modes.values():
                 summarise(entry)
-        invocation = {"date": self.args.date, "device": self.args.device, "command": self.args.command,
-                      **git_state()}
+        stamp = provenance()  # the file's and this invocation's: earlier invocations keep their own
+        invocation = {"date": self.args.date, "device": self.args.device, "command": self.args.command, **stamp}
         record = {"device": self.args.device, "config": self.args.config, "steps": self.args.steps,
-                  "warmup": self.args.warmup, **git_state(), "models": self.record["models"],
+                  "warmup": self.args.warmup, **stamp, "models": self.record["models"],
                   "invocations": self.record["invocations"] + [invocation]}
         self.out.mkdir(parents=True, exist_ok=True)
         temporary = self.path.with_suffix(".json.tmp")
@@ -222,18 +222,6 @@ def summarise(entry: dict):
     above = [s for s in failed if entry["max_seq_len"] is None or s > entry["max_seq_len"]]
     entry["limit"] = ({"seq_len": above[0], "failure": lengths[above[0]]["failure"]} if above else None)
     entry["breakdown"] = breakdown(lengths[entry["max_seq_len"]]) if entry["max_seq_len"] else None
-
-
-def git_state() -> dict:
-    """The commit of the code measured and whether tracked files differed from it."""
-    root = Path(__file__).resolve().parents[2]
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
-                                timeout=30).stdout.strip() or None
-        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD"], cwd=root, timeout=30).returncode != 0
-    except (OSError, subprocess.SubprocessError):
-        return {"git_commit": None, "git_dirty": None}
-    return {"git_commit": commit, "git_dirty": dirty if commit else None}
 
 
 def plot(record: dict, path: Path):

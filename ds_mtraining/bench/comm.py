@@ -17,8 +17,8 @@ Compute per step = the measured kernel time at ``--ref-len`` scaled by the entri
 (each step 1/W^2 of it) and the K/V bytes of its shape, next to the measured ring time (fake nodes
 on one machine share its links: give ``--inter-gbps`` as the intra-node rate there).
 
-    python -m ds_mtraining.bench.comm [--kernel-json benchmarks/results/kernel_h200.json]
-    python -m ds_mtraining.bench.comm --against-scaling benchmarks/results/multi_gpu_h200x2.json \
+    python -m ds_mtraining.bench.comm [--kernel-json benchmarks/results/kernel_h200_2026-11-29.json]
+    python -m ds_mtraining.bench.comm --against-scaling benchmarks/results/ring_scaling_h200x2_2026-11-30.json \
         --intra-gbps 300 --inter-gbps 300
 """
 from __future__ import annotations
@@ -34,6 +34,7 @@ from rich.console import Console
 from rich.table import Table
 
 from . import fresh_output_dir
+from .provenance import provenance
 
 # FlexAttention fwd+bwd at 128K on one H200 (DESIGN.md section 4), used when no kernel JSON is given.
 FLEX_ANCHORS_128K_MS = {0.034: 46.6, 0.055: 54.9, 0.096: 72.5}
@@ -158,11 +159,7 @@ def main(argv=None):
     console = Console(width=max(Console().width, 120))
     console.print(table)
     console.print(f"paper (A100s, forward): flat {PAPER_MS['flat']} ms, hierarchical {PAPER_MS['hierarchical']} ms")
-    result = dict(date=datetime.date.today().isoformat(), command="python -m ds_mtraining.bench.comm " + " ".join(
-        argv if argv is not None else sys.argv[1:]), compute_source=source, args=vars(args), rows=rows, paper_ms=PAPER_MS)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
-    console.print(f"wrote {args.out}")
+    write_result(args, argv, console, compute_source=source, rows=rows, paper_ms=PAPER_MS)
 
 
 def main_against_scaling(args, argv):
@@ -179,8 +176,13 @@ def main_against_scaling(args, argv):
                       "-" if wait is None else f"{wait:.3f}")
     console = Console(width=max(Console().width, 120))
     console.print(table)
-    result = dict(date=datetime.date.today().isoformat(), command="python -m ds_mtraining.bench.comm " + " ".join(
-        argv if argv is not None else sys.argv[1:]), args=vars(args), against_scaling=rows)
+    return write_result(args, argv, console, against_scaling=rows)
+
+
+def write_result(args, argv, console, **fields) -> dict:
+    """``args.out``: the date, the code measured, the command and its arguments, then ``fields``."""
+    result = dict(date=datetime.date.today().isoformat(), **provenance(), command="python -m ds_mtraining.bench.comm "
+                  + " ".join(argv if argv is not None else sys.argv[1:]), args=vars(args), **fields)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     console.print(f"wrote {args.out}")

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from . import fresh_output_dir, index_for_density, wall_time_ms
+from .provenance import provenance
 
 FWD_BWD_FLOP_FACTOR = 3.5
 SINK_TOKENS = 64
@@ -103,7 +104,7 @@ def run(args):
     threads = args.threads or torch.get_num_threads()
     torch.set_num_threads(threads)
     rows = []
-    result = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    result = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **provenance(),
                   device=cpu_model(), threads=threads, torch=torch.__version__,
                   command="python -m ds_mtraining.bench.cpu_kernel " + " ".join(sys.argv[1:]),
                   dtype="fp32", repeats=args.repeats,

@@ -24,6 +24,7 @@ import numpy as np
 
 from . import fresh_output_dir
 from .launch import launcher_env, read_metric, run_in_lanes, run_logged, training_command
+from .provenance import provenance
 
 RUNS = {"document_masking": True, "no_document_masking": False}
 
@@ -84,7 +85,7 @@ def main(argv=None):
     parser.add_argument("--lanes", nargs="+", default=["cuda:0"],
                         help="one device string per lane: 'cuda:0', 'cuda:0,cuda:1', 'cpu,cpu' (two CPU ranks)")
     parser.add_argument("--out", default=None, help="folder of the two runs (default: a new bench_results/ folder)")
-    parser.add_argument("--results", default="benchmarks/results", help="where documents_<tag>.json/.png go")
+    parser.add_argument("--results", default=None, help="where documents_<tag>.json/.png go (default: --out)")
     parser.add_argument("--tag", required=True)
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--port", type=int, default=29710)
@@ -101,14 +102,14 @@ def main(argv=None):
         print(f"ds_mtraining.bench.documents_training: error: {error}", file=sys.stderr)
         sys.exit(2)
     import torch
-    results = {"date": time.strftime("%Y-%m-%d"),
+    results = {"date": time.strftime("%Y-%m-%d"), **provenance(),
                "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
                "command": " ".join(["python -m ds_mtraining.bench.documents_training"] + sys.argv[1:]),
                "config": config, "tail": args.tail, "runs": runs,
                "tail_mean_loss": {name: float(np.mean(run["loss"][-args.tail:])) for name, run in runs.items()}}
     results["tail_loss_gap"] = results["tail_mean_loss"]["document_masking"] / results["tail_mean_loss"][
         "no_document_masking"] - 1.0
-    out = Path(args.results)
+    out = Path(args.results) if args.results else out
     out.mkdir(parents=True, exist_ok=True)
     (out / f"documents_{args.tag}.json").write_text(json.dumps(results, indent=1))
     section = config["mtraining"]

@@ -48,9 +48,9 @@ dense modes) or the full-depth launch runs out of GPU memory or time, and then g
 integer N times N layers and reports them as measured (no extrapolation). Every result says
 ``extrapolated`` and lists the launches behind it (``runs``).
 
-    python -m ds_mtraining.bench.e2e --out benchmarks/results --tag h200x2
+    python -m ds_mtraining.bench.e2e --out OUT --tag h200x2
     python -m ds_mtraining.bench.e2e --models qwen2.5-3b --seq_lens 262144 --parts single --single_depth 4 \\
-        --out benchmarks/results --tag h200x2
+        --out OUT --tag h200x2
     python -m ds_mtraining.bench.e2e --smoke      # CPU: a tiny model, 2 gloo ranks, end to end
 
 Writes ``OUT/e2e_<tag>.json`` after every measurement, so a run cut off keeps what it measured
@@ -78,6 +78,7 @@ from ..training.profile import ATTENTION_KINDS
 from ..distributed.spawn import free_port
 from . import fresh_output_dir
 from .launch import LaunchTimeout, launcher_env, metric_path, read_metric, run_logged, training_command
+from .provenance import provenance
 
 MODES = {"mtraining": "sparse", "ulysses": "ulysses", "dense": "dense"}
 QUADRATIC = ("ulysses", "dense")  # dense attention: step time grows with S^2 (MTraining's about with S)
@@ -386,7 +387,8 @@ class Bench:
         return sorted(merged.values(), key=lambda r: (r["model"], r["seq_len"], r["world"]))
 
     def save(self) -> dict:
-        invocation = {"date": self.args.date, "device": self.args.device, "command": self.args.command}
+        invocation = {"date": self.args.date, "device": self.args.device, "command": self.args.command,
+                      **provenance()}
         record = {**invocation, "config": self.args.config, "steps": self.args.steps, "warmup": self.args.warmup,
                   "partial_layers": self.args.layers, "invocations": self.earlier["invocations"] + [invocation],
                   "rows": self.rows_merged()}

@@ -11,7 +11,7 @@ events (median after warm-up):
 * ``fwd_bwd_ms``: ``ds_mtraining.attention.sparse_attention`` forward+backward with the fused
   index (and ``fwd_bwd_torch_index_ms`` with the torch estimator's, whose lists are trimmed);
 
-and reports ``share_torch`` / ``share_fused`` = estimate / (estimate + fwd_bwd), the issue's
+and reports ``share_torch`` / ``share_fused`` = estimate / (estimate + fwd_bwd), the
 targets (fused <= 1 ms at 128K, <= 2 ms at 256K, share <= 5% at 64K) and how many selected
 entries differ between the two indexes. Prints a table; writes JSON to a fresh directory
 (``bench_results/estimate-<time>``) unless ``--out`` names a file or directory.
@@ -42,6 +42,7 @@ import torch
 
 from ..attention import resolve_softmax_scale
 from . import fresh_output_dir, kernel_split_ms, time_ms, wall_time_ms
+from .provenance import provenance
 
 TARGET_MS = {131072: 1.0, 262144: 2.0}
 TARGET_SHARE = {65536: 0.05}
@@ -247,7 +248,7 @@ def main(argv=None):
         if args.document_counts:
             documents += run_documents(seq_len, args.document_counts, args, cases[-1])
             torch.cuda.empty_cache()
-    result = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), device=device_name,
+    result = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), **provenance(), device=device_name,
                   command=" ".join(sys.argv), cases=cases, documents=documents)
     out.write_text(json.dumps(result, indent=2))
     print()

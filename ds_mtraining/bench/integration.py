@@ -27,6 +27,7 @@ from pathlib import Path
 from ..distributed.spawn import free_port
 from . import e2e
 from .launch import LaunchTimeout, launcher_env, run_logged
+from .provenance import provenance
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "deepspeed_loop_mtraining.py"
@@ -87,7 +88,7 @@ def compare(args, train_launch=e2e.launch, example_launch=launch_example) -> dic
     config = bench_config(json.loads(Path(args.config).read_text()), args)
     gpus = None if args.cpu else list(range(args.world))
     logs = Path(args.out) / f"integration_{args.tag}"
-    record = {"date": args.date, "device": args.device, "command": args.command, "config": args.config,
+    record = {"date": args.date, "device": args.device, "command": args.command, **provenance(), "config": args.config,
               "model": args.model, "layers": args.layers, "seq_len": args.seq_len, "world": args.world,
               "steps": args.steps, "warmup": args.warmup, "memory": MEMORY_TOOLS_OFF, "sides": {}}
     for name, launch in (("train", train_launch), ("own_loop", example_launch)):

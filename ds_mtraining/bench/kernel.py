@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 
 from . import fresh_output_dir, index_for_density, kernel_split_ms, time_ms
+from .provenance import provenance
 
 SINK_TOKENS = 64
 HOT_BLOCKS = 16           # key blocks holding clustered vertical columns, per head
@@ -213,7 +214,7 @@ def run(args):
         from torch.nn.attention.flex_attention import flex_attention
         flex = torch.compile(flex_attention, dynamic=False)
     rows = []
-    result = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    result = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **provenance(),
                   device=torch.cuda.get_device_name(), torch=torch.__version__,
                   command="python -m ds_mtraining.bench.kernel " + " ".join(sys.argv[1:]),
                   environment={name: os.environ[name] for name in sorted(os.environ)

@@ -27,6 +27,7 @@ import torch
 
 from ..loss import IGNORE_INDEX, token_cross_entropy_sum
 from . import fresh_output_dir, time_ms, wall_time_ms
+from .provenance import provenance
 
 
 def implementations(chunk_tokens: list[int], device: str) -> dict:
@@ -122,7 +123,7 @@ def main(argv=None):
     if out.suffix != ".json":
         out.mkdir(parents=True, exist_ok=True)
         out = out / "loss.json"
-    result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **provenance(),
               "device": device_name, "torch": torch.__version__,
               "command": "python -m ds_mtraining.bench.loss " + " ".join(sys.argv[1:] if argv is None else argv),
               "shape": {"hidden": args.hidden, "vocab": args.vocab, "dtype": args.dtype},

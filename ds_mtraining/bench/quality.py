@@ -46,6 +46,7 @@ from pathlib import Path
 import numpy as np
 
 from .launch import launcher_env, read_metric, run_in_lanes, run_logged, training_command
+from .provenance import provenance
 
 MODES = ("dense", "sparse", "static")
 STATIC_DENSITY_TAIL = 0.1  # static trains at sparse's mean density over this last share of steps
@@ -308,7 +309,7 @@ def gaps(mode: dict, dense: dict) -> dict:
 
 
 def verdict(results: dict) -> dict:
-    """The study's questions, each answered from the numbers (see the issue's must-show list)."""
+    """The study's questions, each answered from the numbers."""
     sparse, static, dense = (results["modes"][m] for m in ("sparse", "static", "dense"))
     vs_sparse, vs_static = results["sparse_vs_dense"], results["static_vs_dense"]
     return {
@@ -427,12 +428,12 @@ def main(argv=None):
     run.add_argument("--loss_windows", type=int, default=8, help="held-out windows of seq_len tokens")
     run.add_argument("--recall_length", type=int, default=16384)
     run.add_argument("--tag", default=None, help="results name: quality_<tag>.json (default: the out folder's name)")
-    run.add_argument("--results", default="benchmarks/results", help="where quality_<tag>.json and PNGs go")
+    run.add_argument("--results", default=None, help="where quality_<tag>.json and PNGs go (default: --out)")
     cmp = sub.add_parser("compare", help="write quality_<tag>.json and PNGs from a study directory",
                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     cmp.add_argument("study", help="the study directory of a run")
     cmp.add_argument("--tag", default=None, help="default: the study folder's name")
-    cmp.add_argument("--results", default="benchmarks/results")
+    cmp.add_argument("--results", default=None, help="where quality_<tag>.json and PNGs go (default: the study)")
     args = parser.parse_args(argv)
     if args.command == "budget":
         try:
@@ -459,9 +460,10 @@ def main(argv=None):
         study = Path(args.study)
     tag = args.tag or study.name
     results = compare(study)
-    results.update(date=time.strftime("%Y-%m-%d"), command=" ".join(["python -m ds_mtraining.bench.quality"] + sys.argv[1:]),
-                   device=_device_name(), study=str(study))
-    out = Path(args.results)
+    results.update(date=time.strftime("%Y-%m-%d"), **provenance(),
+                   command=" ".join(["python -m ds_mtraining.bench.quality"] + sys.argv[1:]), device=_device_name(),
+                   study=str(study))
+    out = Path(args.results) if args.results else study
     out.mkdir(parents=True, exist_ok=True)
     results["plots"] = plot(results, out, tag)
     (out / f"quality_{tag}.json").write_text(json.dumps(results, indent=1))

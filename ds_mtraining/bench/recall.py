@@ -1,7 +1,7 @@
 """Recall-vs-density Pareto curves of vertical-slash estimators.
 
-    python -m ds_mtraining.bench.recall                       # -> ./recall_results/<timestamp>/
-    python -m ds_mtraining.bench.recall --checkpoint runs/demo --out benchmarks/results
+    python -m ds_mtraining.bench.recall                       # -> ./bench_results/recall-<time>/
+    python -m ds_mtraining.bench.recall --checkpoint runs/demo --out OUT
 
 Recall is the share of the exact causal softmax mass over ALL query rows that an index keeps, per
 head (:mod:`ds_mtraining.recall`); density is its computed entries over the causal entries.
@@ -37,7 +37,8 @@ from ..config import SparseConfig
 from ..estimator.rule import estimate_vertical_slash, last_query_scores, select_top_p, sink_columns
 from ..index import SparseIndex
 from ..recall import attention_recall, oracle_recall
-from . import index_for_density
+from . import fresh_output_dir, index_for_density
+from .provenance import provenance
 
 TOP_PS = (0.5, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99)
 REFERENCE_P, REFERENCE_CAP = 0.9, 4096
@@ -265,14 +266,14 @@ def parse_args(argv=None):
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="where q/k, estimators and recall run")
     parser.add_argument("--out", type=Path, default=None,
-                        help="output directory; None: a fresh ./recall_results/<timestamp>")
+                        help="output directory; None: a fresh ./bench_results/recall-<time>")
     parser.add_argument("--name", default="recall_pareto", help="output file stem")
     return parser.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    out = args.out or Path("recall_results") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    out = args.out or fresh_output_dir("recall")
     out.mkdir(parents=True, exist_ok=True)
     config = SparseConfig()
     inputs = {f"planted S={s}": planted_inputs(s, args.seed + s, args.device) for s in args.seq_lens}
@@ -295,7 +296,7 @@ def main(argv=None) -> int:
             print(f"{name:<22} {method:<16} {row['density_mean']:8.4f} {row['recall_mean']:7.4f} "
                   f"{row['recall_min']:8.4f}")
         print(f"{name:<22} verdict: {result['verdict']}")
-    record = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    record = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **provenance(),
               "device": (torch.cuda.get_device_name() if args.device.startswith("cuda")
                          else f"CPU ({platform.processor() or platform.machine()})"),
               "command": " ".join(["python -m ds_mtraining.bench.recall", *(sys.argv[1:] if argv is None else argv)]),

@@ -1,6 +1,6 @@
 """Recall with document masking on packed real text against the same documents run one by one.
 
-    python -m ds_mtraining.bench.recall_documents --out benchmarks/results
+    python -m ds_mtraining.bench.recall_documents [--out OUT]
 
 Documents: the standard library's ``.py`` files (one file per document), byte tokens, each cut to
 a length drawn log-uniformly in ``[--shortest, --longest]`` (files shorter than the draw keep
@@ -22,7 +22,7 @@ attended entries, both with the document mask; means over layers and heads):
   weighted by tokens (each row counts once, as in the packed recall) and density over all
   documents' causal entries (as the packed density), plus the plain means over documents.
 
-Each at top-p ``--top-ps`` (p_vertical = p_slash, default caps). The issue's check, per top-p:
+Each at top-p ``--top-ps`` (p_vertical = p_slash, default caps). The check, per top-p:
 packed recall with documents (the shipped weight) >= alone recall (token-weighted).
 """
 from __future__ import annotations
@@ -44,6 +44,8 @@ from ..documents import doc_start_from_cu_seqlens
 from ..estimator.rule import (DOCUMENT_WEIGHTS, document_column_and_diagonal_mass, estimate_vertical_slash,
                         index_from_masses)
 from ..recall import attention_recall
+from . import fresh_output_dir
+from .provenance import provenance
 
 CHOSEN_WEIGHT = "tokens"  # the rule estimate_vertical_slash ships
 
@@ -187,7 +189,7 @@ def parse_args(argv=None):
     parser.add_argument("--top-ps", type=float, nargs="+", default=[0.5, 0.7, 0.9],
                         help="top-p budgets swept (p_vertical = p_slash)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=Path("recall_documents_results"), help="output directory")
+    parser.add_argument("--out", type=Path, default=None, help="output directory (default: a new bench_results/ one)")
     return parser.parse_args(argv)
 
 
@@ -214,8 +216,9 @@ def main(argv=None) -> int:
         print(f"top-p {p}: packed recall with documents {c['packed_recall']:.4f} "
               f"{'>=' if c['met'] else '<'} alone {c['alone_recall']:.4f}: {'met' if c['met'] else 'NOT met'}")
     met = all(c["met"] for c in check.values())
+    args.out = args.out or fresh_output_dir("recall_documents")
     args.out.mkdir(parents=True, exist_ok=True)
-    record = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    record = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **provenance(),
               "command": " ".join(["python -m ds_mtraining.bench.recall_documents",
                                    *(sys.argv[1:] if argv is None else argv)]),
               "device": f"CPU ({platform.processor() or platform.machine()})", "torch": torch.__version__,

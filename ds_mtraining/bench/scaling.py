@@ -29,15 +29,15 @@ level = max / mean over ranks of the kernel time; the ring-step tables give
 
 Launch (the form is recorded in the JSON):
 
-    torchrun --nproc_per_node 2 -m ds_mtraining.bench.scaling --out benchmarks/results
-    deepspeed --num_gpus 2 --module ds_mtraining.bench.scaling --out benchmarks/results
+    torchrun --nproc_per_node 2 -m ds_mtraining.bench.scaling --out OUT
+    deepspeed --num_gpus 2 --module ds_mtraining.bench.scaling --out OUT
     # two fake nodes x 1 GPU (flat and hierarchical ring), one command per node N = 0, 1:
     deepspeed --hostfile H --include node0:0@node1:1 --no_ssh --node_rank N \\
         --master_addr 127.0.0.1 --master_port P --module ds_mtraining.bench.scaling --out ...
     # CPU smoke test (gloo, tiny sizes):
     OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 -m ds_mtraining.bench.scaling --smoke
 
-Writes OUT/multi_gpu_<device>x<W>.json (e.g. benchmarks/results/multi_gpu_h200x2.json), merging
+Writes OUT/multi_gpu_<device>x<W>.json (e.g. multi_gpu_h200x2.json), merging
 with the cases of an earlier launch form already there, and prints a table.
 """
 from __future__ import annotations
@@ -71,6 +71,7 @@ from ..estimator.distributed import estimate_vertical_slash_distributed
 from ..layout import StripedLayout
 from ..ring import ring_sparse_attention
 from ..ring.work import imbalance, pair_work, step_work
+from .provenance import provenance
 
 MODES = ("given_index", "per_call_estimation", "per_call_estimation_eager")
 RINGS = ("flat", "hierarchical")
@@ -540,11 +541,12 @@ def main(argv=None):
                 torch.cuda.empty_cache()
         if rank == 0:
             print(table(cases))
-            run = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            stamp = provenance()  # the file's and this run's: earlier runs keep their own
+            run = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **stamp,
                        command=" ".join([launch["launcher"], "... -m ds_mtraining.bench.scaling", *sys.argv[1:]]),
                        launch=launch, rings=rings, modes=args.modes)
             record = dict(device=(torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu")
-                          + f" x{world}", torch=torch.__version__, world=world,
+                          + f" x{world}", **stamp, torch=torch.__version__, world=world,
                           shape=dict(heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
                                      block_size=args.block_size, dtype=str(dtype).removeprefix("torch.")),
                           index=("estimated once per length by the distributed estimator from random q/k "

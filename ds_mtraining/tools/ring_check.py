@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ..attention import sparse_attention
+from ..bench.provenance import provenance
 from ..config import SparseConfig
 from ..distributed import shutdown
 from ..distributed.topology import Topology, create_hierarchical_groups
@@ -94,7 +95,7 @@ def main(argv=None):
     flat_vs_single = {n: relative_error(a, b) for n, a, b in zip(names, flat, single)}
     error = max(vs_flat.values())
     error_single = max(max(vs_single.values()), max(flat_vs_single.values()))
-    report = dict(rank=rank, world=world, nodes=topology.nodes, per_node=topology.per_node,
+    report = dict(rank=rank, world=world, **provenance(), nodes=topology.nodes, per_node=topology.per_node,
                   position=hierarchy.position, inner=dist.get_process_group_ranks(hierarchy.inner),
                   outer=dist.get_process_group_ranks(hierarchy.outer), device=str(device),
                   gpu=torch.cuda.get_device_name(device) if cuda else None,

@@ -69,8 +69,8 @@ class MemorySettings:
     """``mtraining.memory``; each default aims at the longest sequence that fits."""
 
     tiled_mlp: str | bool = "auto"  # auto: on where a rank holds >= 2 chunks of tokens
-    mlp_chunk_tokens: int = 16384
-    offload_checkpoints: str | int = "auto"  # auto | all | none | N (the first N layers)
+    mlp_chunk_tokens: int = 16384  # tokens per chunk of the tiled MLP
+    offload_checkpoints: str | int = "auto"  # auto (the fewest layers the GPU estimate needs) | all | none | N
     host_reserve_gib: str | float = "auto"  # host memory left to the processes: auto = min(24, MemTotal / 5)
     expandable_segments: bool = True  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True unless set
 

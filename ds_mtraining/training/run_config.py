@@ -3,7 +3,7 @@ a bad value is one :class:`ConfigError` naming its key and the fix (see :mod:`ds
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from ..config import SUPPORTED_BLOCK_SIZES, SparseConfig
@@ -15,27 +15,72 @@ from .memory import MemorySettings, parse_memory
 from .model import PRESETS, check_liger_setting, model_config
 
 ULYSSES = "ulysses"  # dense HF attention (torch SDPA) under DeepSpeed-Ulysses sequence parallelism
+# keys of the section that are no RunConfig field, with their docs/CONFIG.md text
+INPUT_KEYS = {"stripe_block": "the stripe width and kernel block, 64 or 128: sets `sparse.block_size` (give one)"}
 
 
 @dataclass
 class RunConfig:
-    """The validated ``mtraining`` section (see :mod:`ds_mtraining.train`)."""
+    """The validated ``mtraining`` section. Built only by :func:`parse_run_config`, which is where
+    every default is (a key left out); docs/CONFIG.md shows them, generated with these texts by
+    ``python -m ds_mtraining.tools.config_doc``.
+
+    Attributes:
+        seq_len: tokens per training sequence, the whole sequence over the sequence-parallel group;
+            a multiple of sequence_parallel_size x the stripe block.
+        sequence_parallel_size: ranks that share one sequence (one ring); the world size divided by
+            it is the data-parallel size. Left out: the world size (one ring over every rank).
+        ring: `flat`, `hierarchical` (an inner ring inside each node, an outer ring across nodes)
+            or `auto` (hierarchical where a sequence-parallel group spans nodes).
+        sparse: the vertical-slash estimator's budgets and the kernel block (`SparseConfig`).
+        model: a preset (`tiny-qwen2`; `qwen2.5-3b` and `llama-3.1-8b`: real shapes, random weights),
+            a local model directory (`--model DIR`), or `{"name_or_path": ..., "config_overrides":
+            {...}}`: fields of the model's config; of a model with weights only the context's
+            (`rope_theta`, `rope_scaling`, `rope_parameters`, `max_position_embeddings`), to continue
+            its training at a longer context.
+        tokenizer: `bytes` (UTF-8 bytes and an end-of-document token), `model` (the model
+            directory's own) or a local tokenizer directory.
+        data: where the documents come from: `{"source": "stdlib"}` (the Python standard library's
+            sources), `{"source": "random"}` (random token ids over the model's vocabulary),
+            `{"files": [...]}` or `{"saved_dataset": DIR}` (or `--data DIR`); every source also takes
+            `passkey_fraction` and `passkey_questions` (the module docstring of ds_mtraining/data.py
+            lists every key).
+        loss_chunk_tokens: rows per chunk of the chunked torch loss (the CPU path; GPUs without liger).
+        gradient_checkpointing: activation checkpointing of every decoder layer.
+        attention: `sparse` (MTraining), `dense` (a full index through the same ring: the baseline),
+            `static` (sinks and a local window, set in `static`) or `ulysses` (the model's dense SDPA
+            under DeepSpeed-Ulysses; W must divide the query heads, and divide the key/value heads or
+            be a multiple of them).
+        static: with `attention: "static"`, the pattern: `{"density": 0.1, "sink_tokens": 4}` (the
+            nearest achievable density) or `{"window_tokens": N}`.
+        document_masking: packed documents attend only within themselves. Left out: on where the
+            loader packs documents (every data source but `random`) and the attention can mask them
+            (every attention but `ulysses`).
+        liger: `"auto"`: liger-kernel's fused RMSNorm, RoPE, SwiGLU and linear cross-entropy replace
+            the HF model's on GPUs where liger-kernel is installed (Qwen2 and Llama models); `true`:
+            their absence is an error; `false`: off. The run's second line says which.
+        keep_attention_output: with gradient_checkpointing, each layer's attention output and LSE
+            are kept from the forward (B x S/W x H x D elements per layer), so the recomputed forward
+            runs no attention and no ring.
+        memory: the long-sequence memory tools (`MemorySettings`); the run's first line says what
+            each one chose and why.
+    """
 
     seq_len: int
     sequence_parallel_size: int
     ring: str
     sparse: SparseConfig
     model: dict
-    tokenizer: str = "bytes"
-    data: dict = field(default_factory=lambda: {"source": "stdlib"})
-    loss_chunk_tokens: int = 1024
-    gradient_checkpointing: bool = False
-    attention: str = "sparse"  # sparse (MTraining) | dense | static: ds_mtraining.static | ulysses
-    static: dict | None = None  # the static pattern's settings when attention is "static"
-    document_masking: bool = False  # packed documents attend only within themselves (ds_mtraining.documents)
-    liger: str | bool = "auto"  # liger-kernel's RMSNorm/RoPE/SwiGLU and loss (training.model.use_fused_kernels)
-    keep_attention_output: bool = False  # attention once per layer under checkpointing (layer.py keep_output)
-    memory: MemorySettings = field(default_factory=MemorySettings)  # tiled MLP, checkpoint offload (training.memory)
+    tokenizer: str
+    data: dict
+    loss_chunk_tokens: int
+    gradient_checkpointing: bool
+    attention: str
+    static: dict | None
+    document_masking: bool
+    liger: str | bool
+    keep_attention_output: bool
+    memory: MemorySettings
 
     def to_dict(self) -> dict:
         values = asdict(self)
@@ -80,9 +125,8 @@ def check_model(spec: dict, vocab_size: int):
     return config
 
 
-SECTION_KEYS = frozenset({"seq_len", "sequence_parallel_size", "ring", "stripe_block", "sparse", "model", "tokenizer",
-                          "data", "loss_chunk_tokens", "gradient_checkpointing", "attention", "static",
-                          "document_masking", "liger", "keep_attention_output", "memory"})
+# every key of the section: RunConfig's fields and the input-only keys (ds_mtraining.integration reads it too)
+SECTION_KEYS = frozenset({f.name for f in fields(RunConfig)} | set(INPUT_KEYS))
 
 
 def parse_run_config(section: dict, world_size: int) -> RunConfig:

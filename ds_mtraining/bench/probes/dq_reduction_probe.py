@@ -34,6 +34,7 @@ from torch.utils.cpp_extension import load_inline
 
 from ds_mtraining.bench import time_ms
 from ds_mtraining.bench.kernel import benchmark_doc_start, benchmark_index
+from ds_mtraining.bench.provenance import provenance
 from ds_mtraining.index import PAD
 
 SEQ, DOCUMENTS, HEADS, KV_HEADS, DIM, BLOCK, TILE = 131072, (4096, 32768), 16, 2, 128, 128, 64
@@ -142,7 +143,7 @@ def main():
     dq = torch.zeros(HEADS, SEQ, DIM, device="cuda")
     cases = {"red_v4": (TILE, "red_v4", None), "bulk": (TILE, "bulk", None), "bulk_128_keys": (BLOCK, "bulk", None),
              "bulk_128_keys_in_l2": (BLOCK, "bulk", L2_ROWS), "store_v4": (TILE, "store_v4", None)}
-    result = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    result = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **provenance(),
                   device=torch.cuda.get_device_name(), command="python3 -m ds_mtraining.bench.probes.dq_reduction_probe "
                   f"--density {args.density}", density=index.density(), seq=SEQ, heads=HEADS, dim=DIM, cases={})
     walks = {keys: slash_steps(index.slash, doc_start, keys) for keys in {keys for keys, _, _ in cases.values()}}

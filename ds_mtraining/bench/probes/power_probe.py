@@ -21,6 +21,7 @@ import torch
 
 from ds_mtraining.bench import time_ms
 from ds_mtraining.bench.kernel import fwd_bwd_pair
+from ds_mtraining.bench.provenance import provenance
 
 SEQ, DOCUMENTS = 131072, (4096, 32768)
 QUERY = "timestamp,clocks.sm,power.draw,clocks_throttle_reasons.active"
@@ -74,7 +75,7 @@ def main():
     for row in rows:
         print(row)
     if args.out:
-        record = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        record = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **provenance(),
                   "device": torch.cuda.get_device_name(), "command": " ".join(["python3", *sys.argv]),
                   "seq_len": SEQ, "density": args.density, "documents": DOCUMENTS, "phases": rows}
         with open(args.out, "w") as out:

@@ -19,6 +19,7 @@ from ds_mtraining import ops
 from ds_mtraining.attention import resolve_softmax_scale, sparse_attention
 from ds_mtraining.bench import time_ms
 from ds_mtraining.bench.kernel import FlexMask, benchmark_doc_start, benchmark_index
+from ds_mtraining.bench.provenance import provenance
 
 
 def main():
@@ -88,7 +89,7 @@ def main():
                 print(json.dumps(row), flush=True)
     os.environ.pop("DS_MTRAINING_CUDA_QUERY", None)
     with open(args.out, "w") as f:
-        json.dump(dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        json.dump(dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **provenance(),
                        device=torch.cuda.get_device_name(), command="python3 -m ds_mtraining.bench.probes.query_kernel_probe "
                        + " ".join(sys.argv[1:]),
                        seq=seq, documents=args.documents, rows=rows), f, indent=1)
