@@ -8,13 +8,14 @@ from pathlib import Path
 
 from ..config import SUPPORTED_BLOCK_SIZES, SparseConfig
 from ..data import DataConfigError, check_data_spec, folder_spec, load_tokenizer
+from ..dense_backend import DenseBackendError, check_dense_backend
 from ..distributed import RING_KINDS, ParallelConfigError, check_parallel_sizes
 from ..layout import check_divisible
 from . import MTRAINING_KEY, ConfigError
 from .memory import MemorySettings, parse_memory
 from .model import PRESETS, check_liger_setting, model_config
 
-ULYSSES = "ulysses"  # dense HF attention (torch SDPA) under DeepSpeed-Ulysses sequence parallelism
+ULYSSES = "ulysses"  # dense HF attention (SDPA or FA4: dense_backend) under DeepSpeed-Ulysses sequence parallelism
 
 
 @dataclass
@@ -36,6 +37,9 @@ class RunConfig:
     liger: str | bool = "auto"  # liger-kernel's RMSNorm/RoPE/SwiGLU and loss (training.model.use_fused_kernels)
     keep_attention_output: bool = False  # attention once per layer under checkpointing (layer.py keep_output)
     memory: MemorySettings = field(default_factory=MemorySettings)  # tiled MLP, checkpoint offload (training.memory)
+    # auto | sdpa | fa4: the kernel of attention "dense" on one GPU without documents and of "ulysses"
+    # (ds_mtraining.dense_backend; auto: SDPA until a GPU's rule picks FA4); other modes ignore it
+    dense_backend: str = "auto"
 
     def to_dict(self) -> dict:
         values = asdict(self)
@@ -82,7 +86,7 @@ def check_model(spec: dict, vocab_size: int):
 
 SECTION_KEYS = frozenset({"seq_len", "sequence_parallel_size", "ring", "stripe_block", "sparse", "model", "tokenizer",
                           "data", "loss_chunk_tokens", "gradient_checkpointing", "attention", "static",
-                          "document_masking", "liger", "keep_attention_output", "memory"})
+                          "document_masking", "liger", "keep_attention_output", "memory", "dense_backend"})
 
 
 def parse_run_config(section: dict, world_size: int) -> RunConfig:
@@ -124,6 +128,10 @@ def parse_run_config(section: dict, world_size: int) -> RunConfig:
     checkpointing = _boolean(section, "gradient_checkpointing")
     liger = section.get("liger", "auto")
     check_liger_setting(liger)
+    try:
+        dense_backend = check_dense_backend(section.get("dense_backend", "auto"), key=f"{MTRAINING_KEY}.dense_backend")
+    except DenseBackendError as error:
+        raise ConfigError(str(error)) from None
     attention, static = _attention_mode(section, seq_len, sparse.block_size)
     documents = _document_masking(section, attention)
     keep = _keep_attention_output(section, checkpointing)
@@ -141,7 +149,7 @@ def parse_run_config(section: dict, world_size: int) -> RunConfig:
                      loss_chunk_tokens=_positive_int(section, "loss_chunk_tokens", 1024),
                      gradient_checkpointing=checkpointing, attention=attention, static=static,
                      document_masking=documents, liger=liger, keep_attention_output=keep,
-                     memory=parse_memory(section, checkpointing))
+                     memory=parse_memory(section, checkpointing), dense_backend=dense_backend)
 
 
 def _boolean(section: dict, key: str) -> bool:
@@ -168,7 +176,7 @@ def _attention_mode(section: dict, seq_len: int, block: int) -> tuple[str, dict 
         raise ConfigError(f"{MTRAINING_KEY}.attention={mode!r} is not an attention mode; use one of "
                           f"{list(ATTENTION_MODES)} or '{ULYSSES}' (sparse: MTraining's estimated index; dense: full "
                           f"causal attention; static: sinks + local window, set in {MTRAINING_KEY}.static; "
-                          f"ulysses: the baseline, HF's dense SDPA attention under DeepSpeed-Ulysses)")
+                          f"ulysses: the baseline, HF's dense attention under DeepSpeed-Ulysses)")
     if mode != "static":
         if "static" in section:
             raise ConfigError(f"{MTRAINING_KEY}.static is set but {MTRAINING_KEY}.attention is {mode!r}; "
