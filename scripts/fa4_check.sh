@@ -73,7 +73,7 @@ cat "$OUT/env.log"
 if [ -z "${SKIP_TESTS:-}" ]; then
   per_test_limit=()  # a hung compile or kernel fails its test instead of the whole call
   python3 -c "import pytest_timeout" 2>/dev/null && per_test_limit=(--timeout 150 -o timeout_method=thread)
-  stage tests 240 "$OUT/tests.log" python3 -m pytest tests/test_cuda_fa4.py tests/test_dense_backend.py -v \
+  stage tests 200 "$OUT/tests.log" python3 -m pytest tests/test_cuda_fa4.py tests/test_dense_backend.py -v \
     --tb=short -p no:cacheprovider "${per_test_limit[@]}"
   grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed" "$OUT/tests.log" | tail -40
 fi

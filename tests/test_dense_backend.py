@@ -195,6 +195,48 @@ def test_ulysses_takes_the_fa4_attention_and_it_refuses_what_it_cannot_compute()
             fa4_attention_forward(module, q, q, q, **kwargs)
 
 
+def _ulysses_fa4_worker(rank, world):
+    """The tiny Qwen2's logits with the dense backend fa4 under DeepSpeed-Ulysses on ``world`` gloo
+    ranks (FA4's kernel replaced by SDPA, counting its calls), against the model's own SDPA over the
+    whole sequence: (calls, the module serving the fa4 name, the largest logit difference)."""
+    import deepspeed
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    import ds_mtraining.hf as hf
+    from helpers import sequence, tiny_model
+    calls = []
+
+    def sdpa_in_fa4s_place(q, k, v, scale, backend):
+        calls.append((backend, q.shape[1], q.shape[2]))
+        return dense_causal_attention(q, k, v, scale, "sdpa")
+
+    hf.dense_causal_attention = sdpa_in_fa4s_place
+    deepspeed.init_distributed()
+    model = tiny_model("qwen2", attn="sdpa")
+    ids, _ = sequence(1, 256)
+    local = 256 // world
+    with torch.no_grad():
+        reference = model(input_ids=ids).logits[:, rank * local:(rank + 1) * local]
+        hf.use_ulysses_attention(model, list(range(world)), 1, 256, dense_backend="fa4")
+        positions = torch.arange(rank * local, (rank + 1) * local)[None]
+        logits = model(input_ids=ids[:, rank * local:(rank + 1) * local], position_ids=positions).logits
+    served = ALL_ATTENTION_FUNCTIONS[hf.FA4_ATTENTION_NAME].__module__
+    hf.remove_ulysses_attention()
+    return calls, served, float((logits - reference).abs().max())
+
+
+@pytest.mark.usefixtures("built_ops")  # DeepSpeed's shm op built before the ranks start
+def test_ulysses_on_two_ranks_runs_the_fa4_attention_over_the_whole_sequence():
+    """At W = 2 DeepSpeed's UlyssesSPAttentionHF wraps the fa4 attention: after its all-to-all each
+    rank's call holds the whole sequence (256 tokens) and half the heads (2 of 4), and the logits
+    equal the single-process model's (fp32: 1e-5)."""
+    from ds_mtraining.distributed import run_on_ranks
+    for calls, served, difference in run_on_ranks(_ulysses_fa4_worker, 2, timeout=240):
+        assert served == "deepspeed.runtime.sequence_parallel.ulysses_sp"
+        assert calls == [("fa4", 256, 2)] * 2  # two layers
+        assert difference < 1e-5
+
+
 # ----------------------------------------------------------------------------- bench.kernel
 def test_bench_kernel_times_each_kernel_once_and_refuses_fa4_where_it_cannot_run(gpu, monkeypatch):
     from ds_mtraining.bench.kernel import build_parser, dense_backends
