@@ -12,8 +12,8 @@
 # `pip install --no-index --no-deps --target /tmp/fa4site`, then runs (stages, each under its own
 # timeout, logs in $OUT):
 #   env    versions, the GPU, `dense_backend` fa4 resolved here;
-#   tests  tests/test_cuda_fa4.py (FA4 output and gradients against float64; the dense and Ulysses
-#          paths with fa4 against sdpa; the profile's kinds) and tests/test_dense_backend.py;
+#   tests  tests/test_cuda_fa4.py (FA4 output and gradients against float64, also its varlen path;
+#          the dense and Ulysses paths with fa4 against sdpa; the profile's kinds);
 #   bench  bench.kernel's dense causal fwd+bwd, H 16 / KV 2, D 128, bf16, 32K-512K, FA4 and
 #          SDPA-flash in one run -> $OUT/fa4_dense_h200.json (BENCH_ARGS replaces the default
 #          arguments after --out, e.g. to add MTraining's rows: "--seq-lens 131072 262144 524288
@@ -73,14 +73,14 @@ cat "$OUT/env.log"
 if [ -z "${SKIP_TESTS:-}" ]; then
   per_test_limit=()  # a hung compile or kernel fails its test instead of the whole call
   python3 -c "import pytest_timeout" 2>/dev/null && per_test_limit=(--timeout 150 -o timeout_method=thread)
-  stage tests 200 "$OUT/tests.log" python3 -m pytest tests/test_cuda_fa4.py tests/test_dense_backend.py -v \
+  stage tests 200 "$OUT/tests.log" python3 -m pytest tests/test_cuda_fa4.py -v \
     --tb=short -p no:cacheprovider "${per_test_limit[@]}"
   grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed" "$OUT/tests.log" | tail -40
 fi
 
 if [ -z "${SKIP_BENCH:-}" ]; then
   # shellcheck disable=SC2086
-  stage bench 330 "$OUT/bench.log" python3 -m ds_mtraining.bench.kernel --out "$OUT/fa4_dense_h200.json" \
+  stage bench 320 "$OUT/bench.log" python3 -m ds_mtraining.bench.kernel --out "$OUT/fa4_dense_h200.json" \
     ${BENCH_ARGS:---seq-lens 32768 65536 131072 262144 524288 --dense-backend sdpa fa4 --skip-sparse}
   tail -20 "$OUT/bench.log"
 fi

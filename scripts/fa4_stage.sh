@@ -39,8 +39,12 @@ done
 split -b 45M -d "$big" ".fa4_part1/$(basename "$big").part-"
 mv ".fa4_part1/$(basename "$big").part-01" .fa4_part2/
 { (cd .fa4_part1 && sha256sum *.whl); (cd "$WHEELS" && sha256sum "$(basename "$big")"); } >.fa4_part2/SHA256SUMS
+mib() { echo $(( ($(cat | tail -1 | cut -f1) + 1048575) / 1048576 )); }  # MiB, rounded up
+tree=$(git ls-files -co --exclude-standard -z | xargs -0 du -cb | mib)
+[ -d .whl ] || echo "note: .whl/ (deepspeed and the rest, scripts/device_env.sh) is missing here; call 2 carries it"
 for part in .fa4_part1 .fa4_part2; do
-  mib=$(( $(du -sb "$part" | cut -f1) / 1048576 ))
-  echo "$part: $mib MiB ($(ls "$part" | wc -l) files)"
-  [ "$mib" -lt "$LIMIT_MIB" ] || { echo "$part is over $LIMIT_MIB MiB"; exit 1; }
+  size=$(du -sb "$part" | mib)
+  carried=$(du -cb "$part" $([ "$part" = .fa4_part2 ] && [ -d .whl ] && echo .whl) | mib)
+  echo "$part: $size MiB ($(ls "$part" | wc -l) files); its call carries $((carried + tree)) MiB with the tree"
+  [ "$size" -le "$LIMIT_MIB" ] || { echo "$part is over $LIMIT_MIB MiB"; exit 1; }
 done
