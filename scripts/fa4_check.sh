@@ -40,12 +40,13 @@ case ${1:-} in
       exit 1
     fi
     cp .fa4_part2/* "$STAGE"/ || exit 1
-    (cd "$STAGE" && for first in *.part-00; do cat "${first%.part-00}".part-* >"${first%.part-00}" && rm "${first%.part-00}".part-*; done \
-      && sha256sum --quiet -c SHA256SUMS) || { echo "the wheels do not match SHA256SUMS"; exit 1; }
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$STAGE"/*.whl \
-      || { echo "FA4 wheel install failed"; exit 1; } ;;
+    (cd "$STAGE" && for first in *.part-00; do
+       wheel=${first%.part-00}; cat "$wheel".part-* >"$wheel" && rm "$wheel".part-*; done \
+     && sha256sum --quiet -c SHA256SUMS) || { echo "the wheels do not match SHA256SUMS"; exit 1; }
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+      "$STAGE"/*.whl || { echo "FA4 wheel install failed"; exit 1; } ;;
   run)
-    [ -d "$SITE/flash_attn/cute" ] || { echo "FA4 is not installed in $SITE: run the two calls (part1, part2)"; exit 1; } ;;
+    [ -d "$SITE/flash_attn/cute" ] || { echo "FA4 is not in $SITE: run the two calls (part1, part2)"; exit 1; } ;;
   *)
     echo "usage: bash scripts/fa4_check.sh part1 | part2 | run (see the header)"; exit 2 ;;
 esac
