@@ -14,15 +14,19 @@ checkpointing (``model.gradient_checkpointing_enable()``, reentrant or not) the 
 forward reuses the index its forward estimated, so each layer estimates once per step; with the
 settings' ``keep_output`` it reuses the forward's output too, so each layer runs attention once.
 
-The baseline, :func:`use_ulysses_attention`, is what users run today: the model's own dense SDPA
+The baseline, :func:`use_ulysses_attention`, is what users run today: the model's own dense
 attention under DeepSpeed-Ulysses (``deepspeed.runtime.sequence_parallel.ulysses_sp``), on
-contiguous shards (:class:`ds_mtraining.layout.ContiguousLayout`).
+contiguous shards (:class:`ds_mtraining.layout.ContiguousLayout`): transformers' ``"sdpa"``, or with
+the dense backend ``"fa4"`` FlashAttention-4, registered here as ``"ds_mtraining_fa4"``
+(:func:`fa4_attention_forward`).
 """
 from __future__ import annotations
 
 import torch
 from transformers import AttentionInterface, PreTrainedModel
 
+from .attention import resolve_softmax_scale
+from .dense_backend import dense_causal_attention
 from .layer import IndexCache, MTrainingAttentionSettings, striped_sparse_attention
 
 ATTENTION_NAME = "mtraining"
@@ -101,40 +105,69 @@ def use_mtraining_attention(model: PreTrainedModel, settings: MTrainingAttention
 
 
 # ----------------------------------------------------------------------------- the Ulysses baseline
-ULYSSES_CORE_ATTENTION = "sdpa"  # torch SDPA: flash on GPUs in bf16/fp16, math/efficient elsewhere
+FA4_ATTENTION_NAME = "ds_mtraining_fa4"
+# the transformers attention of each dense backend: torch SDPA (flash on GPUs in bf16/fp16,
+# math/efficient elsewhere), or FlashAttention-4
+CORE_ATTENTION = {"sdpa": "sdpa", "fa4": FA4_ATTENTION_NAME}
 
 
-def remove_ulysses_attention(core: str = ULYSSES_CORE_ATTENTION):
+def fa4_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          attention_mask, scaling: float | None = None, dropout: float = 0.0, **kwargs):
+    """transformers attention function: causal FlashAttention-4 of q [B, H, S, D] over k/v
+    [B, Hkv, S, D] (what DeepSpeed-Ulysses calls after its all-to-all with the dense backend
+    ``"fa4"``); (out [B, S, H, D], None)."""
+    if attention_mask is not None:
+        raise ValueError("FlashAttention-4 attention here is causal and takes no attention mask: pack documents "
+                         "instead of padding them")
+    if dropout:
+        raise ValueError(f"attention dropout {dropout} is not supported; set the model config's attention_dropout to 0")
+    if kwargs.get("sliding_window") is not None:
+        raise ValueError(f"sliding-window attention (window {kwargs['sliding_window']}) is not supported; set the "
+                         f"model config's use_sliding_window to false")
+    if getattr(module, "is_causal", True) is False:
+        raise ValueError(f"{type(module).__name__} is not causal; FlashAttention-4 attention here is causal only")
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    return dense_causal_attention(q, k, v, resolve_softmax_scale(q.shape[-1], scaling), "fa4"), None
+
+
+AttentionInterface.register(FA4_ATTENTION_NAME, fa4_attention_forward)
+
+
+def remove_ulysses_attention():
     """Undoes :func:`use_ulysses_attention` in this process: DeepSpeed's wrapper leaves
-    transformers' ``core`` attention and DeepSpeed's sequence-parallel groups are released, so
+    transformers' core attentions and DeepSpeed's sequence-parallel groups are released, so
     that it may be called again (a second call would otherwise wrap the wrapper)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
     import deepspeed.runtime.sequence_parallel.parallel_state_sp as ulysses_groups
-    try:
-        del ALL_ATTENTION_FUNCTIONS[core]  # the local override only; the library's own stays
-    except KeyError:
-        pass
+    for core in CORE_ATTENTION.values():
+        try:
+            del ALL_ATTENTION_FUNCTIONS[core]  # the local override only; the library's own stays
+        except KeyError:
+            pass
     release = getattr(ulysses_groups, "_release_sequence_parallel_groups", None)
     if release is not None:
         release()
 
 
 def use_ulysses_attention(model: PreTrainedModel, sequence_ranks: list, micro_batch_size: int,
-                          seq_len: int) -> PreTrainedModel:
-    """Switches ``model`` to its dense SDPA attention under DeepSpeed-Ulysses over the
-    sequence-parallel group of ``sequence_ranks`` (W = its size; W = 1: plain dense SDPA), for
-    micro-batches of ``micro_batch_size`` sequences of ``seq_len`` tokens cut into contiguous
-    shards with global position ids. DeepSpeed's ``UlyssesSPAttentionHF.register_with_transformers``
-    does the work (an all-to-all from sequence to head shards before the attention and one back
-    after); its groups are checked to be ``sequence_ranks`` (the ranks that sum each other's
-    gradients and losses in this project's ``mpu``). In place; returns the model."""
+                          seq_len: int, dense_backend: str = "sdpa") -> PreTrainedModel:
+    """Switches ``model`` to dense attention under DeepSpeed-Ulysses over the sequence-parallel
+    group of ``sequence_ranks`` (W = its size; W = 1: plain dense attention), for micro-batches of
+    ``micro_batch_size`` sequences of ``seq_len`` tokens cut into contiguous shards with global
+    position ids; the kernel is the resolved ``dense_backend`` (``"sdpa"``: transformers' SDPA
+    attention; ``"fa4"``: :func:`fa4_attention_forward`). DeepSpeed's
+    ``UlyssesSPAttentionHF.register_with_transformers`` does the work (an all-to-all from sequence
+    to head shards before the attention and one back after); its groups are checked to be
+    ``sequence_ranks`` (the ranks that sum each other's gradients and losses in this project's
+    ``mpu``). In place; returns the model."""
     import torch.distributed as dist
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
     world = len(sequence_ranks)
+    core = CORE_ATTENTION[dense_backend]
     remove_ulysses_attention()
-    model.set_attn_implementation(ULYSSES_CORE_ATTENTION)
+    model.set_attn_implementation(core)
     mpu = UlyssesSPAttentionHF.register_with_transformers(
-        model, core_attn_implementation=ULYSSES_CORE_ATTENTION, sequence_parallel_size=world,
+        model, core_attn_implementation=core, sequence_parallel_size=world,
         micro_batch_size=micro_batch_size, seq_length=seq_len, seq_length_is_variable=False)
     if mpu is not None:
         ranks = dist.get_process_group_ranks(mpu.get_sequence_parallel_group())

@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 from .config import SparseConfig
 from .data import shard_batch
+from .dense_backend import check_dense_backend, resolve_dense_backend
 from .distributed import ParallelGroups, RING_KINDS, check_parallel_sizes, initialize_groups, shutdown
 from .loss import IGNORE_INDEX, sequence_parallel_cross_entropy, token_cross_entropy_sum
 from .layout import StripedLayout, check_divisible
@@ -51,7 +52,7 @@ from .training.run_config import SECTION_KEYS
 
 MTRAINING_KEY = "mtraining"  # the DeepSpeed JSON's section (as ds_mtraining.train reads it)
 SETTING_KEYS = ("sequence_parallel_size", "ring", "stripe_block", "sparse", "loss_chunk_tokens", "liger",
-                "keep_attention_output", "attention", "static")
+                "keep_attention_output", "attention", "static", "dense_backend")
 # the section's keys that belong to ds_mtraining.train's own loop, not to a model (the data, the
 # memory tools' loop): ignored here, so one JSON serves both
 TRAIN_ONLY_KEYS = tuple(sorted(SECTION_KEYS - set(SETTING_KEYS)))
@@ -73,6 +74,7 @@ class IntegrationSettings:
     keep_attention_output: bool = False
     attention: str = "sparse"  # sparse (MTraining) | dense | static: ds_mtraining.static's baselines
     static: dict | None = None
+    dense_backend: str = "auto"  # the dense baseline's kernel on one GPU: ds_mtraining.dense_backend
 
 
 def read_section(config) -> dict:
@@ -114,7 +116,7 @@ def resolve_settings(config=None, world_size: int = 1, **given) -> IntegrationSe
         raise ValueError(f"loss_chunk_tokens={chunk!r} must be a positive integer")
     return IntegrationSettings(sp, ring, sparse, chunk, values.get("liger", "auto"),
                                bool(values.get("keep_attention_output", False)), values.get("attention", "sparse"),
-                               values.get("static"))
+                               values.get("static"), check_dense_backend(values.get("dense_backend", "auto")))
 
 
 # ----------------------------------------------------------------------------- the loss
@@ -431,7 +433,7 @@ def _install_hooks():
 
 def enable(model, config=None, *, sequence_parallel_size: int | None = None, sparse=None, ring: str | None = None,
            loss_chunk_tokens: int | None = None, liger=None, keep_attention_output: bool | None = None,
-           attention: str | None = None) -> MTraining:
+           attention: str | None = None, dense_backend: str | None = None) -> MTraining:
     """Switches a HF Qwen2/Llama causal LM to MTraining for the user's own training loop.
 
     Settings: keyword arguments, else the ``mtraining`` section of ``config`` (a DeepSpeed JSON
@@ -454,12 +456,19 @@ def enable(model, config=None, *, sequence_parallel_size: int | None = None, spa
     release_shm_buffer()  # on CPU: the name of DeepSpeed's shm buffer (whoever initialised), not the mapping
     settings = resolve_settings(config, dist.get_world_size(), sequence_parallel_size=sequence_parallel_size,
                                 sparse=sparse, ring=ring, loss_chunk_tokens=loss_chunk_tokens, liger=liger,
-                                keep_attention_output=keep_attention_output, attention=attention)
+                                keep_attention_output=keep_attention_output, attention=attention,
+                                dense_backend=dense_backend)
+    dense = "sdpa"
+    if settings.attention == "dense":  # resolved once, on this rank's device; printed first, as train does
+        resolved = resolve_dense_backend(settings.dense_backend)
+        dense = resolved.name
+        if dist.get_rank() == 0:
+            print(f"ds_mtraining: {resolved.describe()}", flush=True)
     groups = initialize_groups(settings.sequence_parallel_size, settings.ring)
     fused_off = use_fused_kernels(model, settings.liger)
     pattern = attention_pattern(settings.attention, settings.static)
     attention_settings = MTrainingAttentionSettings.from_groups(settings.sparse, groups, None, pattern,
-                                                                settings.keep_attention_output)
+                                                                settings.keep_attention_output, dense)
     use_mtraining_attention(model, attention_settings)
     mt = MTraining(model, groups, settings, attention_settings, fused_loss=fused_off is None)
     model.forward = _forward_with_loss(model, mt)

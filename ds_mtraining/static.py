@@ -5,9 +5,10 @@ kernels, ring and striping as the estimated pattern (``mtraining.attention`` in 
 config, :mod:`ds_mtraining.training.run_config`):
 
 * :class:`DensePattern`: every block diagonal, i.e. full causal attention (density exactly 1).
-  On one CUDA device :func:`ds_mtraining.layer.striped_sparse_attention` runs it with torch's
-  dense causal SDPA (flash) instead of the sparse kernel; elsewhere the sparse kernel runs the
-  full index (the same ring as the sparse mode).
+  On one CUDA device without documents :func:`ds_mtraining.layer.striped_sparse_attention` runs
+  it with a dense causal kernel instead of the sparse kernel (SDPA or FlashAttention-4:
+  :mod:`ds_mtraining.dense_backend`); elsewhere the sparse kernel runs the full index (the same
+  ring as the sparse mode).
 * :class:`StaticPattern`: attention sinks plus a local window, the StreamingLLM-style static
   sparse baseline. Query ``q`` attends key ``k <= q`` iff ``k < sink_tokens`` or
   ``block(q) - block(k) < local_blocks``: its own block (causally) and the ``local_blocks - 1``

@@ -26,6 +26,7 @@ precision, monitors), an ``"mtraining"`` section, removed before the JSON reache
       "document_masking": true,         # default: on where the data packs documents (not "random",
                                         # not ulysses); RoPE positions restart per document
       "liger": "auto",                  # liger-kernel RMSNorm/RoPE/SwiGLU and loss on CUDA where installed
+      "dense_backend": "auto",          # dense and ulysses: sdpa | fa4 (FlashAttention-4) | auto (by GPU)
       "memory": {                       # ds_mtraining.training.memory; the defaults aim at the longest length
         "tiled_mlp": "auto",            # the MLP over token chunks (auto: where a rank holds >= 2 chunks)
         "mlp_chunk_tokens": 16384,
@@ -37,16 +38,16 @@ precision, monitors), an ``"mtraining"`` section, removed before the JSON reache
     }
 
 ``"attention": "ulysses"`` is the baseline users run today: the model's own dense attention (torch
-SDPA, flash on GPUs) under DeepSpeed-Ulysses over the ``sequence_parallel_size`` ranks (at 1: plain
-dense SDPA), on contiguous shards of the same samples, with the same loss, engine and groups
-(:func:`ds_mtraining.hf.use_ulysses_attention`). Each logged step also records, on CUDA, every
-rank's peak allocated memory (``peak_memory_gib``: the largest; ``peak_memory_gib_rank<r>``), the
-memory allocated between steps (``resident_memory_gib``), and on every device the host memory summed
-over the ranks (``host_rss_gib``, ``host_peak_rss_gib``) and the GiB of checkpoints offloaded
-(``offloaded_gib``). The run's first line says each memory setting and the host check's numbers
-(``SAVE_DIR/memory_plan.json``: the analytic breakdown); a host that cannot hold the CPU optimizer
-and the offloaded checkpoints stops the run before the engine starts, and a CUDA out-of-memory error
-is one line with the length, the peak and the setting to try.
+SDPA, flash on GPUs, or FlashAttention-4 with ``dense_backend``) under DeepSpeed-Ulysses over the
+``sequence_parallel_size`` ranks (at 1: plain dense attention), on contiguous shards of the same
+samples, with the same loss, engine and groups (:func:`ds_mtraining.hf.use_ulysses_attention`). Each
+logged step also records, on CUDA, every rank's peak allocated memory (``peak_memory_gib``: the
+largest; ``peak_memory_gib_rank<r>``), the memory allocated between steps (``resident_memory_gib``),
+and on every device the host memory summed over the ranks (``host_rss_gib``, ``host_peak_rss_gib``)
+and the GiB of checkpoints offloaded (``offloaded_gib``). The run's first line says each memory
+setting and the host check's numbers (``SAVE_DIR/memory_plan.json``: the analytic breakdown); a host
+that cannot hold the CPU optimizer and the offloaded checkpoints stops the run before the engine
+starts, and a CUDA out-of-memory error is one line with the length, the peak and the setting to try.
 
 Everything is validated before any process group exists; a bad value is one error naming its key
 and the fix. Checkpoints (``--save_dir``, every ``--save_interval`` steps) go through
@@ -213,6 +214,9 @@ def train(args, watchdog: Watchdog | None = None) -> dict:
     # deepspeed.initialize would set it; NCCL refuses a tensor on another device)
     check_local_device(get_accelerator())
     get_accelerator().set_device(local_rank())
+    dense = dense_backend_of(run)  # on this rank's device, before any process group
+    if dense is not None and launcher_rank() == 0:
+        print(f"ds_mtraining: {dense.describe()}", flush=True)
     with one_time_build("DeepSpeed's shm comm op", "about 40 s on 2 CPU cores", shm_op_cached()), \
             contextlib.redirect_stdout(io.StringIO()):  # (DeepSpeed's own build note)
         deepspeed.init_distributed()
@@ -236,8 +240,8 @@ def train(args, watchdog: Watchdog | None = None) -> dict:
     ulysses = run.attention == ULYSSES
     if not ulysses:  # (Ulysses is registered below, once the micro-batch size is known)
         pattern = attention_pattern(run.attention, run.static)  # None (sparse) or a fixed baseline
-        use_mtraining_attention(model, MTrainingAttentionSettings.from_groups(run.sparse, groups, stats, pattern,
-                                                                              run.keep_attention_output))
+        use_mtraining_attention(model, MTrainingAttentionSettings.from_groups(
+            run.sparse, groups, stats, pattern, run.keep_attention_output, dense.name if dense else "sdpa"))
     if run.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     module = MTrainingCausalLM(model, groups.sequence_group, run.loss_chunk_tokens,
@@ -249,7 +253,7 @@ def train(args, watchdog: Watchdog | None = None) -> dict:
     micro_batch = engine.train_micro_batch_size_per_gpu()
     accumulation = engine.gradient_accumulation_steps()
     if ulysses:
-        use_ulysses_attention(model, groups.sequence_ranks, micro_batch, run.seq_len)
+        use_ulysses_attention(model, groups.sequence_ranks, micro_batch, run.seq_len, dense.name)
     batches = RankBatches(samples, micro_batch, groups.get_data_parallel_rank(),
                           groups.get_data_parallel_world_size(), groups.get_sequence_parallel_rank(),
                           run.sequence_parallel_size, run.sparse.block_size, args.seed, run.document_masking,
@@ -343,6 +347,18 @@ class StartupClock:
     def describe(self) -> str:
         parts = ", ".join(f"{phase} {seconds:.0f} s" for phase, seconds in self.seconds.items())
         return f"ready in {sum(self.seconds.values()):.0f} s ({parts})"
+
+
+def dense_backend_of(run: RunConfig):
+    """The resolved kernel of the dense and Ulysses baselines (:mod:`ds_mtraining.dense_backend`;
+    None in the other modes): ``fa4`` where it cannot run is a ConfigError."""
+    from ds_mtraining.dense_backend import DenseBackendError, resolve_dense_backend
+    if run.attention not in ("dense", ULYSSES):
+        return None
+    try:
+        return resolve_dense_backend(run.dense_backend, key=f"{MTRAINING_KEY}.dense_backend")
+    except DenseBackendError as error:
+        raise ConfigError(str(error)) from None
 
 
 def local_rank() -> int:

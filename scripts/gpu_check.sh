@@ -17,16 +17,6 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_check_out}
 mkdir -p "$OUT"
 source scripts/device_env.sh
-summary=()
-stage() {  # stage NAME TIMEOUT_S LOG COMMAND...: runs (appending to LOG), records status and seconds
-  local name=$1 limit=$2 log=$3; shift 3
-  local start=$SECONDS
-  echo "=== $name: $*" >>"$log"
-  timeout "$limit" "$@" >>"$log" 2>&1
-  local code=$?
-  summary+=("$(printf '%-10s %-8s %4ss  %s' "$name" "$([ $code -eq 0 ] && echo ok || echo FAIL:$code)" $((SECONDS - start)) "$(basename "$log")")")
-  return $code
-}
 finish() {
   { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
     python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"

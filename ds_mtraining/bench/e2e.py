@@ -18,8 +18,10 @@ weights, computes about D of the causal entries (:func:`pinned_caps`; the measur
 reported beside every speedup).
 
 Modes: ``mtraining`` (``attention: "sparse"``, the estimated vertical-slash index on the striped
-ring), ``ulysses`` (HF's dense SDPA attention under DeepSpeed-Ulysses), ``dense`` (a full index; on
-one GPU torch's SDPA flash). Per model shape and total sequence length, one row:
+ring), ``ulysses`` (HF's dense attention under DeepSpeed-Ulysses), ``dense`` (a full index; on one
+GPU a dense kernel). The dense kernel of both baselines is the config's ``mtraining.dense_backend``
+(torch SDPA's flash, or FlashAttention-4: :mod:`ds_mtraining.dense_backend`). Per model shape and
+total sequence length, one row:
 
 * ``mtraining`` and ``ulysses`` on the same W = ``--world`` GPUs; ``speedup`` = Ulysses' step
   time / MTraining's;

@@ -8,11 +8,16 @@ warm-up) forward and forward+backward of
 * ``flex``: ``torch.nn.attention.flex_attention`` (compiled) with a BlockMask from the same blocks
   (``BlockMask.from_kv_blocks``: slash blocks full, diagonal and vertical-column blocks partial
   with a mask_mod reading the same lists), so it computes exactly the same entries;
-* ``dense``: causal SDPA on the flash backend (once per length, density-independent);
+* ``dense``: dense causal attention, once per length (density-independent) and per
+  ``--dense-backend`` (:mod:`ds_mtraining.dense_backend`: ``sdpa``, torch SDPA held to its flash
+  backend; ``fa4``, FlashAttention-4; ``auto``, the run's rule; several time each in one run, e.g.
+  ``--dense-backend sdpa fa4``), on the same [B, S, H, D] tensors the training path hands them;
+  each sparse row says its speedup against each (``speedup_vs_dense_<backend>_fwd_bwd``);
 
 plus ``index``: the per-call list derivation on the GPU (``step_index``). Effective TFLOP/s =
 computed entries x 4 x D per forward (x 3.5 for forward+backward). Prints a table and writes JSON
-(date, device, command) that ``ds_mtraining.bench.comm --kernel-json`` reads.
+(date, device, command) that ``ds_mtraining.bench.comm --kernel-json`` reads. ``--skip-sparse``
+times the dense rows alone (no sparse op, no FlexAttention).
 
 With ``--documents MIN MAX`` the sequence is also packed with documents of MIN..MAX tokens
 (random lengths, the last one cut at S), every document's first tokens are sink columns (as the
@@ -20,13 +25,17 @@ document-aware estimator selects them), and each density adds ``mtraining_docume
 index with document masking, ``doc_start``) and ``flex_documents`` (FlexAttention with the
 combined mask: its block lists drop the key blocks before a query block's first document and its
 mask_mod adds ``kv >= doc_start[q]``). The FLOP counts stay those of the index without documents,
-so the TFLOP/s columns compare times, not work done.
+so the TFLOP/s columns compare times, not work done. With ``fa4`` among the dense backends each
+length also gets ``dense_documents``: FA4's varlen path (``cu_seqlens``) over the same documents,
+its TFLOP/s counted from the document-masked causal entries (the work it does); the
+``mtraining_documents`` rows say their speedup against it. SDPA has no varlen path.
 
 With ``--kernel-split`` every row also gets ``kernel_ms``: one forward+backward's CUDA time per
 kernel (torch.profiler; ours by pass: forward, dq, dkdv_slash, dkdv_vertical).
 
     python -m ds_mtraining.bench.kernel [--seq-lens 32768 65536 131072] [--densities 0.03 0.05 0.1]
     python -m ds_mtraining.bench.kernel --seq-lens 131072 --documents 4096 32768 --kernel-split
+    python -m ds_mtraining.bench.kernel --seq-lens 32768 131072 524288 --dense-backend sdpa fa4 --skip-sparse
 """
 from __future__ import annotations
 
@@ -39,6 +48,8 @@ from pathlib import Path
 
 import torch
 
+from ..dense_backend import (DENSE_BACKENDS, DenseBackendError, dense_causal_attention, fa4_document_attention,
+                             resolve_dense_backend)
 from . import fresh_output_dir, index_for_density, kernel_split_ms, time_ms
 from .provenance import provenance
 
@@ -196,6 +207,43 @@ def fwd_bwd_pair(seq, target, documents=None, heads=16, kv_heads=2, dim=128, blo
     return sides, described
 
 
+def dense_backends(settings) -> dict:
+    """{kernel name: why} of the ``--dense-backend`` settings, each kernel once, in the order given;
+    a setting that cannot run here stops the benchmark with its one line."""
+    resolved = {}
+    for setting in settings:
+        try:
+            backend = resolve_dense_backend(setting, key="--dense-backend")
+        except DenseBackendError as error:
+            raise SystemExit(f"bench.kernel: {error}") from None
+        resolved.setdefault(backend.name, backend.why)
+    return resolved
+
+
+def dense_forward(q, k, v, scale, backend: str):
+    """The dense row's attention: ``dense_causal_attention``, SDPA held to its flash backend."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    if backend == "sdpa":
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return dense_causal_attention(q, k, v, scale, backend)
+    return dense_causal_attention(q, k, v, scale, backend)
+
+
+def dense_documents_forward(q, k, v, doc_start, scale):
+    """The ``dense_documents`` row's attention (FA4's varlen path over ``doc_start``'s documents, B = 1)
+    and its document-masked causal entries per head."""
+    from ds_mtraining.documents import cu_seqlens_from_doc_start
+    cu = cu_seqlens_from_doc_start(doc_start[0])
+    lengths = (cu[1:] - cu[:-1]).double()
+    cu, longest = cu.to(device=q.device, dtype=torch.int32), int(lengths.max())
+    seq, heads, dim = q.shape[1:]
+
+    def forward():
+        return fa4_document_attention(q.view(seq, heads, dim), k.view(seq, -1, dim), v.view(seq, -1, dim), cu,
+                                      longest, scale).view(q.shape)
+    return forward, float((lengths * (lengths + 1) / 2).sum())
+
+
 def run(args):
     from rich.console import Console
     from rich.table import Table
@@ -207,10 +255,14 @@ def run(args):
     dtype = torch.bfloat16
     batch, heads, kv_heads, dim, block = 1, args.heads, args.kv_heads, args.head_dim, args.block_size
     scale = resolve_softmax_scale(dim)
-    module = ops.op_module("cuda")
-    paths = dict(module.kernel_paths(torch.cuda.current_device()))  # tensor_cores, tma (env-dependent)
+    backends = {} if args.skip_dense else dense_backends(args.dense_backend)
+    densities = [] if args.skip_sparse else args.densities
+    module = paths = None
+    if densities:
+        module = ops.op_module("cuda")
+        paths = dict(module.kernel_paths(torch.cuda.current_device()))  # tensor_cores, tma (env-dependent)
     flex = None
-    if not args.skip_flex:
+    if densities and not args.skip_flex:
         from torch.nn.attention.flex_attention import flex_attention
         flex = torch.compile(flex_attention, dynamic=False)
     rows = []
@@ -221,7 +273,7 @@ def run(args):
                                if name.startswith("DS_MTRAINING_CUDA_")},
                   shape=dict(batch=1, heads=heads, kv_heads=kv_heads, head_dim=dim, block_size=block, dtype="bf16"),
                   flop_convention="effective = computed entries x 4 x D per forward, x3.5 for fwd+bwd",
-                  rows=rows)
+                  dense_backends=backends, rows=rows)
     out_path = Path(args.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
 
@@ -234,10 +286,10 @@ def run(args):
                          for h in (heads, kv_heads, kv_heads, heads))
         q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
 
-        def time_both(forward, inputs=(q, k, v), grad_out=dout):
+        def time_both(forward, inputs=(q, k, v), grad_out=dout, warmup=3, repeats=args.repeats):
             """(forward ms, forward+backward ms) of ``forward``."""
-            fwd = time_ms(forward, repeats=args.repeats)
-            return fwd, time_ms(lambda: torch.autograd.grad(forward(), inputs, grad_out), repeats=args.repeats)
+            fwd = time_ms(forward, warmup, repeats)
+            return fwd, time_ms(lambda: torch.autograd.grad(forward(), inputs, grad_out), warmup, repeats)
 
         def split(forward, inputs=(q, k, v), grad_out=dout):
             """``kernel_ms`` of one forward+backward of ``forward`` (with --kernel-split)."""
@@ -246,19 +298,32 @@ def run(args):
             return dict(kernel_ms=kernel_split_ms(lambda: torch.autograd.grad(forward(), inputs, grad_out),
                                                   kernel_label))
 
-        def documents_rows(plain, index, doc_start, flex_masks):
-            """Rows of the same index with document masking: ours (vs the plain row and vs flex
-            with the combined mask) and flex's."""
+        def dense_row(impl, backend, forward, entries):
+            """A dense row: ``entries`` causal entries per head, each 4 x D FLOPs per forward."""
+            dense_ms = time_both(forward, warmup=1, repeats=3 if seq > 65536 else 5)
+            flops = 4.0 * batch * heads * dim * entries
+            row = dict(impl=impl, backend=backend, seq_len=seq, density=1.0, fwd_ms=dense_ms[0],
+                       fwd_bwd_ms=dense_ms[1], fwd_tflops=flops / dense_ms[0] / 1e9,
+                       fwd_bwd_tflops=FWD_BWD_FLOP_FACTOR * flops / dense_ms[1] / 1e9, **split(forward))
+            rows.append(row)
+            save()
+            print(json.dumps(row), flush=True)
+            return row
+
+        def documents_rows(plain, index, doc_start, flex_masks, dense_documents):
+            """Rows of the same index with document masking: ours (vs the plain row, vs flex
+            with the combined mask and vs FA4's varlen dense attention) and flex's."""
             def documents_forward():
                 return sparse_attention(q, k, v, index, scale, doc_start=doc_start)
 
             ours = time_both(documents_forward)
-            row = dict(plain, impl="mtraining_documents", fwd_ms=ours[0], fwd_bwd_ms=ours[1],
+            row = {key: value for key, value in plain.items() if not key.startswith("speedup_vs_")}
+            row.update(impl="mtraining_documents", fwd_ms=ours[0], fwd_bwd_ms=ours[1],
                        fwd_tflops=plain["fwd_tflops"] * plain["fwd_ms"] / ours[0],
                        fwd_bwd_tflops=plain["fwd_bwd_tflops"] * plain["fwd_bwd_ms"] / ours[1],
                        speedup_vs_no_documents_fwd_bwd=plain["fwd_bwd_ms"] / ours[1], **split(documents_forward))
-            for key in ("speedup_vs_flex_fwd", "speedup_vs_flex_fwd_bwd", "speedup_vs_dense_fwd_bwd"):
-                row.pop(key, None)
+            if dense_documents is not None:
+                row["speedup_vs_dense_documents_fa4_fwd_bwd"] = dense_documents["fwd_bwd_ms"] / ours[1]
             out = [row]
             if flex_masks is not None:
                 block_mask, block_density = flex_masks.for_index(index)
@@ -279,33 +344,22 @@ def run(args):
             print(json.dumps(row), flush=True)
             return out
 
-        if not args.skip_dense:
-            from torch.nn.attention import SDPBackend, sdpa_kernel
-            qt, kt, vt, dt = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v, dout))
-
-            def dense():
-                with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                    return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True)
-
-            dense_repeats = 3 if seq > 65536 else 5
-            dense_fwd = time_ms(dense, warmup=1, repeats=dense_repeats)
-            dense_fwd_bwd = time_ms(lambda: torch.autograd.grad(dense(), (qt, kt, vt), dt), warmup=1,
-                                    repeats=dense_repeats)
-            causal_flops = 4.0 * batch * heads * dim * seq * (seq + 1) / 2
-            rows.append(dict(impl="dense", seq_len=seq, density=1.0, fwd_ms=dense_fwd, fwd_bwd_ms=dense_fwd_bwd,
-                             fwd_tflops=causal_flops / dense_fwd / 1e9,
-                             fwd_bwd_tflops=FWD_BWD_FLOP_FACTOR * causal_flops / dense_fwd_bwd / 1e9))
-            save()
-            del qt, kt, vt, dt
-        flex_masks = FlexMask(batch, heads, seq, block, device) if flex is not None else None
         doc_start, starts = None, (0,)
         if args.documents:
             doc_start = benchmark_doc_start(seq, *args.documents).to(device)
             starts = torch.unique(doc_start).tolist()
             result.setdefault("documents", {})[seq] = dict(lengths=args.documents, count=len(starts),
                                                            sinks="the first 64 tokens of every document")
-            flex_documents = FlexMask(batch, heads, seq, block, device, doc_start) if flex is not None else None
-        for target in args.densities:
+        dense_rows = {backend: dense_row("dense", backend, lambda b=backend: dense_forward(q, k, v, scale, b),
+                                         seq * (seq + 1) / 2) for backend in backends}
+        dense_documents = None
+        if doc_start is not None and "fa4" in backends:
+            forward, entries = dense_documents_forward(q, k, v, doc_start, scale)
+            dense_documents = dense_row("dense_documents", "fa4", forward, entries)
+        flex_masks = FlexMask(batch, heads, seq, block, device) if flex is not None else None
+        flex_documents = (FlexMask(batch, heads, seq, block, device, doc_start)
+                          if flex is not None and doc_start is not None else None)
+        for target in densities:
             index = benchmark_index(batch, heads, seq, block, target, starts).to(device)
             density = index.density()
             flops = 4.0 * dim * float(index.num_entries().sum())
@@ -339,27 +393,29 @@ def run(args):
                 row["speedup_vs_flex_fwd"] = flex_fwd / ours_fwd
                 row["speedup_vs_flex_fwd_bwd"] = flex_fwd_bwd / ours_fwd_bwd
                 del qf, kf, vf, df, block_mask
-            dense_rows = [r for r in rows if r["impl"] == "dense" and r["seq_len"] == seq]
-            if dense_rows:
-                row["speedup_vs_dense_fwd_bwd"] = dense_rows[0]["fwd_bwd_ms"] / ours_fwd_bwd
+            for backend, dense in dense_rows.items():
+                row[f"speedup_vs_dense_{backend}_fwd_bwd"] = dense["fwd_bwd_ms"] / ours_fwd_bwd
             rows.append(row)
             if doc_start is not None:
-                rows.extend(documents_rows(row, index, doc_start, flex_documents if flex is not None else None))
+                rows.extend(documents_rows(row, index, doc_start, flex_documents, dense_documents))
             save()
             print(json.dumps(row), flush=True)
         # free this length's tensors before the next: the closures above (time_both's defaults
         # among them) hold them too
-        q = k = v = dout = time_both = split = documents_rows = None
+        q = k = v = dout = time_both = split = dense_row = documents_rows = None
         torch.cuda.empty_cache()
 
+    speedups = [f"speedup_vs_dense_{backend}_fwd_bwd" for backend in backends]
     table = Table(title=f"sparse attention, H={heads} HKV={kv_heads} D={dim} bf16, {result['device']}")
-    for column in ("S", "density", "impl", "fwd ms", "fwd TF/s", "fwd+bwd ms", "fwd+bwd TF/s", "vs flex", "vs dense"):
+    for column in ("S", "density", "impl", "fwd ms", "fwd TF/s", "fwd+bwd ms", "fwd+bwd TF/s", "vs flex",
+                   f"vs dense {'/'.join(backends)}"):
         table.add_column(column, justify="right")
     for r in rows:
-        table.add_row(f"{r['seq_len'] // 1024}K", f"{r['density']:.3f}", r["impl"], f"{r['fwd_ms']:.2f}",
+        impl = " ".join(filter(None, (r["impl"], r.get("backend"))))
+        table.add_row(f"{r['seq_len'] // 1024}K", f"{r['density']:.3f}", impl, f"{r['fwd_ms']:.2f}",
                       f"{r['fwd_tflops']:.0f}", f"{r['fwd_bwd_ms']:.2f}", f"{r['fwd_bwd_tflops']:.0f}",
                       f"{r['speedup_vs_flex_fwd_bwd']:.2f}x" if "speedup_vs_flex_fwd_bwd" in r else "",
-                      f"{r['speedup_vs_dense_fwd_bwd']:.1f}x" if "speedup_vs_dense_fwd_bwd" in r else "")
+                      " / ".join(f"{r[key]:.1f}x" for key in speedups if key in r))
     Console(width=140).print(table)
     return result
 
@@ -376,6 +432,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--skip-flex", action="store_true")
     parser.add_argument("--skip-dense", action="store_true")
+    parser.add_argument("--skip-sparse", action="store_true",
+                        help="the dense rows alone (no sparse op, no FlexAttention)")
+    parser.add_argument("--dense-backend", nargs="+", choices=DENSE_BACKENDS, default=["auto"],
+                        help="the dense rows' kernels (ds_mtraining.dense_backend), each timed: e.g. sdpa fa4")
     parser.add_argument("--documents", type=int, nargs=2, metavar=("MIN", "MAX"), default=None,
                         help="also time the same indexes with documents of MIN..MAX tokens packed")
     parser.add_argument("--kernel-split", action="store_true",

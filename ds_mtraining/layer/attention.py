@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from ..attention import resolve_softmax_scale
 from ..config import SparseConfig
+from ..dense_backend import dense_causal_attention
 from ..distributed.comm import ring_comm
 from ..documents import document_positions
 from ..estimator import estimate_index
@@ -141,6 +142,8 @@ class MTrainingAttentionSettings:
             B x S/W x H x D elements in the model's dtype plus the fp32 LSE per layer, held from
             the forward to that layer's backward. Without checkpointing it only holds each
             module's last output a step longer.
+        dense_backend: the kernel of the dense pattern on one GPU without documents, resolved
+            (:func:`ds_mtraining.dense_backend.resolve_dense_backend`): ``"sdpa"`` or ``"fa4"``.
     """
 
     sparse: SparseConfig = field(default_factory=SparseConfig)
@@ -149,12 +152,13 @@ class MTrainingAttentionSettings:
     stats: AttentionStats | None = None
     pattern: object = None
     keep_output: bool = False
+    dense_backend: str = "sdpa"
 
     @classmethod
     def from_groups(cls, sparse: SparseConfig, groups, stats: AttentionStats | None = None, pattern=None,
-                    keep_output: bool = False):
+                    keep_output: bool = False, dense_backend: str = "sdpa"):
         """Settings for the groups made by :func:`ds_mtraining.distributed.initialize_groups`."""
-        return cls(sparse, groups.sequence_group, groups.hierarchy, stats, pattern, keep_output)
+        return cls(sparse, groups.sequence_group, groups.hierarchy, stats, pattern, keep_output, dense_backend)
 
     @property
     def world(self) -> int:
@@ -257,7 +261,7 @@ def striped_sparse_attention(q, k, v, settings: MTrainingAttentionSettings,
     if settings.stats is not None and settings.stats.enabled and not recompute:
         settings.stats.record(index, settings.world, doc_start)
     if getattr(settings.pattern, "dense", False) and settings.world == 1 and q.is_cuda and doc_start is None:
-        return _dense_causal_sdpa(q, k, v, scale)  # dense baseline on one GPU: flash SDPA
+        return dense_causal_attention(q, k, v, scale, settings.dense_backend)  # the dense baseline on one GPU
     out, lse = ring_sparse_attention_with_lse(q, k, v, settings.sparse, settings.group, softmax_scale=scale,
                                               index=index, hierarchy=settings.hierarchy, doc_start=doc_start,
                                               kept=kept)
@@ -265,11 +269,3 @@ def striped_sparse_attention(q, k, v, settings: MTrainingAttentionSettings,
         cache.store(key, (index, (out.detach(), lse.detach()) if settings.keep_output else None))
     return out
 
-
-def _dense_causal_sdpa(q, k, v, scale: float) -> torch.Tensor:
-    """Dense causal attention of [B, S, H, D] q over [B, S, Hkv, D] k/v with torch's SDPA
-    (flash or memory-efficient kernels on GPU; GQA without repeating K/V)."""
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=scale,
-        enable_gqa=q.shape[2] != k.shape[2])
-    return out.transpose(1, 2)

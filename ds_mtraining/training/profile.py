@@ -9,7 +9,8 @@ time (what the device ran, in the step); on CPU the CPU operators' self time. Ki
 * ``estimator``: the fused estimator's kernels (on CPU the torch rule's operators count under
   their own kinds);
 * ``dense attention``: torch SDPA's attention (its flash, memory-efficient and cuDNN kernels, on
-  CPU the SDPA operators), what the dense and Ulysses baselines run;
+  CPU the SDPA operators) and FlashAttention-4's (by the same name fragments; tests/test_cuda_fa4.py
+  checks on the GPU), what the dense and Ulysses baselines run;
 * ``gemm``: matrix products (cuBLAS/CUTLASS kernels, ``aten::mm``...), the layers' projections
   and the LM head;
 * ``communication``: NCCL kernels / gloo collectives;

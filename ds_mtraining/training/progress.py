@@ -56,7 +56,7 @@ def describe_run(run: RunConfig, groups) -> str:
     sp, dp = run.sequence_parallel_size, groups.get_data_parallel_world_size()
     if run.attention == "ulysses":
         return (f"DeepSpeed-Ulysses: {dist.get_world_size()} ranks = {dp} data-parallel x {sp} sequence-parallel, "
-                f"seq_len {run.seq_len} ({run.seq_len // sp} contiguous tokens per rank), dense SDPA attention "
+                f"seq_len {run.seq_len} ({run.seq_len // sp} contiguous tokens per rank), dense attention "
                 f"(heads split over the {sp} ranks), documents not masked")
     ring = groups.ring
     if groups.hierarchy is not None:

@@ -8,13 +8,14 @@ from pathlib import Path
 
 from ..config import SUPPORTED_BLOCK_SIZES, SparseConfig
 from ..data import DataConfigError, check_data_spec, folder_spec, load_tokenizer
+from ..dense_backend import DenseBackendError, check_dense_backend
 from ..distributed import RING_KINDS, ParallelConfigError, check_parallel_sizes
 from ..layout import check_divisible
 from . import MTRAINING_KEY, ConfigError
 from .memory import MemorySettings, parse_memory
 from .model import PRESETS, check_liger_setting, model_config
 
-ULYSSES = "ulysses"  # dense HF attention (torch SDPA) under DeepSpeed-Ulysses sequence parallelism
+ULYSSES = "ulysses"  # dense HF attention (SDPA or FA4: dense_backend) under DeepSpeed-Ulysses sequence parallelism
 # keys of the section that are no RunConfig field, with their docs/CONFIG.md text
 INPUT_KEYS = {"stripe_block": "the stripe width and kernel block, 64 or 128: sets `sparse.block_size` (give one)"}
 
@@ -64,6 +65,11 @@ class RunConfig:
             runs no attention and no ring.
         memory: the long-sequence memory tools (`MemorySettings`); the run's first line says what
             each one chose and why.
+        dense_backend: the kernel of the dense baselines, `attention: "dense"` on one GPU without
+            documents and `ulysses`: `sdpa` (torch's SDPA, flash on GPUs), `fa4` (FlashAttention-4,
+            `pip install flash-attn-4`; Hopper and Blackwell; where it cannot run, one line says why)
+            or `auto` (a fixed rule by GPU architecture, falling back to SDPA; the run's first lines
+            name the kernel and why). Other modes ignore it.
     """
 
     seq_len: int
@@ -81,6 +87,7 @@ class RunConfig:
     liger: str | bool
     keep_attention_output: bool
     memory: MemorySettings
+    dense_backend: str
 
     def to_dict(self) -> dict:
         values = asdict(self)
@@ -168,6 +175,10 @@ def parse_run_config(section: dict, world_size: int) -> RunConfig:
     checkpointing = _boolean(section, "gradient_checkpointing")
     liger = section.get("liger", "auto")
     check_liger_setting(liger)
+    try:
+        dense_backend = check_dense_backend(section.get("dense_backend", "auto"), key=f"{MTRAINING_KEY}.dense_backend")
+    except DenseBackendError as error:
+        raise ConfigError(str(error)) from None
     attention, static = _attention_mode(section, seq_len, sparse.block_size)
     documents = _document_masking(section, attention)
     keep = _keep_attention_output(section, checkpointing)
@@ -185,7 +196,7 @@ def parse_run_config(section: dict, world_size: int) -> RunConfig:
                      loss_chunk_tokens=_positive_int(section, "loss_chunk_tokens", 1024),
                      gradient_checkpointing=checkpointing, attention=attention, static=static,
                      document_masking=documents, liger=liger, keep_attention_output=keep,
-                     memory=parse_memory(section, checkpointing))
+                     memory=parse_memory(section, checkpointing), dense_backend=dense_backend)
 
 
 def _boolean(section: dict, key: str) -> bool:
@@ -212,7 +223,7 @@ def _attention_mode(section: dict, seq_len: int, block: int) -> tuple[str, dict 
         raise ConfigError(f"{MTRAINING_KEY}.attention={mode!r} is not an attention mode; use one of "
                           f"{list(ATTENTION_MODES)} or '{ULYSSES}' (sparse: MTraining's estimated index; dense: full "
                           f"causal attention; static: sinks + local window, set in {MTRAINING_KEY}.static; "
-                          f"ulysses: the baseline, HF's dense SDPA attention under DeepSpeed-Ulysses)")
+                          f"ulysses: the baseline, HF's dense attention under DeepSpeed-Ulysses)")
     if mode != "static":
         if "static" in section:
             raise ConfigError(f"{MTRAINING_KEY}.static is set but {MTRAINING_KEY}.attention is {mode!r}; "
