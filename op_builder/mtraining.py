@@ -7,6 +7,8 @@ so the op can be JIT-compiled both from a checkout and from a plain ``pip instal
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import glob
 import importlib
 import importlib.util
@@ -145,11 +147,31 @@ class MTrainingBuilderMixin:
             print(f"ds-mtraining: compiling the {self.NAME} op once ({self.TYPICAL_BUILD}; cached in "
                   f"{self.jit_build_dir()}) ...", file=sys.stderr, flush=True)
         started = time.perf_counter()
-        _loaded_modules[self.NAME] = super().jit_load(verbose)
+        with self._build_lock():
+            _loaded_modules[self.NAME] = super().jit_load(verbose)
         if announce:
             print(f"ds-mtraining: compiled the {self.NAME} op in {time.perf_counter() - started:.0f} s",
                   file=sys.stderr, flush=True)
         return _loaded_modules[self.NAME]
+
+    @contextlib.contextmanager
+    def _build_lock(self):
+        """Holds ``<cache>/<op>.flock`` (an flock: the kernel releases it when its holder dies)
+        around torch's JIT load. torch's own lock is a plain file (``<op>/lock``) that a process
+        killed while building or checking the op leaves behind, and every later load then waits
+        for it forever; whoever holds the flock knows no live process of ours is building, so
+        that file is stale and goes."""
+        os.makedirs(extension_root(), exist_ok=True)
+        with open(os.path.join(extension_root(), f"{self.NAME}.flock"), "a") as handle:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            try:
+                stale = os.path.join(self.jit_build_dir(), "lock")
+                if os.path.exists(stale):
+                    self.warning(f"removing {stale}, left by a process killed while loading the op")
+                    os.remove(stale)
+                yield
+            finally:
+                fcntl.flock(handle, fcntl.LOCK_UN)
 
     @staticmethod
     def _sorted_glob(*patterns: str) -> list[str]:
