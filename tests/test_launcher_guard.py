@@ -31,11 +31,14 @@ def run_guard(rank_pid, rank, save_dir, chain):
 @pytest.mark.parametrize("rank", [0, 1])
 def test_guard_kills_a_spinning_rank_once_its_launcher_is_gone(tmp_path, rank):
     """Launcher SIGKILLed: within POLL_S + GRACE_S (+ start-up) the spinning rank is killed; rank
-    0's guard says so in the run's one line, another rank's guard says nothing."""
+    0's guard says so in the run's one line, another rank's guard says nothing. The guard outlives
+    the SIGTERM that DeepSpeed's launcher sends to a failed rank's process tree."""
     launcher, rank_pid, chain = start_launcher_and_rank(SPIN)
     guard = run_guard(rank_pid, rank, tmp_path, chain)
     try:
         time.sleep(1.0)
+        guard.terminate()  # as DeepSpeed's launcher terminates a failed rank's process tree
+        time.sleep(0.5)
         assert guard.poll() is None and launcher_guard.process_stat(rank_pid) is not None  # nothing gone yet
         launcher.kill()
         launcher.wait()

@@ -107,6 +107,11 @@ def guard(rank_pid: int, rank: int, save_dir: str, launchers: list[tuple[int, st
 
 
 def main(argv: list[str]):
+    # DeepSpeed's launcher stops a failed run by terminating each rank's process tree, this guard
+    # included, and kills what is left only 30 s later: the guard outlives SIGTERM/SIGINT (it ends
+    # with its rank anyway) so that it can stop a rank that cannot take the signal
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, signal.SIG_IGN)
     rank_pid, rank, save_dir, chain = argv
     launchers = [(int(pid), started) for pid, started in (item.split(":") for item in chain.split(",") if item)]
     guard(int(rank_pid), int(rank), save_dir, launchers)
