@@ -24,7 +24,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 from . import launcher_guard
 from .launcher_guard import last_checkpoint, launcher_processes, process_stat, stop_marker
