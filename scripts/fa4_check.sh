@@ -20,7 +20,10 @@
 #          --densities 0.05 --dense-backend sdpa fa4 --skip-flex").
 # A later call on the still-warm machine reuses the install (and FA4's compiled kernels, cached in
 # /tmp/fa4_cache): run(command="SKIP_TESTS=1 bash scripts/fa4_check.sh run", carry=[".whl"]).
-# SKIP_TESTS=1 / SKIP_BENCH=1 skip a stage.
+# SKIP_TESTS=1 / SKIP_BENCH=1 skip a stage. FA4_COMMAND="..." runs one more command last, with FA4
+# on the path (stage `command`, FA4_COMMAND_TIMEOUT seconds, default 500, log $OUT/command.log), e.g.
+# the end-to-end pair against both dense kernels:
+#   FA4_COMMAND="python3 -m ds_mtraining.bench.e2e ... --dense_backends sdpa fa4 --out \$OUT"
 set -uo pipefail
 cd "$(dirname "$0")/.."
 STAGE=/tmp/fa4 SITE=/tmp/fa4site
@@ -84,6 +87,11 @@ if [ -z "${SKIP_BENCH:-}" ]; then
   stage bench 320 "$OUT/bench.log" python3 -m ds_mtraining.bench.kernel --out "$OUT/fa4_dense_h200.json" \
     ${BENCH_ARGS:---seq-lens 32768 65536 131072 262144 524288 --dense-backend sdpa fa4 --skip-sparse}
   tail -20 "$OUT/bench.log"
+fi
+
+if [ -n "${FA4_COMMAND:-}" ]; then
+  stage command "${FA4_COMMAND_TIMEOUT:-500}" "$OUT/command.log" bash -c "$FA4_COMMAND"
+  tail -30 "$OUT/command.log"
 fi
 
 { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader

@@ -155,3 +155,14 @@ def test_integration_bench_reads_the_example_log_and_writes_the_ratio(tmp_path, 
         raise e2e.LaunchFailed("timeout", "still running after 540 s")
     record = integration.compare(args, train, failing)
     assert record["own_loop_over_train"] is None and record["sides"]["own_loop"]["failure"] == "timeout"
+
+
+def test_integration_bench_pins_both_sides_density_as_e2e_does():
+    """--density gives the one JSON both launches read the caps of bench.e2e --density."""
+    from ds_mtraining.bench import e2e, integration
+    base = json.loads((REPO / "ds_configs" / "e2e_zero2_offload_bf16.json").read_text())
+    args = integration.parse_args(["--cpu", "--seq_len", "131072", "--density", "0.05", "--out", "unused"])
+    sparse = integration.bench_config(base, args)["mtraining"]["sparse"]
+    assert sparse == {**base["mtraining"].get("sparse", {}), **e2e.pinned_caps(0.05, 131072, 128, 256)}
+    unpinned = integration.bench_config(base, integration.parse_args(["--cpu", "--out", "unused"]))["mtraining"]
+    assert unpinned.get("sparse") == base["mtraining"].get("sparse")

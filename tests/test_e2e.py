@@ -97,6 +97,42 @@ def test_depth_choice_and_results_file(tmp_path):
     assert not short_again["single_gpu"]["dense"]["extrapolated"] and len(again["invocations"]) == 2
 
 
+def test_each_dense_kernel_is_a_baseline_of_its_own(tmp_path):
+    """--dense_backends sdpa fa4: the baselines launch once per kernel (their JSON's
+    mtraining.dense_backend), MTraining once; the SDPA ones keep the keys of earlier files (ulysses,
+    dense, speedup), FA4's go under ulysses_fa4, dense_fa4 and speedup_fa4; the table has a column
+    per kernel. Without FA4 installed the default is SDPA alone."""
+    calls = []
+
+    def by_kernel(config, gpus, world, folder, port, args, inner=fake_launcher(calls)):
+        result = inner(config, gpus, world, folder, port, args)
+        kernel = config["mtraining"].get("dense_backend")
+        calls[-1] += (kernel,)
+        if kernel == "fa4":  # FA4's baseline steps take half as long
+            result = {**result, "step_s": result["step_s"] / 2, "tokens_per_s": result["tokens_per_s"] * 2}
+        return result
+    argv = ["--cpu", "--models", "qwen2.5-3b", "--seq_lens", "1024", "--depth", "2", "--single_depth", "2",
+            "--dense_backends", "sdpa", "fa4", "--out", str(tmp_path), "--tag", "t"]
+    record = e2e.Bench(e2e.parse_args(argv), by_kernel).run()
+    assert [(c[0], c[1], c[-1]) for c in calls] == [
+        ("mtraining", 2, None), ("ulysses", 2, "sdpa"), ("ulysses", 2, "fa4"),
+        ("mtraining", 1, None), ("dense", 1, "sdpa"), ("dense", 1, "fa4")]
+    row = record["rows"][0]
+    step = FIXED_S + 2 * SECOND_PER_LAYER
+    assert row["ulysses"]["dense_backend"] == "sdpa" and row["ulysses_fa4"]["dense_backend"] == "fa4"
+    assert row["speedup"] == pytest.approx(1.0) and row["speedup_fa4"] == pytest.approx(0.5)
+    single = row["single_gpu"]
+    assert single["dense"]["step_s"] == pytest.approx(step) and single["dense_fa4"]["step_s"] == pytest.approx(step / 2)
+    assert single["speedup"] == pytest.approx(1.0) and single["speedup_fa4"] == pytest.approx(0.5)
+    assert row["extrapolated"] == []
+    from rich.console import Console
+    console = Console(width=300, record=True)
+    console.print(e2e.table(record))
+    text = console.export_text()
+    assert "Ulysses W (FA4)" in text and "dense 1 GPU (FA4)" in text and "0.5x" in text
+    assert e2e.parse_args(argv[:-7] + ["--out", str(tmp_path), "--tag", "u"]).dense_backends == ["sdpa"]  # CPU
+
+
 @pytest.mark.usefixtures("built_ops")  # built before the launched ranks start
 def test_smoke_end_to_end(tmp_path):
     """``--smoke`` (the W-rank pair here: one launch per mode, ~15 s each on 2 cores) through the real

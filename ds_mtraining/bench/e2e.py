@@ -19,13 +19,15 @@ reported beside every speedup).
 
 Modes: ``mtraining`` (``attention: "sparse"``, the estimated vertical-slash index on the striped
 ring), ``ulysses`` (HF's dense attention under DeepSpeed-Ulysses), ``dense`` (a full index; on one
-GPU a dense kernel). The dense kernel of both baselines is the config's ``mtraining.dense_backend``
-(torch SDPA's flash, or FlashAttention-4: :mod:`ds_mtraining.dense_backend`). Per model shape and
-total sequence length, one row:
+GPU a dense kernel). The baselines run once per dense kernel of ``--dense_backends``
+(:mod:`ds_mtraining.dense_backend`: ``sdpa``, torch SDPA's flash; ``fa4``, FlashAttention-4; by
+default both where FA4 is installed, else SDPA), each under its own key: ``ulysses`` and ``dense``
+with SDPA, ``ulysses_fa4`` and ``dense_fa4`` with FA4 (:func:`result_key`), so every speedup names
+its baseline. Per model shape and total sequence length, one row:
 
 * ``mtraining`` and ``ulysses`` on the same W = ``--world`` GPUs; ``speedup`` = Ulysses' step
-  time / MTraining's;
-* ``single_gpu``: ``mtraining`` and ``dense`` on one GPU, and its ``speedup``;
+  time / MTraining's (``speedup_fa4``: Ulysses with FA4's);
+* ``single_gpu``: ``mtraining`` and ``dense`` on one GPU, and its ``speedup`` (and ``speedup_fa4``);
 * where both modes were timed at two depths, ``per_layer_speedup``: the ratio of one layer's time
   (``per_layer_s``, the slope between the two launches), which leaves out what does not grow with
   depth (embedding, LM head, loss, optimizer: ``fixed_s``, the step less its layers);
@@ -84,6 +86,7 @@ from .provenance import provenance
 
 MODES = {"mtraining": "sparse", "ulysses": "ulysses", "dense": "dense"}
 QUADRATIC = ("ulysses", "dense")  # dense attention: step time grows with S^2 (MTraining's about with S)
+BASELINE_BACKENDS = ("sdpa", "fa4")  # the baselines' dense kernels (ds_mtraining.dense_backend)
 MODELS = ("qwen2.5-3b", "llama-3.1-8b")
 PARTS = ("sp", "single")  # the W-GPU pair (mtraining vs ulysses) and the one-GPU pair (mtraining vs dense)
 DEFAULT_CONFIG = "ds_configs/e2e_zero2_offload_bf16.json"
@@ -91,6 +94,23 @@ SMOKE = dict(config="ds_configs/cpu_demo.json", models=["tiny-qwen2"], seq_lens=
              warmup=1, layers=[1, 2], depth="full", single_depth="full", timeout=180.0)
 PROFILE_TOP = 10  # kernels of the profiled step copied into the results
 OUT_OF_MEMORY = re.compile(r"CUDA out of memory|OutOfMemoryError|out of memory", re.IGNORECASE)
+
+
+def result_key(mode: str, backend: str = "sdpa") -> str:
+    """Where a mode's result goes in a row: ``mode`` for MTraining and the SDPA baselines (as in
+    every earlier results file), ``<mode>_<backend>`` for another dense kernel (``dense_fa4``)."""
+    return mode if mode not in QUADRATIC or backend == "sdpa" else f"{mode}_{backend}"
+
+
+def default_dense_backends(cpu: bool) -> list:
+    """``--dense_backends``' default: SDPA, and FA4 beside it where its package is installed here
+    (looked up, not imported: importing loads the CuTe DSL's libraries)."""
+    import importlib.util
+    try:
+        fa4 = not cpu and importlib.util.find_spec("flash_attn.cute") is not None
+    except (ImportError, ValueError):  # flash_attn missing, or a broken install
+        fa4 = False
+    return ["sdpa", "fa4"] if fa4 else ["sdpa"]
 
 
 class LaunchFailed(RuntimeError):
@@ -133,14 +153,18 @@ def model_layers(spec) -> int:
 
 
 def launch_config(base: dict, model: str, mode: str, seq_len: int, world: int, layers: int | None,
-                  density: float | None = None, max_vertical: int = 256, keep_output: bool = False) -> dict:
+                  density: float | None = None, max_vertical: int = 256, keep_output: bool = False,
+                  dense_backend: str | None = None) -> dict:
     """``base`` with this measurement's model (``layers`` deep, None: its own depth), length, mode
     and sequence-parallel size, on random tokens. With ``density`` (MTraining only), the sparse
     caps that give about that density on a randomly initialised model (:func:`pinned_caps`); with
     ``keep_output`` (MTraining only), ``keep_attention_output`` (attention once per layer under
-    checkpointing). The baselines never keep outputs (Ulysses' SDPA recomputes as users run it)."""
+    checkpointing). The baselines never keep outputs (Ulysses' SDPA recomputes as users run it);
+    ``dense_backend`` (the baselines only) is their dense kernel."""
     config = json.loads(json.dumps(base))
     section = config["mtraining"]
+    if dense_backend is not None and mode in QUADRATIC:
+        section["dense_backend"] = dense_backend
     section.pop("keep_attention_output", None)
     if keep_output and mode == "mtraining":
         section["keep_attention_output"] = True
@@ -260,7 +284,7 @@ class Bench:
         self.logs = self.out / f"e2e_{args.tag}"
         self.cpu = args.cpu
         self.port = args.port
-        self.history: dict = {}  # (model, mode, world) -> (seq_len, step_s, launch overhead s) at full depth
+        self.history: dict = {}  # (model, result key, world) -> (seq_len, step_s, launch overhead s) at full depth
         self.earlier = self._earlier()
         self.rows: dict = {}
 
@@ -275,40 +299,44 @@ class Bench:
             raise SystemExit(f"e2e: {self.path} is not a results file of this benchmark ({error}); "
                              f"pass another --out or --tag")
 
-    def _launch(self, model: str, mode: str, seq_len: int, world: int, layers: int, full: int) -> dict:
+    def _launch(self, model: str, mode: str, backend: str, seq_len: int, world: int, layers: int, full: int) -> dict:
         config = launch_config(self.base, model, mode, seq_len, world, None if layers == full else layers,
-                               self.args.density, self.args.max_vertical, self.args.keep_attention_output)
+                               self.args.density, self.args.max_vertical, self.args.keep_attention_output, backend)
         gpus = None if self.cpu else (self.args.gpus[:world] if world > 1 else [self.args.single_gpu])
-        folder = self.logs / f"{model}_{mode}_w{world}_s{seq_len}_l{layers}"
+        key = result_key(mode, backend)
+        folder = self.logs / f"{model}_{key}_w{world}_s{seq_len}_l{layers}"
         port, self.port = self.port or free_port(), 0  # --port for the first launch, then free ones
-        self.say(f"{model} {mode} W={world} S={seq_len} {layers} layers ...")
+        self.say(f"{model} {key} W={world} S={seq_len} {layers} layers ...")
         result = self.launcher(config, gpus, world, folder, port, self.args)
         self.say(f"    step {result['step_s']:.3f} s, {result['tokens_per_s']:.0f} tok/s, peak GiB "
                  f"{result['peak_memory_gib']}, launch {result['wall_s']:.0f} s")
         return {"layers": layers, **result}
 
-    def _predicted_s(self, model: str, mode: str, world: int, seq_len: int) -> float | None:
-        earlier = self.history.get((model, mode, world))
+    def _predicted_s(self, model: str, mode: str, backend: str, world: int, seq_len: int) -> float | None:
+        earlier = self.history.get((model, result_key(mode, backend), world))
         if earlier is None:
             return None
         shorter, step_s, overhead = earlier
         growth = (seq_len / shorter) ** (2 if mode in QUADRATIC else 1)
         return overhead + self.args.steps * step_s * growth
 
-    def measure(self, model: str, mode: str, seq_len: int, world: int, depth) -> dict:
-        """One mode at one length on ``world`` GPUs, at the depth ``depth`` asks for."""
+    def measure(self, model: str, mode: str, seq_len: int, world: int, depth, backend: str = "sdpa") -> dict:
+        """One mode (a baseline: with the dense kernel ``backend``) at one length on ``world`` GPUs,
+        at the depth ``depth`` asks for."""
         full = model_layers(model)
         out = {"mode": mode, "attention": MODES[mode], "world": world, "model_layers": full}
+        if mode in QUADRATIC:
+            out["dense_backend"] = backend
         try:
             if isinstance(depth, int):
-                run = self._launch(model, mode, seq_len, world, depth, full)
+                run = self._launch(model, mode, backend, seq_len, world, depth, full)
                 return {**out, **self._measured(run, depth), "extrapolated": False, "runs": [run]}
-            predicted = self._predicted_s(model, mode, world, seq_len) if depth == "auto" else None
+            predicted = self._predicted_s(model, mode, backend, world, seq_len) if depth == "auto" else None
             if depth in ("full", "auto") and (predicted is None or predicted <= self.args.timeout):
                 try:
-                    run = self._launch(model, mode, seq_len, world, full, full)
-                    self.history[(model, mode, world)] = (seq_len, run["step_s"],
-                                                          run["wall_s"] - sum(run["step_times_s"]))
+                    run = self._launch(model, mode, backend, seq_len, world, full, full)
+                    self.history[(model, result_key(mode, backend), world)] = (
+                        seq_len, run["step_s"], run["wall_s"] - sum(run["step_times_s"]))
                     return {**out, **self._measured(run, full), "extrapolated": False, "runs": [run]}
                 except LaunchFailed as error:
                     if depth == "full" or error.kind == "error":
@@ -319,7 +347,7 @@ class Bench:
                 out["full_depth"] = (f"skipped: a launch at full depth predicted {predicted:.0f} s > --timeout "
                                      f"{self.args.timeout:.0f} s")
                 self.say(f"{model} {mode} W={world} S={seq_len}: {out['full_depth']}")
-            return {**out, **self._partial(model, mode, seq_len, world, full)}
+            return {**out, **self._partial(model, mode, backend, seq_len, world, full)}
         except LaunchFailed as error:
             self.say(f"    failed: {error.kind}: {str(error).splitlines()[0]}")
             return {**out, "step_s": None, "error": f"{error.kind}: {error}"}
@@ -330,10 +358,10 @@ class Bench:
                 "peak_memory_gib": run["peak_memory_gib"], "density": run["density"],
                 "attention_free_s": run.get("attention_free_s")}
 
-    def _partial(self, model: str, mode: str, seq_len: int, world: int, full: int) -> dict:
+    def _partial(self, model: str, mode: str, backend: str, seq_len: int, world: int, full: int) -> dict:
         """Times ``--layers`` L_a and L_b and extrapolates step time and peak memory to ``full``."""
         layers_a, layers_b = self.args.layers
-        a, b = (self._launch(model, mode, seq_len, world, layers, full) for layers in (layers_a, layers_b))
+        a, b = (self._launch(model, mode, backend, seq_len, world, layers, full) for layers in (layers_a, layers_b))
         fixed, per_layer = fit_layers(a["step_s"], b["step_s"], layers_a, layers_b)
         step_s = fixed + full * per_layer
         peak = None
@@ -347,6 +375,11 @@ class Bench:
                 "per_layer_s": per_layer, "fixed_s": fixed, "attention_free_s": free, "runs": [a, b]}
 
     # ------------------------------------------------------------------ rows
+    def _launched(self, modes: tuple) -> list:
+        """(mode, backend) of every launch of a part: MTraining once, its baseline per dense kernel."""
+        return [(mode, backend) for mode in modes if mode in self.args.modes
+                for backend in (self.args.dense_backends if mode in QUADRATIC else ["sdpa"])]
+
     def run(self):
         args = self.args
         for model in args.models:
@@ -354,16 +387,16 @@ class Bench:
                 row = self.rows.setdefault((model, seq_len, args.world),
                                            {"model": model, "seq_len": seq_len, "world": args.world})
                 if "sp" in args.parts:
-                    for mode in ("mtraining", "ulysses"):
-                        if mode in args.modes:
-                            row[mode] = self.measure(model, mode, seq_len, args.world, args.depth)
-                            self.save()
+                    for mode, backend in self._launched(("mtraining", "ulysses")):
+                        row[result_key(mode, backend)] = self.measure(model, mode, seq_len, args.world, args.depth,
+                                                                      backend)
+                        self.save()
                 if "single" in args.parts:
                     single = row.setdefault("single_gpu", {})
-                    for mode in ("mtraining", "dense"):
-                        if mode in args.modes:
-                            single[mode] = self.measure(model, mode, seq_len, 1, args.single_depth)
-                            self.save()
+                    for mode, backend in self._launched(("mtraining", "dense")):
+                        single[result_key(mode, backend)] = self.measure(model, mode, seq_len, 1, args.single_depth,
+                                                                         backend)
+                        self.save()
         record = self.save()
         plot(record, self.path.with_suffix(".png"))
         return record
@@ -377,14 +410,9 @@ class Bench:
             if "single_gpu" in row:  # mode by mode: --modes may have launched only some
                 merged[key]["single_gpu"] = {**earlier.get("single_gpu", {}), **row["single_gpu"]}
         for row in merged.values():
-            row["speedup"] = speedup(row.get("ulysses"), row.get("mtraining"))
-            row["per_layer_speedup"] = speedup(row.get("ulysses"), row.get("mtraining"), "per_layer_s")
-            row["speedup_bound"] = speedup_bound(row.get("ulysses"), row.get("mtraining"))
-            single = row.get("single_gpu")
-            if single:
-                single["speedup"] = speedup(single.get("dense"), single.get("mtraining"))
-                single["per_layer_speedup"] = speedup(single.get("dense"), single.get("mtraining"), "per_layer_s")
-                single["speedup_bound"] = speedup_bound(single.get("dense"), single.get("mtraining"))
+            add_speedups(row, "ulysses")
+            if row.get("single_gpu"):
+                add_speedups(row["single_gpu"], "dense")
             row["extrapolated"] = sorted(name for name, result in _results(row) if result.get("extrapolated"))
         return sorted(merged.values(), key=lambda r: (r["model"], r["seq_len"], r["world"]))
 
@@ -404,14 +432,27 @@ class Bench:
         print(f"e2e: {message}", flush=True)
 
 
+def add_speedups(part: dict, baseline: str):
+    """MTraining's ratios in ``part`` (a row, or its ``single_gpu``) against each dense kernel's
+    ``baseline`` measured there: ``speedup``, ``per_layer_speedup`` and ``speedup_bound``, with
+    ``_<backend>`` after the name for a kernel other than SDPA (``speedup_fa4``)."""
+    for backend in BASELINE_BACKENDS:
+        key = result_key(baseline, backend)
+        if backend != "sdpa" and key not in part:
+            continue
+        suffix = key[len(baseline):]
+        slow, fast = part.get(key), part.get("mtraining")
+        part["speedup" + suffix] = speedup(slow, fast)
+        part["per_layer_speedup" + suffix] = speedup(slow, fast, "per_layer_s")
+        part["speedup_bound" + suffix] = speedup_bound(slow, fast)
+
+
 def _results(row: dict):
     """(name, result) of every mode measured in a row."""
-    for mode in ("mtraining", "ulysses"):
-        if isinstance(row.get(mode), dict):
-            yield mode, row[mode]
-    for mode in ("mtraining", "dense"):
-        if isinstance(row.get("single_gpu", {}).get(mode), dict):
-            yield f"single_gpu.{mode}", row["single_gpu"][mode]
+    for part, prefix in ((row, ""), (row.get("single_gpu", {}), "single_gpu.")):
+        for key, result in part.items():
+            if key != "single_gpu" and isinstance(result, dict) and "mode" in result:
+                yield prefix + key, result
 
 
 # ----------------------------------------------------------------------------- output
@@ -423,8 +464,14 @@ def table(record: dict):
     grid = Table(title=f"e2e: training step, {record['device']} (W = {world}; * = extrapolated per layer; "
                        f"x/layer: one layer's time, from the two partial launches; <= x: the bound with "
                        f"attention free, from the profiled step)")
-    for name in ("model", "seq_len", "MTraining W", "Ulysses W", "speedup", "MTraining 1 GPU", "dense 1 GPU",
-                 "speedup 1 GPU"):
+    kernels = [backend for backend in BASELINE_BACKENDS  # the dense kernels some row has a baseline of
+               if any(result_key(mode, backend) in part for row in record["rows"]
+                      for mode, part in (("ulysses", row), ("dense", row.get("single_gpu", {}))))] or ["sdpa"]
+    named = lambda name, backend: name if backend == "sdpa" else f"{name} ({backend.upper()})"  # noqa: E731
+    columns = ["model", "seq_len", "MTraining W"]
+    columns += [c for b in kernels for c in (named("Ulysses W", b), named("speedup", b))]
+    columns += ["MTraining 1 GPU"] + [c for b in kernels for c in (named("dense 1 GPU", b), named("speedup 1 GPU", b))]
+    for name in columns:
         grid.add_column(name, justify="left" if name == "model" else "right")
 
     def cell(result):
@@ -440,20 +487,27 @@ def table(record: dict):
     def ratio(value, per_layer=None, bound=None):
         return ((f"{value:.1f}x" if value else "-") + (f" ({per_layer:.1f}x/layer)" if per_layer else "")
                 + (f" (<= {bound:.1f}x)" if bound else ""))
+    def baselines(part: dict, mode: str):
+        for backend in kernels:
+            suffix = result_key(mode, backend)[len(mode):]
+            yield cell(part.get(mode + suffix))
+            yield ratio(part.get("speedup" + suffix), part.get("per_layer_speedup" + suffix),
+                        part.get("speedup_bound" + suffix))
     for row in record["rows"]:
         single = row.get("single_gpu", {})
         length = row["seq_len"]
-        grid.add_row(row["model"], f"{length // 1024}K" if length % 1024 == 0 else str(length), cell(row.get("mtraining")), cell(row.get("ulysses")),
-                     ratio(row.get("speedup"), row.get("per_layer_speedup"), row.get("speedup_bound")),
-                     cell(single.get("mtraining")), cell(single.get("dense")),
-                     ratio(single.get("speedup"), single.get("per_layer_speedup"), single.get("speedup_bound")))
+        grid.add_row(row["model"], f"{length // 1024}K" if length % 1024 == 0 else str(length),
+                     cell(row.get("mtraining")), *baselines(row, "ulysses"),
+                     cell(single.get("mtraining")), *baselines(single, "dense"))
     return grid
 
 
 PLOTTED = (("mtraining", None, "MTraining, W GPUs", "tab:blue", "-"),
-           ("ulysses", None, "Ulysses, W GPUs", "black", "-"),
+           ("ulysses", None, "Ulysses (SDPA), W GPUs", "black", "-"),
+           ("ulysses_fa4", None, "Ulysses (FA4), W GPUs", "tab:red", "-"),
            ("single_gpu", "mtraining", "MTraining, 1 GPU", "tab:blue", ":"),
-           ("single_gpu", "dense", "dense, 1 GPU", "black", ":"))
+           ("single_gpu", "dense", "dense (SDPA), 1 GPU", "black", ":"),
+           ("single_gpu", "dense_fa4", "dense (FA4), 1 GPU", "tab:red", ":"))
 
 
 def plot(record: dict, path: Path):
@@ -555,6 +609,9 @@ def parse_args(argv=None):
     parser.add_argument("--keep_attention_output", action="store_true",
                         help="MTraining launches keep each layer's attention output for the recompute "
                              "(mtraining.keep_attention_output: attention once per layer and step)")
+    parser.add_argument("--dense_backends", nargs="+", choices=BASELINE_BACKENDS, default=None,
+                        help="the baselines' dense kernels, one launch each (mtraining.dense_backend; "
+                             "default: sdpa, and fa4 beside it where flash-attn-4 is installed)")
     parser.add_argument("--liger", choices=("auto", "on", "off"), default=None,
                         help="mtraining.liger of every launch (liger-kernel's RMSNorm/RoPE/SwiGLU; default: "
                              "the config's); run once with each, under two --tag, to measure them")
@@ -576,7 +633,10 @@ def parse_args(argv=None):
         parser.error(f"--layers {args.layers}: two different positive depths")
     if args.smoke and args.tag is None:
         args.tag = "smoke"
-    return finish_launch_args(parser, args, "e2e", argv)
+    args = finish_launch_args(parser, args, "e2e", argv)
+    if args.dense_backends is None:  # (fa4 given where it cannot run: its launches fail with train.py's line why)
+        args.dense_backends = default_dense_backends(args.cpu)
+    return args
 
 
 def finish_launch_args(parser, args, name: str, argv):
@@ -604,7 +664,8 @@ def main(argv=None):
     args = parse_args(argv)
     bench = Bench(args)
     bench.say(f"{args.device}; models {args.models}, seq_lens {args.seq_lens}, W={args.world}, parts {args.parts}, "
-              f"depth {args.depth}/{args.single_depth}; writing {bench.path}")
+              f"depth {args.depth}/{args.single_depth}, baselines' dense kernels {args.dense_backends}; "
+              f"writing {bench.path}")
     record = bench.run()
     Console(width=160).print(table(record))
     print(f"e2e: results in {bench.path}", flush=True)

@@ -7,12 +7,14 @@ Both launches train the same model preset (random weights, ``--model``, all laye
 ZeRO-2 + CPU optimizer offload, bf16, activation checkpointing; its ``mtraining`` section, so the
 same sparse, liger and activation-checkpointing settings), one after the other on the same GPUs. The memory tools
 are off in both (``mtraining.memory``: tiled MLP off, no offload): they run in
-``ds_mtraining.train``'s loop only, and the comparison is of the loops, not of the settings. Each
+``ds_mtraining.train``'s loop only, and the comparison is of the loops, not of the settings. With
+``--density D`` both take the sparse caps that ``bench.e2e --density`` pins (about D of the causal
+entries on random weights, whose nearly uniform attention otherwise keeps almost everything). Each
 side's step time is the median after ``--warmup`` steps.
 
 Writes ``OUT/integration_<tag>.json`` and prints a table.
 
-    python -m ds_mtraining.bench.integration --model qwen2.5-3b --seq_len 131072 --steps 5 \\
+    python -m ds_mtraining.bench.integration --model qwen2.5-3b --seq_len 131072 --density 0.05 --steps 5 \\
         --out benchmarks/results --tag h200
 """
 from __future__ import annotations
@@ -37,8 +39,11 @@ MEMORY_TOOLS_OFF = {"tiled_mlp": False, "offload_checkpoints": "none"}
 def bench_config(base: dict, args) -> dict:
     """The one JSON both launches read."""
     config = json.loads(json.dumps(base))
-    config["mtraining"].update(seq_len=args.seq_len, sequence_parallel_size=args.world, model=args.model,
-                               memory=MEMORY_TOOLS_OFF)
+    section = config["mtraining"]
+    section.update(seq_len=args.seq_len, sequence_parallel_size=args.world, model=args.model, memory=MEMORY_TOOLS_OFF)
+    if args.density is not None:
+        section["sparse"] = {**section.get("sparse", {}), **e2e.pinned_caps(
+            args.density, args.seq_len, section.get("stripe_block", 128), args.max_vertical)}
     if args.layers is not None:
         config["mtraining"]["model"] = {"name_or_path": args.model,
                                         "config_overrides": {"num_hidden_layers": args.layers}}
@@ -122,6 +127,10 @@ def parse_args(argv=None):
     parser.add_argument("--layers", type=int, default=None, help="override the depth (default: the preset's)")
     parser.add_argument("--seq_len", type=int, default=131072)
     parser.add_argument("--world", type=int, default=1, help="GPUs (sequence-parallel ranks)")
+    parser.add_argument("--density", type=float, default=None,
+                        help="both sides' sparse caps pinned for about this density on random weights "
+                             "(as bench.e2e --density; default: the config's budgets)")
+    parser.add_argument("--max_vertical", type=int, default=256, help="vertical cap with --density")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1, help="first steps left out of the median")
     parser.add_argument("--timeout", type=float, default=540.0, help="seconds per launch (then killed)")
