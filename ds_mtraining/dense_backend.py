@@ -7,7 +7,7 @@ runs the full index through the sparse kernels), ``attention: "ulysses"`` (the m
 under DeepSpeed-Ulysses: :func:`ds_mtraining.hf.use_ulysses_attention`) and ``bench.kernel``'s
 dense rows. Settings:
 
-* ``"sdpa"``: ``torch.nn.functional.scaled_dot_product_attention`` (flash on GPUs in bf16/fp16);
+* ``"sdpa"``: ``torch.nn.functional.scaled_dot_product_attention`` (its own dispatch: on an H200 in bf16, cuDNN's attention kernel);
 * ``"fa4"``: FlashAttention-4 (``flash_attn.cute`` of the ``flash-attn-4`` package, CuTe DSL;
   forward and backward on Hopper and Blackwell). Where it cannot run (no CUDA device, another
   architecture, the package missing or not importable), :func:`resolve_dense_backend` raises one
@@ -30,8 +30,9 @@ FA4_PACKAGE = "flash-attn-4==4.0.0b36"
 FA4_INSTALL = f"pip install {FA4_PACKAGE} (with a CUDA 13 torch: pip install 'flash-attn-4[cu13]==4.0.0b36')"
 FA4_ARCHITECTURES = {9: "Hopper", 10: "Blackwell", 11: "Blackwell", 12: "Blackwell"}  # compute capability major
 # Compute capability majors where "auto" picks FA4 when it can run: Hopper, where FA4's causal
-# fwd+bwd runs 1.9-2.1x SDPA-flash's at 32K-512K (H200, docs/RESULTS.md#fa4). Blackwell is not
-# measured here, so auto stays SDPA there.
+# fwd+bwd ran 1.9x SDPA's flash backend at 32K-512K, and a training step's attention 1.2x the
+# cuDNN kernel that SDPA dispatches to (H200; docs/RESULTS.md#fa4, #one-gpu-fa4). Blackwell is
+# not measured here, so auto stays SDPA there.
 AUTO_FA4_MAJORS: frozenset = frozenset({9})
 
 

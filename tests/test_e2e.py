@@ -203,6 +203,9 @@ def test_speedup_bound_from_the_attention_free_step(tmp_path):
 def test_profile_kinds_by_name():
     from ds_mtraining.training.profile import OTHER, kind_of
     cases = {"void mtr::query_kernel<mtr::Sm90, __nv_bfloat16, 128, 128, 2, false>(mtr::AttentionParams)": "attention",
+             "void mtr::specialized_query_kernel<__nv_bfloat16, 128, true>(mtr::AttentionParams)": "attention",
+             "kernel_cutlass_kernel_flash_attncuteflash_bwd_sm90FlashAttentionBackwardSm90_object_at_": "dense attention",
+             "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26_64x64x128": "dense attention",
              "void mtr::est::(anonymous namespace)::masses_kernel(mtr::est::ScoreParams)": "estimator",
              "mtraining::backward": "attention", "nvjet_tst_192x192_64x4_2x1_v_bz_coopB_TNT": "gemm",
              "sm90_xmma_gemm_bf16bf16_bf16f32": "gemm", "aten::mm": "gemm",

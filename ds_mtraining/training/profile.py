@@ -27,8 +27,7 @@ import torch
 
 KINDS = (  # (kind, name fragments, lower case), first match wins
     ("estimator", ("mtr::est::",)),
-    ("attention", ("mtr::query_kernel", "mtr::key_kernel", "mtr::delta_kernel", "mtr::build_step_index",
-                   "mtraining::")),
+    ("attention", ("mtr::", "mtraining::")),  # every other kernel of csrc/cuda (forward, dQ, dK/dV, delta, index)
     ("dense attention", ("flash_fwd", "flash_bwd", "fmha", "sdpa", "scaled_dot_product", "efficient_attention")),
     ("communication", ("nccl", "gloo", "c10d::")),
     ("liger", ("liger", "_rms_norm", "_swiglu", "_triton_rope", "element_mul_kernel", "cross_entropy_kernel")),
