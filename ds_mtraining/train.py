@@ -101,7 +101,8 @@ from ds_mtraining.training.export import export_hf
 from ds_mtraining.training.memory import CheckpointOffload, OutOfMemory, host_memory_now, out_of_memory_line, \
     plan_memory, tile_mlps
 from ds_mtraining.training.checkpoint import claim_save_dir, continue_metrics, resume_checkpoint, save_checkpoint
-from ds_mtraining.training.model import MTrainingCausalLM, build_model, model_config, use_fused_kernels
+from ds_mtraining.training.model import (MTrainingCausalLM, build_model, model_config, random_init_device,
+                                         use_fused_kernels)
 from ds_mtraining.training.profile import describe, profiled, summarise, write_summary
 from ds_mtraining.training.progress import Progress, describe_run, monitor_dir, with_default_monitor
 from ds_mtraining.training.run_config import ULYSSES, RunConfig, load_run_config
@@ -228,7 +229,7 @@ def train(args, watchdog: Watchdog | None = None) -> dict:
 
     startup.done("config, data, process groups and ops")
     torch.manual_seed(args.seed)
-    model = build_model(run.model)
+    model = build_model(run.model, random_init_device(run.model, get_accelerator().current_device_name()))
     startup.done("model")
     fused_off = use_fused_kernels(model, run.liger)
     if launcher_rank() == 0:
@@ -250,6 +251,8 @@ def train(args, watchdog: Watchdog | None = None) -> dict:
     engine, _, _, _ = deepspeed.initialize(model=module, config=ds_config, mpu=groups,
                                            model_parameters=[p for p in module.parameters() if p.requires_grad])
     startup.done("DeepSpeed engine")
+    if engine.device.type == "cuda":  # the fp32 weights of a random init on the GPU, now cast: not kept cached
+        torch.cuda.empty_cache()
     micro_batch = engine.train_micro_batch_size_per_gpu()
     accumulation = engine.gradient_accumulation_steps()
     if ulysses:

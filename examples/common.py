@@ -9,7 +9,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from ds_mtraining.training.model import build_model as build_preset
+from ds_mtraining.training.model import build_model as build_preset, random_init_device
 
 
 def parse_args(argv, description):
@@ -30,10 +30,12 @@ def parse_args(argv, description):
 
 
 def build_model(args):
-    """The model, seeded as ds_mtraining.train seeds it (fp32; DeepSpeed's bf16 casts it)."""
+    """The model, seeded and placed as ds_mtraining.train builds it (fp32; DeepSpeed's bf16 casts it)."""
     torch.manual_seed(args.seed)
     overrides = {} if args.layers is None else {"num_hidden_layers": args.layers}
-    model = build_preset({"name_or_path": args.model, "config_overrides": overrides})
+    spec = {"name_or_path": args.model, "config_overrides": overrides}
+    device = f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu"
+    model = build_preset(spec, random_init_device(spec, device))
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model

@@ -317,6 +317,40 @@ def test_liger_is_off_on_cpu_with_its_reason_and_true_is_an_error():
     assert type(model.model.norm) is norm  # nothing patched
 
 
+# ----------------------------------------------------------------------------- random init's device
+def test_random_weights_are_drawn_on_the_gpu_only_where_they_fit(monkeypatch):
+    """random_init_device: the CPU for a CPU device or a checkpoint; a CUDA device when four times
+    the fp32 weights fit in its memory (the 3B preset: 12.3 GiB of fp32 weights); build_model
+    creates the model on the device given (the meta device stands in for a GPU here)."""
+    from types import SimpleNamespace
+    from ds_mtraining.training.memory import count_parameters
+    from ds_mtraining.training.model import build_model, model_config, random_init_device
+    preset = {"name_or_path": "qwen2.5-3b", "config_overrides": {}}
+    assert random_init_device(preset, "cpu") is None
+    weights = 4 * count_parameters(model_config(preset))
+    assert 12e9 < weights < 12.5e9
+    for total, expected in ((4 * weights, torch.device("cuda:1")), (4 * weights - 1, None)):
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device, t=total: SimpleNamespace(total_memory=t))
+        assert random_init_device(preset, "cuda:1") == expected
+    tiny = {"name_or_path": "tiny-qwen2", "config_overrides": {}}
+    assert {p.device.type for p in build_model(tiny, torch.device("meta")).parameters()} == {"meta"}
+    assert {p.device.type for p in build_model(tiny).parameters()} == {"cpu"}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_random_weights_drawn_on_the_gpu_are_seeded():
+    from ds_mtraining.training.model import build_model, random_init_device
+    tiny = {"name_or_path": "tiny-qwen2", "config_overrides": {}}
+    device = random_init_device(tiny, "cuda:0")
+    models = []
+    for _ in range(2):
+        torch.manual_seed(3)
+        models.append(build_model(tiny, device))
+    assert device == torch.device("cuda:0") and {p.device.type for p in models[0].parameters()} == {"cuda"}
+    for a, b in zip(*(m.parameters() for m in models)):
+        assert torch.equal(a, b)
+
+
 # ----------------------------------------------------------------------------- keep_attention_output
 def _keep_output_worker(rank, world, root):
     """Three steps of the real training entry point (2 gloo ranks, ZeRO-2 + CPU offload, activation

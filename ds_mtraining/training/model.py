@@ -119,15 +119,31 @@ class MTrainingCausalLM(torch.nn.Module):
                                                self.fused_loss)
 
 
-def build_model(spec: dict):
+def build_model(spec: dict, init_device=None):
     """A transformers causal LM: a preset or config-only directory is built from its config
-    (random init, seeded by the caller); a directory with weights is loaded (local files only)."""
+    (random init, seeded by the caller, on ``init_device``: :func:`random_init_device`; default the
+    CPU); a directory with weights is loaded (local files only, on the CPU)."""
     from transformers import AutoModelForCausalLM
     config = model_config(spec)
     if has_weights(spec["name_or_path"]):
         return AutoModelForCausalLM.from_pretrained(spec["name_or_path"], config=config, local_files_only=True,
                                                     dtype=torch.float32)
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.device(init_device or "cpu"):
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def random_init_device(spec: dict, device) -> torch.device | None:
+    """Where :func:`build_model` initialises a model with random weights: ``device`` when it is a
+    CUDA device with room for the fp32 weights four times over, else None (the CPU). torch draws
+    random numbers on the CPU serially: for the 3B preset that is about a minute of every launch,
+    on the GPU milliseconds. (The weights then differ from a CPU build's, as any two devices' draws
+    do; the same seed on the same kind of device gives the same model.)"""
+    from .memory import count_parameters
+    device = torch.device(device)
+    if device.type != "cuda" or has_weights(spec["name_or_path"]):
+        return None
+    weights = 4 * count_parameters(model_config(spec))
+    return device if 4 * weights <= torch.cuda.get_device_properties(device).total_memory else None
 
 
 # ----------------------------------------------------------------------------- fused kernels
