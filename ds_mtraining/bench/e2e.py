@@ -20,10 +20,11 @@ reported beside every speedup).
 Modes: ``mtraining`` (``attention: "sparse"``, the estimated vertical-slash index on the striped
 ring), ``ulysses`` (HF's dense attention under DeepSpeed-Ulysses), ``dense`` (a full index; on one
 GPU a dense kernel). The baselines run once per dense kernel of ``--dense_backends``
-(:mod:`ds_mtraining.dense_backend`: ``sdpa``, torch SDPA's flash; ``fa4``, FlashAttention-4; by
-default both where FA4 is installed, else SDPA), each under its own key: ``ulysses`` and ``dense``
-with SDPA, ``ulysses_fa4`` and ``dense_fa4`` with FA4 (:func:`result_key`), so every speedup names
-its baseline. Per model shape and total sequence length, one row:
+(:mod:`ds_mtraining.dense_backend`: ``sdpa``, torch's SDPA with its own dispatch, cuDNN's kernel
+on an H200; ``fa4``, FlashAttention-4; by default both where FA4 is installed, else SDPA), each
+under its own key: ``ulysses`` and ``dense`` with SDPA, ``ulysses_fa4`` and ``dense_fa4`` with FA4
+(:func:`result_key`), so every speedup names its baseline. Per model shape and total sequence
+length, one row:
 
 * ``mtraining`` and ``ulysses`` on the same W = ``--world`` GPUs; ``speedup`` = Ulysses' step
   time / MTraining's (``speedup_fa4``: Ulysses with FA4's);
