@@ -166,3 +166,42 @@ def test_integration_bench_pins_both_sides_density_as_e2e_does():
     assert sparse == {**base["mtraining"].get("sparse", {}), **e2e.pinned_caps(0.05, 131072, 128, 256)}
     unpinned = integration.bench_config(base, integration.parse_args(["--cpu", "--out", "unused"]))["mtraining"]
     assert unpinned.get("sparse") == base["mtraining"].get("sparse")
+
+
+def test_integration_bench_keeps_the_steps_of_a_launch_cut_off_by_its_timeout(tmp_path, monkeypatch):
+    """A side killed at --timeout after logging steps past the warm-up keeps them, marked cut_off:
+    the example's step lines (4.0/2.0/3.0 s: median 2.5 s after the warm-up), train's csv metrics
+    (tokens/s 1024 and 512 after a warm-up step: 2 s and 4 s, median 3 s); the ratio is taken.
+    Cut off before any timed step, a side fails as a timeout."""
+    from ds_mtraining.bench import e2e, integration
+    from ds_mtraining.bench.launch import LaunchTimeout, metric_path
+
+    def example_cut_off(command, log, env, timeout):
+        log.write_text("".join(json.dumps({"step": i + 1, "loss": 5.0, "tokens_per_s": 0, "step_s": s}) + "\n"
+                               for i, s in enumerate([4.0, 2.0, 3.0])))
+        raise LaunchTimeout("still running after 9 s (killed)")
+
+    def train_cut_off(config, gpus, world, folder, port, args):
+        for name, values in (("tokens_per_s", [100.0, 1024.0, 512.0]), ("loss", [5.0, 4.0, 3.0])):
+            path = metric_path(folder / "run", name)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(f"step,{name}\n" + "".join(f"{i + 1},{v}\n" for i, v in enumerate(values)))
+        raise e2e.LaunchFailed("timeout", "still running after 9 s (killed)")
+
+    monkeypatch.setattr(integration, "run_logged", example_cut_off)
+    monkeypatch.setattr(e2e, "launch", train_cut_off)
+    args = integration.parse_args(["--cpu", "--config", str(REPO / "ds_configs" / "cpu_demo.json"), "--model",
+                                   "tiny-qwen2", "--seq_len", "2048", "--world", "2", "--steps", "4", "--out",
+                                   str(tmp_path), "--tag", "t"])
+    record = integration.compare(args)
+    train, own = record["sides"]["train"], record["sides"]["own_loop"]
+    assert own["step_s"] == pytest.approx(2.5) and own["cut_off"].startswith("still running")
+    assert train["step_s"] == pytest.approx(3.0) and train["cut_off"].startswith("still running")
+    assert record["own_loop_over_train"] == pytest.approx(3.0 / 2.5)
+
+    def example_cut_off_in_its_warm_up(command, log, env, timeout):
+        log.write_text(json.dumps({"step": 1, "loss": 5.0, "tokens_per_s": 0, "step_s": 4.0}) + "\n")
+        raise LaunchTimeout("still running after 9 s (killed)")
+    monkeypatch.setattr(integration, "run_logged", example_cut_off_in_its_warm_up)
+    record = integration.compare(args)
+    assert record["sides"]["own_loop"]["failure"] == "timeout" and record["own_loop_over_train"] is None

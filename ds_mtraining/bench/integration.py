@@ -10,7 +10,9 @@ are off in both (``mtraining.memory``: tiled MLP off, no offload): they run in
 ``ds_mtraining.train``'s loop only, and the comparison is of the loops, not of the settings. With
 ``--density D`` both take the sparse caps that ``bench.e2e --density`` pins (about D of the causal
 entries on random weights, whose nearly uniform attention otherwise keeps almost everything). Each
-side's step time is the median after ``--warmup`` steps.
+side's step time is the median after ``--warmup`` steps. A launch cut off by ``--timeout`` after
+logging steps past the warm-up keeps them (``cut_off`` says so): a long start-up costs steps, not
+the comparison.
 
 Writes ``OUT/integration_<tag>.json`` and prints a table.
 
@@ -71,24 +73,43 @@ def launch_example(config: dict, gpus: list | None, world: int, folder: Path, po
         env["DS_ACCELERATOR"] = "cpu"
     log = folder / "train.log"
     started = time.monotonic()
+    cut_off = None
     try:
         run_logged(command, log, env, args.timeout)
     except LaunchTimeout as error:
-        raise e2e.LaunchFailed("timeout", str(error)) from None
+        cut_off = str(error)
     except RuntimeError as error:
         raise e2e.LaunchFailed("error", str(error)) from None
     steps = step_lines(log.read_text(errors="replace"))
     times = [step["step_s"] for step in steps]
     timed = times[args.warmup:]
     if not timed:
-        raise e2e.LaunchFailed("error", f"{log}: {len(times)} step(s) logged, none after the {args.warmup} warm-up")
+        raise e2e.LaunchFailed("timeout" if cut_off else "error", cut_off or
+                               f"{log}: {len(times)} step(s) logged, none after the {args.warmup} warm-up")
     step_s = statistics.median(timed)
     micro = config.get("train_micro_batch_size_per_gpu", 1) * config.get("gradient_accumulation_steps", 1)
-    return {"step_s": step_s, "tokens_per_s": micro * args.seq_len / step_s, "step_times_s": times,
-            "losses": [step["loss"] for step in steps], "wall_s": time.monotonic() - started, "log": str(log)}
+    result = {"step_s": step_s, "tokens_per_s": micro * args.seq_len / step_s, "step_times_s": times,
+              "losses": [step["loss"] for step in steps], "wall_s": time.monotonic() - started, "log": str(log)}
+    return {**result, "cut_off": cut_off} if cut_off else result
 
 
-def compare(args, train_launch=e2e.launch, example_launch=launch_example) -> dict:
+def launch_train(config: dict, gpus: list | None, world: int, folder: Path, port: int, args) -> dict:
+    """``ds_mtraining.train`` through :func:`ds_mtraining.bench.e2e.launch`; cut off by the timeout,
+    the steps its metrics logged past the warm-up."""
+    try:
+        return e2e.launch(config, gpus, world, folder, port, args)
+    except e2e.LaunchFailed as error:
+        if error.kind != "timeout":
+            raise
+        micro = config.get("train_micro_batch_size_per_gpu", 1) * config.get("gradient_accumulation_steps", 1)
+        try:
+            result = e2e.read_run(folder / "run", micro * args.seq_len, args.warmup, world)
+        except (e2e.LaunchFailed, OSError, ValueError):
+            raise error from None
+        return {**result, "log": str(folder / "train.log"), "cut_off": str(error)}
+
+
+def compare(args, train_launch=launch_train, example_launch=launch_example) -> dict:
     """Both launches (train first) and the ratio; a side that fails is recorded with its reason."""
     config = bench_config(json.loads(Path(args.config).read_text()), args)
     gpus = None if args.cpu else list(range(args.world))
@@ -102,7 +123,9 @@ def compare(args, train_launch=e2e.launch, example_launch=launch_example) -> dic
         try:
             result = launch(config, gpus, args.world, logs / name, port, args)
             record["sides"][name] = result
-            print(f"integration:     step {result['step_s']:.2f} s, {result['tokens_per_s']:.0f} tok/s", flush=True)
+            print(f"integration:     step {result['step_s']:.2f} s, {result['tokens_per_s']:.0f} tok/s"
+                  + (f" (cut off by the timeout after {len(result['step_times_s'])} steps)" if result.get("cut_off")
+                     else ""), flush=True)
         except e2e.LaunchFailed as error:
             record["sides"][name] = {"failure": error.kind, "error": str(error)[-2000:]}
             print(f"integration:     failed: {error.kind}: {str(error).splitlines()[0][:200]}", flush=True)
