@@ -7,7 +7,7 @@ import pytest
 from ds_mtraining.bench import capacity, e2e
 
 FITS = {"mtraining": 786432, "ulysses": 131072}  # the longest length each mode trains
-PLAN = {"offload_layers": 16,
+PLAN = {"offload_layers": 16, "gpu_total_gib": 139.8,
         "gpu": {"weights_gib": 5.7, "gradients_gib": 0.7, "optimizer_gib": 0.0, "checkpoints_gib": 63.0,
                 "checkpoint_layer_gib": 3.0, "checkpoint_layers_on_gpu": 20},
         "host": {"available_gib": 125.0, "optimizer_gib": 51.7, "checkpoints_gib": 64.0},

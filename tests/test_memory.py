@@ -200,7 +200,7 @@ def test_host_check_chooses_n_and_refuses_with_the_numbers(monkeypatch):
     plan = plan_memory(run, ds_config, 1, cuda=True, gpu_gib=139.8)
     assert plan.parameters == 3_085_938_688 and plan.tiled_mlp and plan.tokens_per_rank == 1 << 20
     assert plan.host["optimizer_gib"] == pytest.approx(3_085_938_688 * 18 / 2 ** 30)
-    assert plan.offload_layers == 15 and plan.gpu["checkpoint_layer_gib"] == 4.0
+    assert plan.offload_layers == 15 and plan.gpu["checkpoint_layer_gib"] == 4.0 and plan.gpu_total_gib == 139.8
     assert plan.gpu["checkpoint_layers_on_gpu"] == 21
     assert gpu_need_gib(plan.gpu, plan.transients) == pytest.approx(137.9, abs=0.05)
     line = plan.describe()

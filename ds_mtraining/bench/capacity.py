@@ -226,7 +226,8 @@ def summarise(entry: dict):
 
 def plot(record: dict, path: Path):
     """Peak GPU memory (solid) and host peak resident memory (dashed) against length, one panel
-    per model, one colour per mode; x: a length that did not train, at the top of the panel."""
+    per model, one colour per mode, under the GPU's memory and the host memory available (grey
+    lines, from the runs' memory plans); x: a length that did not train, at the top of the panel."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -252,6 +253,15 @@ def plot(record: dict, path: Path):
                 if not v["fits"]:
                     ax.annotate(f"x {v['failure']}", (s / 1024, 1), xycoords=("data", "axes fraction"),
                                 ha="center", va="top", color=colour, fontsize=8)
+        plans = [v["plan"] for entry in record["models"][model].values() for v in entry["lengths"].values()
+                 if v.get("plan")]
+        limits = (("GPU memory", "-", [p.get("gpu_total_gib") for p in plans]),
+                  ("host memory available", "--", [p.get("host", {}).get("available_gib") for p in plans]))
+        for label, style, values in limits:
+            values = [v for v in values if v]
+            if values:
+                ax.axhline(min(values), linestyle=style, color="tab:gray", linewidth=1,
+                           label=f"{label} ({min(values):.1f} GiB)")
         lengths = sorted({int(s) for entry in record["models"][model].values() for s in entry["lengths"]})
         ax.set(xscale="log", xlabel="sequence length (tokens)", ylabel="GiB",
                title=f"{model} ({record['device']})")

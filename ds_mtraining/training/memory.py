@@ -257,6 +257,7 @@ class MemoryPlan:
     alloc_conf: str  # what PYTORCH_CUDA_ALLOC_CONF is, and who set it
     host: dict = field(default_factory=dict)  # GiB: available, optimizer, checkpoints, reserve
     gpu: dict = field(default_factory=dict)  # GiB: analytic resident memory per rank
+    gpu_total_gib: float | None = None  # the GPU's memory (None on CPU)
     transients: dict = field(default_factory=dict)  # GiB: analytic transients per rank
 
     def to_dict(self) -> dict:
@@ -409,6 +410,8 @@ def plan_memory(run, ds_config: dict, world_size: int, cuda: bool | None = None,
         plan.offload_layers = offloaded
         return gpu_breakdown(config, ds_config, plan, dtype_bytes, run, world_size)
 
+    if cuda and (gpu_gib is not None or torch.cuda.is_available()):
+        plan.gpu_total_gib = gpu_memory_gib() if gpu_gib is None else gpu_gib
     if offload == "auto" and cuda and run.gradient_checkpointing:
         gpu_gib = gpu_memory_gib() if gpu_gib is None else gpu_gib
         needed = next((n for n in range(layers) if gpu_need_gib(*estimate(n)) <= gpu_gib), None)
