@@ -323,8 +323,7 @@ def test_random_weights_are_drawn_on_the_gpu_only_where_they_fit(monkeypatch):
     the fp32 weights fit in its memory (the 3B preset: 12.3 GiB of fp32 weights); build_model
     creates the model on the device given (the meta device stands in for a GPU here)."""
     from types import SimpleNamespace
-    from ds_mtraining.training.memory import count_parameters
-    from ds_mtraining.training.model import build_model, model_config, random_init_device
+    from ds_mtraining.training.model import build_model, count_parameters, model_config, random_init_device
     preset = {"name_or_path": "qwen2.5-3b", "config_overrides": {}}
     assert random_init_device(preset, "cpu") is None
     weights = 4 * count_parameters(model_config(preset))

@@ -297,14 +297,6 @@ def host_reserve_gib(setting) -> float:
     return min(24.0, psutil.virtual_memory().total / GIB / 5)
 
 
-def count_parameters(config) -> int:
-    """The model's parameter count, from a model built on the meta device (no memory)."""
-    from transformers import AutoModelForCausalLM
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    return sum(p.numel() for p in model.parameters())
-
-
 def training_dtype_bytes(ds_config: dict) -> int:
     return 2 if any(ds_config.get(k, {}).get("enabled") for k in ("bf16", "fp16")) else 4
 
@@ -354,7 +346,7 @@ def plan_memory(run, ds_config: dict, world_size: int, cuda: bool | None = None,
     layers' checkpoints go to the host (``"auto"``: the fewest the GPU needs, ``gpu_gib`` or the
     device's memory), and the host check (HostMemoryError: one line with the numbers and the
     setting to change)."""
-    from .model import model_config
+    from .model import count_parameters, model_config
     cuda = torch.cuda.is_available() if cuda is None else cuda
     settings: MemorySettings = run.memory
     config = model_config(run.model)

@@ -132,13 +132,20 @@ def build_model(spec: dict, init_device=None):
         return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 
+def count_parameters(config) -> int:
+    """The model's parameter count, from a model built on the meta device (no memory)."""
+    from transformers import AutoModelForCausalLM
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())
+
+
 def random_init_device(spec: dict, device) -> torch.device | None:
     """Where :func:`build_model` initialises a model with random weights: ``device`` when it is a
     CUDA device with room for the fp32 weights four times over, else None (the CPU). torch draws
     random numbers on the CPU serially: for the 3B preset that is about a minute of every launch,
     on the GPU milliseconds. (The weights then differ from a CPU build's, as any two devices' draws
     do; the same seed on the same kind of device gives the same model.)"""
-    from .memory import count_parameters
     device = torch.device(device)
     if device.type != "cuda" or has_weights(spec["name_or_path"]):
         return None
