@@ -192,6 +192,12 @@ def pinned_caps(density: float, seq_len: int, block_size: int, max_vertical: int
     return {"max_slash_diagonals": slash_cap_for_blocks(blocks), "max_vertical": max_vertical}
 
 
+def tokens_per_step(config: dict) -> int:
+    """Tokens one optimizer step of a launch trains on each data-parallel replica."""
+    return (config.get("train_micro_batch_size_per_gpu", 1) * config.get("gradient_accumulation_steps", 1)
+            * config["mtraining"]["seq_len"])
+
+
 def read_run(run_dir: Path, tokens_per_step: int, warmup: int, world: int, profiled_step: int = 0) -> dict:
     """Step times, tokens/s, peak memory per rank, losses and (sparse runs) the attention density
     of a finished run; the median step time leaves out the warm-up steps and the profiled one."""
@@ -236,8 +242,7 @@ def launch(config: dict, gpus: list | None, world: int, folder: Path, port: int,
         raise LaunchFailed("oom" if OUT_OF_MEMORY.search(log.read_text(errors="replace")) else "error",
                            str(error)) from None
     wall = time.monotonic() - started
-    micro = config.get("train_micro_batch_size_per_gpu", 1) * config.get("gradient_accumulation_steps", 1)
-    result = read_run(folder / "run", micro * config["mtraining"]["seq_len"], args.warmup, world, args.profile_step)
+    result = read_run(folder / "run", tokens_per_step(config), args.warmup, world, args.profile_step)
     startup = folder / "run" / "startup.json"  # (train.py's start-up phases: a 3B model takes minutes)
     if startup.is_file():
         result["startup_s"] = json.loads(startup.read_text())
@@ -452,7 +457,7 @@ def _results(row: dict):
     """(name, result) of every mode measured in a row."""
     for part, prefix in ((row, ""), (row.get("single_gpu", {}), "single_gpu.")):
         for key, result in part.items():
-            if key != "single_gpu" and isinstance(result, dict) and "mode" in result:
+            if isinstance(result, dict) and "mode" in result:
                 yield prefix + key, result
 
 

@@ -87,8 +87,7 @@ def launch_example(config: dict, gpus: list | None, world: int, folder: Path, po
         raise e2e.LaunchFailed("timeout" if cut_off else "error", cut_off or
                                f"{log}: {len(times)} step(s) logged, none after the {args.warmup} warm-up")
     step_s = statistics.median(timed)
-    micro = config.get("train_micro_batch_size_per_gpu", 1) * config.get("gradient_accumulation_steps", 1)
-    result = {"step_s": step_s, "tokens_per_s": micro * args.seq_len / step_s, "step_times_s": times,
+    result = {"step_s": step_s, "tokens_per_s": e2e.tokens_per_step(config) / step_s, "step_times_s": times,
               "losses": [step["loss"] for step in steps], "wall_s": time.monotonic() - started, "log": str(log)}
     return {**result, "cut_off": cut_off} if cut_off else result
 
@@ -101,9 +100,8 @@ def launch_train(config: dict, gpus: list | None, world: int, folder: Path, port
     except e2e.LaunchFailed as error:
         if error.kind != "timeout":
             raise
-        micro = config.get("train_micro_batch_size_per_gpu", 1) * config.get("gradient_accumulation_steps", 1)
         try:
-            result = e2e.read_run(folder / "run", micro * args.seq_len, args.warmup, world)
+            result = e2e.read_run(folder / "run", e2e.tokens_per_step(config), args.warmup, world)
         except (e2e.LaunchFailed, OSError, ValueError):
             raise error from None
         return {**result, "log": str(folder / "train.log"), "cut_off": str(error)}

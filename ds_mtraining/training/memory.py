@@ -402,8 +402,9 @@ def plan_memory(run, ds_config: dict, world_size: int, cuda: bool | None = None,
         plan.offload_layers = offloaded
         return gpu_breakdown(config, ds_config, plan, dtype_bytes, run, world_size)
 
-    if cuda and (gpu_gib is not None or torch.cuda.is_available()):
-        plan.gpu_total_gib = gpu_memory_gib() if gpu_gib is None else gpu_gib
+    if cuda and gpu_gib is None and torch.cuda.is_available():
+        gpu_gib = gpu_memory_gib()
+    plan.gpu_total_gib = gpu_gib if cuda else None
     if offload == "auto" and cuda and run.gradient_checkpointing:
         gpu_gib = gpu_memory_gib() if gpu_gib is None else gpu_gib
         needed = next((n for n in range(layers) if gpu_need_gib(*estimate(n)) <= gpu_gib), None)
