@@ -106,8 +106,8 @@ def use_mtraining_attention(model: PreTrainedModel, settings: MTrainingAttention
 
 # ----------------------------------------------------------------------------- the Ulysses baseline
 FA4_ATTENTION_NAME = "ds_mtraining_fa4"
-# the transformers attention of each dense backend: torch SDPA (flash on GPUs in bf16/fp16,
-# math/efficient elsewhere), or FlashAttention-4
+# the transformers attention of each dense backend: torch SDPA (its own dispatch: cuDNN's kernel on
+# an H200, math/efficient on CPUs), or FlashAttention-4
 CORE_ATTENTION = {"sdpa": "sdpa", "fa4": FA4_ATTENTION_NAME}
 
 

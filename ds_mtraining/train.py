@@ -38,7 +38,7 @@ precision, monitors), an ``"mtraining"`` section, removed before the JSON reache
     }
 
 ``"attention": "ulysses"`` is the baseline users run today: the model's own dense attention (torch
-SDPA, flash on GPUs, or FlashAttention-4 with ``dense_backend``) under DeepSpeed-Ulysses over the
+SDPA with its own dispatch, or FlashAttention-4 with ``dense_backend``) under DeepSpeed-Ulysses over the
 ``sequence_parallel_size`` ranks (at 1: plain dense attention), on contiguous shards of the same
 samples, with the same loss, engine and groups (:func:`ds_mtraining.hf.use_ulysses_attention`). Each
 logged step also records, on CUDA, every rank's peak allocated memory (``peak_memory_gib``: the
