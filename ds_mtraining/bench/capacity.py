@@ -227,7 +227,8 @@ def summarise(entry: dict):
 def plot(record: dict, path: Path):
     """Peak GPU memory (solid) and host peak resident memory (dashed) against length, one panel
     per model, one colour per mode, under the GPU's memory and the host memory available (grey
-    lines, from the runs' memory plans); x: a length that did not train, at the top of the panel."""
+    lines, from the runs' memory plans); the overhead pair as open triangles (down: without the
+    memory tools, up: with them); x: a length that did not train, at the top of the panel."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -253,8 +254,16 @@ def plot(record: dict, path: Path):
                 if not v["fits"]:
                     ax.annotate(f"x {v['failure']}", (s / 1024, 1), xycoords=("data", "axes fraction"),
                                 ha="center", va="top", color=colour, fontsize=8)
-        plans = [v["plan"] for entry in record["models"][model].values() for v in entry["lengths"].values()
-                 if v.get("plan")]
+            overhead = entry.get("overhead") or {}
+            for side, marker, label in (("without_tools", "v", "without the memory tools"),
+                                        ("with_tools", "^", "with the tools of --memory")):
+                run = overhead.get(side) or {}
+                if run.get("fits") and run.get("peak_memory_gib"):
+                    ax.plot([overhead["seq_len"] / 1024], [max(run["peak_memory_gib"])], marker, color=colour,
+                            fillstyle="none", label=f"{mode}: GPU peak {label}")
+        plans = [v["plan"] for entry in record["models"][model].values()
+                 for v in [*entry["lengths"].values(), *(entry.get("overhead") or {}).values()]
+                 if isinstance(v, dict) and v.get("plan")]
         limits = (("GPU memory", "-", [p.get("gpu_total_gib") for p in plans]),
                   ("host memory available", "--", [p.get("host", {}).get("available_gib") for p in plans]))
         for label, style, values in limits:
@@ -262,7 +271,8 @@ def plot(record: dict, path: Path):
             if values:
                 ax.axhline(min(values), linestyle=style, color="tab:gray", linewidth=1,
                            label=f"{label} ({min(values):.1f} GiB)")
-        lengths = sorted({int(s) for entry in record["models"][model].values() for s in entry["lengths"]})
+        lengths = sorted({int(s) for entry in record["models"][model].values()
+                          for s in [*entry["lengths"], *([entry["overhead"]["seq_len"]] if entry.get("overhead") else [])]})
         ax.set(xscale="log", xlabel="sequence length (tokens)", ylabel="GiB",
                title=f"{model} ({record['device']})")
         ax.set_xticks([n / 1024 for n in lengths], [f"{n // 1024}K" for n in lengths])
