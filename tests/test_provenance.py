@@ -27,10 +27,13 @@ def test_a_copied_tree_is_named_by_the_variable(monkeypatch):
     sha = "0123456789abcdef0123456789abcdef01234567"
     monkeypatch.setenv(COMMIT_VARIABLE, sha)
     assert provenance() == {"commit": sha, "dirty": False}  # whatever the copy's own git says
-    monkeypatch.setenv(COMMIT_VARIABLE, "ABCDEF1-dirty")
-    assert provenance() == {"commit": "abcdef1", "dirty": True}
+    monkeypatch.setenv(COMMIT_VARIABLE, sha.upper() + "-dirty")
+    assert provenance() == {"commit": sha, "dirty": True}
+    monkeypatch.setenv(COMMIT_VARIABLE, "abcdef1")  # a short sha: the results test wants all 40 digits
+    with pytest.raises(ValueError, match=f"{COMMIT_VARIABLE}='abcdef1' must be a commit's full sha"):
+        provenance()
     monkeypatch.setenv(COMMIT_VARIABLE, "main")
-    with pytest.raises(ValueError, match=f"{COMMIT_VARIABLE}='main' must be a commit's hex sha"):
+    with pytest.raises(ValueError, match=f"{COMMIT_VARIABLE}='main' must be a commit's full sha"):
         provenance()
 
 

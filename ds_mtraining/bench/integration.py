@@ -3,16 +3,17 @@
 ``ds_mtraining.train`` on the same setting, as tokens/s and their ratio (goal: at least 0.95).
 
 Both launches train the same model preset (random weights, ``--model``, all layers unless
-``--layers``) on random tokens of ``--seq_len`` with the same DeepSpeed JSON (``--config``, default
-ZeRO-2 + CPU optimizer offload, bf16, activation checkpointing; its ``mtraining`` section, so the
-same sparse, liger and activation-checkpointing settings), one after the other on the same GPUs. The memory tools
-are off in both (``mtraining.memory``: tiled MLP off, no offload): they run in
-``ds_mtraining.train``'s loop only, and the comparison is of the loops, not of the settings. With
-``--density D`` both take the sparse caps that ``bench.e2e --density`` pins (about D of the causal
-entries on random weights, whose nearly uniform attention otherwise keeps almost everything). Each
-side's step time is the median after ``--warmup`` steps. A launch cut off by ``--timeout`` after
-logging steps past the warm-up keeps them (``cut_off`` says so): a long start-up costs steps, not
-the comparison.
+``--layers``) on random tokens of ``--seq_len`` (each side draws its own: the losses are not
+compared here; ``tests/test_integration.py`` compares them on the same data) with the same DeepSpeed
+JSON (``--config``, default ZeRO-2 + CPU optimizer offload, bf16, activation checkpointing; its
+``mtraining`` section, so the same sparse, liger and activation-checkpointing settings), one after
+the other on the same GPUs. The memory tools are off in both (``mtraining.memory``: tiled MLP off,
+no offload): they run in ``ds_mtraining.train``'s loop only, and the comparison is of the loops, not
+of the settings. With ``--density D`` both take the sparse caps that ``bench.e2e --density`` pins
+(about D of the causal entries on random weights, whose nearly uniform attention otherwise keeps
+almost everything). Each side's step time is the median after ``--warmup`` steps. A launch cut off
+by ``--timeout`` after logging steps past the warm-up keeps them (``cut_off`` says so): a long
+start-up costs steps, not the comparison.
 
 Writes ``OUT/integration_<tag>.json`` and prints a table.
 
