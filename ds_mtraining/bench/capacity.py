@@ -271,8 +271,9 @@ def plot(record: dict, path: Path):
             if values:
                 ax.axhline(min(values), linestyle=style, color="tab:gray", linewidth=1,
                            label=f"{label} ({min(values):.1f} GiB)")
-        lengths = sorted({int(s) for entry in record["models"][model].values()
-                          for s in [*entry["lengths"], *([entry["overhead"]["seq_len"]] if entry.get("overhead") else [])]})
+        entries = record["models"][model].values()
+        lengths = sorted({int(s) for entry in entries for s in entry["lengths"]}
+                         | {entry["overhead"]["seq_len"] for entry in entries if entry.get("overhead")})
         ax.set(xscale="log", xlabel="sequence length (tokens)", ylabel="GiB",
                title=f"{model} ({record['device']})")
         ax.set_xticks([n / 1024 for n in lengths], [f"{n // 1024}K" for n in lengths])

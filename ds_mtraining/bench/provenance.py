@@ -15,16 +15,18 @@ ROOT = Path(__file__).resolve().parents[2]  # the checkout holding ds_mtraining/
 def provenance() -> dict:
     """``{"commit": sha, "dirty": bool}`` of the code this process runs.
 
-    ``DS_MTRAINING_COMMIT=<sha>`` (all 40 digits) names the commit where the checkout's own git history is not the
-    code measured (a copy of a working tree sent to another machine): ``dirty`` is then false, or
-    true when the value ends in ``-dirty`` (``<sha>-dirty``: the copy had changes on top of sha).
-    Otherwise ``git rev-parse HEAD`` of the checkout holding this package, and whether ``git status
-    --porcelain`` lists anything there (an untracked file counts: it may be code the run imported).
-    Both are None where the package is in no checkout of its own (installed from a wheel)."""
+    ``DS_MTRAINING_COMMIT=<sha>`` (all 40 digits) names the commit where the checkout's own git
+    history is not the code measured (a copy of a working tree sent to another machine): ``dirty``
+    is then false, or true when the value ends in ``-dirty`` (``<sha>-dirty``: the copy had changes
+    on top of sha). Otherwise ``git rev-parse HEAD`` of the checkout holding this package, and
+    whether ``git status --porcelain`` lists anything there (an untracked file counts: it may be
+    code the run imported). Both are None where the package is in no checkout of its own (installed
+    from a wheel)."""
     given = os.environ.get(COMMIT_VARIABLE)
     if given:
         commit = given.removesuffix(DIRTY_SUFFIX).lower()
-        if not re.fullmatch(r"[0-9a-f]{40}", commit):  # a short sha can grow ambiguous; the copy has no git to expand it
+        # all 40 digits: a short sha can grow ambiguous, and the copy has no git history to expand it
+        if not re.fullmatch(r"[0-9a-f]{40}", commit):
             raise ValueError(f"{COMMIT_VARIABLE}={given!r} must be a commit's full sha (40 hex digits: git rev-parse "
                              f"HEAD), followed by '{DIRTY_SUFFIX}' where the tree had changes on top of it")
         return {"commit": commit, "dirty": given.endswith(DIRTY_SUFFIX)}
