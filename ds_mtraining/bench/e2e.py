@@ -78,7 +78,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..config import slash_cap_for_blocks
+from ..config import SparseConfig, slash_cap_for_blocks
 from ..training.profile import ATTENTION_KINDS
 from ..distributed.spawn import free_port
 from . import fresh_output_dir
@@ -170,8 +170,7 @@ def launch_config(base: dict, model: str, mode: str, seq_len: int, world: int, l
     if keep_output and mode == "mtraining":
         section["keep_attention_output"] = True
     if density is not None and mode == "mtraining":
-        section["sparse"] = {**section.get("sparse", {}),
-                             **pinned_caps(density, seq_len, section.get("stripe_block", 128), max_vertical)}
+        pin_density(section, density, seq_len, max_vertical)
     given = section.get("model")
     overrides = dict(given.get("config_overrides", {})) if isinstance(given, dict) and \
         given.get("name_or_path") == model else {}
@@ -190,6 +189,13 @@ def pinned_caps(density: float, seq_len: int, block_size: int, max_vertical: int
     bulk of the work) sets the density; ``max_vertical`` columns add max_vertical / (S / 2)."""
     blocks = max(1, round(density * seq_len / block_size))
     return {"max_slash_diagonals": slash_cap_for_blocks(blocks), "max_vertical": max_vertical}
+
+
+def pin_density(section: dict, density: float, seq_len: int, max_vertical: int):
+    """Puts :func:`pinned_caps` for ``density`` into an ``mtraining`` section's ``sparse`` settings,
+    at the section's stripe block."""
+    block = section.get("stripe_block", SparseConfig.block_size)
+    section["sparse"] = {**section.get("sparse", {}), **pinned_caps(density, seq_len, block, max_vertical)}
 
 
 def tokens_per_step(config: dict) -> int:

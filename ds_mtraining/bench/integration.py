@@ -45,11 +45,9 @@ def bench_config(base: dict, args) -> dict:
     section = config["mtraining"]
     section.update(seq_len=args.seq_len, sequence_parallel_size=args.world, model=args.model, memory=MEMORY_TOOLS_OFF)
     if args.density is not None:
-        section["sparse"] = {**section.get("sparse", {}), **e2e.pinned_caps(
-            args.density, args.seq_len, section.get("stripe_block", 128), args.max_vertical)}
+        e2e.pin_density(section, args.density, args.seq_len, args.max_vertical)
     if args.layers is not None:
-        config["mtraining"]["model"] = {"name_or_path": args.model,
-                                        "config_overrides": {"num_hidden_layers": args.layers}}
+        section["model"] = {"name_or_path": args.model, "config_overrides": {"num_hidden_layers": args.layers}}
     return config
 
 
