@@ -82,11 +82,11 @@ import torch.distributed as dist
 
 
 def name_accelerator():
-    """DeepSpeed picks CUDA where torch sees a GPU, else the CPU with a warning from every process:
-    named here, the warning goes. CPU ranks (``DS_ACCELERATOR=cpu``, also on a GPU machine) hide the
-    GPUs from every library, so that nothing (liger, the peak-memory metric) reaches for one."""
-    if "DS_ACCELERATOR" not in os.environ and not (torch.cuda.is_available() and torch.cuda.device_count() > 0):
-        os.environ["DS_ACCELERATOR"] = "cpu"
+    """The accelerator named for DeepSpeed (:func:`ds_mtraining.training.placement.name_accelerator`).
+    CPU ranks (``DS_ACCELERATOR=cpu``, also on a GPU machine) hide the GPUs from every library, so
+    that nothing (liger, the peak-memory metric) reaches for one."""
+    from ds_mtraining.training import placement
+    placement.name_accelerator()
     if os.environ.get("DS_ACCELERATOR") == "cpu":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
 

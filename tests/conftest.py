@@ -15,7 +15,12 @@ Background builds: a test marked ``background_build(command=...)`` waits for a b
 collection, niced, and the test runs last. Such a build (the prebuilt install, every CUDA source
 under nvcc: minutes of CPU) takes the CPU time the rest of the suite leaves idle instead of
 running beside the JIT build or in a test of its own; the niced build barely slows the timed
-multi-process tests. The ``background_build`` fixture hands the test its (process, log, directory)."""
+multi-process tests. The ``background_build`` fixture hands the test its (process, log, directory).
+
+Nothing outside the temporary folders: what the session writes beyond the tests' ``tmp_path``
+(the datasets cache of the files the tests read, which takes a new entry per path and so grew
+with every run; the ops' build log; the background builds) goes to one folder of its own, removed
+at the end (test_leftovers.py checks a slice of the suite)."""
 import multiprocessing
 import os
 import shutil
@@ -39,7 +44,12 @@ JIT_TEST = "test_jit_build_in_fresh_extension_dir"
 BUILD_TIMEOUT_S = 900
 
 
+SESSION_DIR = Path(tempfile.mkdtemp(prefix="ds_mtraining-tests-"))  # removed at the session's end
+
+
 def pytest_configure(config):
+    # launched ranks and spawned processes inherit it (set before anything imports datasets)
+    os.environ["HF_DATASETS_CACHE"] = str(SESSION_DIR / "datasets")
     config.addinivalue_line(
         "markers", "slow: builds or installs the package (minutes); CI runs it, "
                    "deselect locally with -m 'not slow'")
@@ -69,7 +79,7 @@ def _start_background_builds(items):
         marker = item.get_closest_marker("background_build")
         if marker is None:
             continue
-        directory = Path(tempfile.mkdtemp(prefix="ds_mtraining-background-"))
+        directory = Path(tempfile.mkdtemp(prefix="background-", dir=SESSION_DIR))
         job = marker.kwargs["command"](directory)
         if job is None:
             shutil.rmtree(directory)
@@ -107,22 +117,22 @@ def pytest_collection_finish(session):
     _start_background_builds(session.items)
     if any({"cpu_op", "built_ops"} & set(getattr(item, "fixturenames", ())) for item in session.items):
         jit_test = any(item.name == JIT_TEST for item in session.items)
-        log = tempfile.NamedTemporaryFile("w", prefix="ds_mtraining-ops-build-", suffix=".log", delete=False)
-        _op_build.update(log=log.name, builds_cpu_op=not jit_test, process=subprocess.Popen(
-            [sys.executable, "-c", _build_ops_code(not jit_test)], stdout=log, stderr=subprocess.STDOUT))
-        log.close()
+        log = SESSION_DIR / "ops-build.log"
+        with log.open("w") as handle:
+            _op_build.update(log=log, builds_cpu_op=not jit_test, process=subprocess.Popen(
+                [sys.executable, "-c", _build_ops_code(not jit_test)], stdout=handle, stderr=subprocess.STDOUT))
         multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD + ["forkserver_ops"])
 
 
 def pytest_sessionfinish(session, exitstatus):
     """Ends the background builds that no test waited for (they write only their own directory).
     Lets an ops' build that no test waited for finish: killed mid-build it would leave the
-    cache's lock file behind, on which every later build waits forever."""
-    for process, _, directory in _background.values():
+    cache's lock file behind, on which every later build waits forever. Then removes the
+    session's folder."""
+    for process, _, _ in _background.values():
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
-        shutil.rmtree(directory, ignore_errors=True)
     process = _op_build.get("process")
     if process is not None:
         try:
@@ -130,6 +140,7 @@ def pytest_sessionfinish(session, exitstatus):
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+    shutil.rmtree(SESSION_DIR, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
@@ -152,8 +163,7 @@ def built_ops():
             pytest.fail(f"the ops' build still runs after {BUILD_TIMEOUT_S} s (a killed build's lock file "
                         f"left in {extension_root()}?)")
         if code != 0:
-            pytest.fail(f"the ops' build failed (exit {code}); {_op_build['log']}:\n"
-                        + Path(_op_build["log"]).read_text()[-3000:])
+            pytest.fail(f"the ops' build failed (exit {code}):\n" + _op_build["log"].read_text()[-3000:])
     return ops.op_module("cpu")  # from the cache: the subprocess or the JIT test built it
 
 

@@ -24,11 +24,12 @@ DEMO = REPO / "scripts" / "train_demo.sh"
                                                        (1, "cpu", placement.CPU_CONFIG),
                                                        (2, "cuda", placement.GPU_CONFIG),
                                                        (8, "cuda", placement.GPU_CONFIG)])
-def test_demo_ranks_go_on_gpus_only_where_two_are_usable(monkeypatch, capsys, gpus, accelerator, config):
+def test_demo_ranks_go_on_gpus_only_where_two_are_usable(monkeypatch, capsys, tmp_path, gpus, accelerator,
+                                                        config):
     import torch
     monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
-    placement.main()
+    placement.main([str(tmp_path / "run")])
     assigned = dict(line.split("=", 1) for line in capsys.readouterr().out.splitlines())
     assert assigned["DEMO_ACCELERATOR"] == accelerator and assigned["DEMO_CONFIG"] == config
     assert (REPO / config).is_file() and 1024 <= int(assigned["DEMO_PORT"]) < 65536
@@ -43,17 +44,21 @@ def test_both_demo_configs_are_valid_for_two_ranks():
     assert runs[0].to_dict() == runs[1].to_dict()  # the same run; only the precision differs
 
 
-def fake_deepspeed(folder: Path, exit_code: int) -> dict:
-    """A ``deepspeed`` on PATH that records its arguments and environment, prints a rank's one
-    line (on failure), then the launcher's own last line, and exits with ``exit_code``."""
+LAUNCHER_LINE = "[ERROR] [launch.py:259:sigkill_handler] ['python', '-u', '-m', 'ds_mtraining.train', '--local_rank=1'] " \
+                "exits with return code = {code}"  # DeepSpeed 0.19.8's, after a rank's error
+
+
+def fake_deepspeed(folder: Path, exit_code: int, rank_line: str = "") -> dict:
+    """A ``deepspeed`` on PATH that records its arguments and environment, prints ``rank_line``
+    and then the launcher's own last line (on failure), and exits with ``exit_code``."""
     record = folder / "record.txt"
     script = folder / "deepspeed"
     script.write_text(f"""#!/usr/bin/env bash
 {{ echo "args: $*"; echo "DS_ACCELERATOR=${{DS_ACCELERATOR:-unset}}"; }} > {record}
 echo "step 1/30  loss 5.5"
 if [ {exit_code} -ne 0 ]; then
-  echo "ds_mtraining.train: configuration error: the rank's one line" >&2
-  echo "[ERROR] [launch.py:259:sigkill_handler] [...] exits with return code = {exit_code}" >&2
+  echo "{rank_line}" >&2
+  echo "{LAUNCHER_LINE.format(code=exit_code)}" >&2
 fi
 exit {exit_code}
 """)
@@ -61,9 +66,16 @@ exit {exit_code}
     return environment(PATH=f"{folder}{os.pathsep}{os.environ['PATH']}", CUDA_VISIBLE_DEVICES="")
 
 
-@pytest.mark.parametrize("exit_code", [0, 2])
-def test_demo_script_names_its_ranks_first_and_ends_with_the_rank_line(tmp_path, exit_code):
-    env = fake_deepspeed(tmp_path, exit_code)
+RANK_LINE = "ds_mtraining.train: configuration error: the rank's one line"
+
+
+@pytest.mark.parametrize("exit_code, rank_line, error", [
+    (0, "", ""),
+    (2, RANK_LINE, RANK_LINE),  # the rank's line alone: not the launcher's after it
+    (1, "RuntimeError: a rank's own crash", "RuntimeError: a rank's own crash\ndemo: a rank exited with code 1 and "
+                                            "the launcher stopped the others (the output above says why)")])
+def test_demo_script_names_its_ranks_first_and_ends_with_the_rank_line(tmp_path, exit_code, rank_line, error):
+    env = fake_deepspeed(tmp_path, exit_code, rank_line)
     done = subprocess.run(["bash", str(DEMO), "--steps", "5"], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == exit_code, done.stderr
@@ -72,11 +84,30 @@ def test_demo_script_names_its_ranks_first_and_ends_with_the_rank_line(tmp_path,
     record = (tmp_path / "record.txt").read_text()
     assert "DS_ACCELERATOR=cpu" in record and f"--deepspeed_config {placement.CPU_CONFIG}" in record
     assert "--quiet --num_gpus 2 --master_port" in record and record.splitlines()[0].endswith("--steps 5")
-    last = done.stderr.splitlines()[-1] if done.stderr else ""
-    if exit_code:  # the project's line last, after the launcher's
-        assert last == "ds_mtraining.train: configuration error: the rank's one line", done.stderr
-    else:
-        assert done.stderr == ""
+    assert done.stderr == error + "\n" * bool(error)
+
+
+def test_the_demos_second_run_is_one_line_before_any_launch(tmp_path):
+    """A SAVE_DIR holding a run (as DeepSpeed's save_checkpoint and the csv monitor leave it):
+    exactly one line on the terminal, naming --resume, --overwrite and SAVE_DIR, exit 2, and the
+    launcher never started; with --resume or --overwrite the launch goes ahead."""
+    save_dir = tmp_path / "demo"
+    (save_dir / "step30").mkdir(parents=True)
+    (save_dir / "latest").write_text("step30")
+    (save_dir / "metrics" / "mtraining").mkdir(parents=True)
+    (save_dir / "metrics" / "mtraining" / "Train_mtraining_loss.csv").write_text("step,loss\n30,4.2\n")
+    env = dict(fake_deepspeed(tmp_path, 0), SAVE_DIR=str(save_dir))
+    done = subprocess.run(["bash", str(DEMO)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stdout == "" and not (tmp_path / "record.txt").exists(), done
+    assert done.stderr == (f"demo: {save_dir} already holds a run (checkpoints up to step30 and metrics in "
+                           f"{save_dir / 'metrics' / 'mtraining'}); continue it with --resume (e.g. --resume --steps "
+                           f"60), start over with --overwrite (deletes them), or set SAVE_DIR=runs/other\n")
+    for flag in ("--resume", "--overwrite"):
+        done = subprocess.run(["bash", str(DEMO), flag], cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=120)
+        assert done.returncode == 0 and done.stderr == "", done
+        assert (tmp_path / "record.txt").read_text().splitlines()[0].endswith(f"--save_dir {save_dir} "
+                                                                             f"--save_interval 10 {flag}")
 
 
 def test_a_rank_without_a_gpu_gets_one_line(monkeypatch):

@@ -1,11 +1,16 @@
 """The rank's guard process (ds_mtraining.training.launcher_guard) with stand-in processes: a fake
 launcher (its command line names deepspeed) whose child spins in a busy loop, as a rank does inside
-DeepSpeed's shm collectives with the GIL held, where its watchdog thread cannot run."""
+DeepSpeed's shm collectives with the GIL held, where its watchdog thread cannot run. And where a
+rank that stops on purpose leaves its mark: in the run's folder, never the machine's."""
+import signal
 import subprocess
 import sys
+import textwrap
 import time
 
 import pytest
+
+from helpers import environment
 
 from ds_mtraining.training import launcher_guard
 
@@ -48,7 +53,7 @@ def test_guard_kills_a_spinning_rank_once_its_launcher_is_gone(tmp_path, rank):
         assert time.monotonic() - killed < launcher_guard.GRACE_S + 10
     finally:
         subprocess.run(["kill", "-9", str(rank_pid)], capture_output=True)
-        launcher_guard.stop_marker(rank_pid).unlink(missing_ok=True)
+    assert [p.name for p in tmp_path.iterdir()] == [launcher_guard.stop_marker(tmp_path, rank_pid).name]  # for peers
     lines = err.strip().splitlines()
     if rank == 0:
         assert lines == [f"ds_mtraining.train: the launcher (pid {launcher.pid}) is gone, so every rank stops (rank 0 "
@@ -67,3 +72,36 @@ def test_guard_leaves_a_rank_that_stops_by_itself_and_exits_with_it(tmp_path):
     launcher.kill()
     launcher.wait()
     assert guard.returncode == 0 and err == ""
+
+
+def test_a_rank_stopped_by_a_signal_marks_its_run_folder_and_the_next_run_clears_the_mark(tmp_path):
+    """A rank's watchdog on SIGTERM: one line, exit 128 + 15, and a stop marker for its peers in
+    SAVE_DIR (created if the run had saved nothing yet), nothing in the temporary folder. The next
+    run's watchdog clears the marks of processes that are gone, not those of live ones."""
+    save_dir, temp = tmp_path / "run", tmp_path / "tmp"
+    temp.mkdir()
+    code = textwrap.dedent(f"""
+        import time
+        from ds_mtraining.training.watchdog import Watchdog
+        Watchdog({str(save_dir)!r}, rank=0).start()
+        print("watching", flush=True)
+        time.sleep(60)
+    """)
+    rank = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=environment(TMPDIR=str(temp)))
+    assert rank.stdout.readline() == "watching\n"
+    rank.send_signal(signal.SIGTERM)
+    _, err = rank.communicate(timeout=30)
+    assert rank.returncode == 128 + signal.SIGTERM
+    assert err.splitlines() == [f"ds_mtraining.train: stopped by SIGTERM at step 0; no checkpoint in {save_dir.resolve()} yet"]
+    marker = launcher_guard.stop_marker(save_dir, rank.pid)
+    assert list(save_dir.iterdir()) == [marker] and not any(temp.iterdir())
+
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        launcher_guard.mark_stopped(save_dir, alive.pid)  # a live peer's: it may still be read
+        launcher_guard.clear_stop_markers(save_dir)
+        assert list(save_dir.iterdir()) == [launcher_guard.stop_marker(save_dir, alive.pid)]
+    finally:
+        alive.kill()
+        alive.wait()

@@ -30,6 +30,12 @@ def earlier_run(save_dir: str, metrics_dir: str | None) -> str | None:
     return " and ".join(found) or None
 
 
+def refusal(where: str, found: str, resume: str, elsewhere: str) -> str:
+    """The one line that refuses to train over an earlier run (``found``, from :func:`earlier_run`)."""
+    return (f"{where} already holds a run ({found}); continue it with {resume}, start over with --overwrite "
+            f"(deletes them), or {elsewhere}")
+
+
 def claim_save_dir(save_dir: str, metrics_dir: str | None, resume: bool, overwrite: bool, clear: bool):
     """Never trains over an earlier run by accident: a ``save_dir`` holding checkpoints or metrics
     needs ``--resume`` (continue it) or ``--overwrite`` (delete its checkpoints and metrics first,
@@ -40,8 +46,7 @@ def claim_save_dir(save_dir: str, metrics_dir: str | None, resume: bool, overwri
     if found is None:
         return
     if not overwrite:
-        raise ConfigError(f"--save_dir {save_dir} already holds a run ({found}); continue it with --resume, "
-                          f"start over with --overwrite (deletes them), or pass another --save_dir")
+        raise ConfigError(refusal(f"--save_dir {save_dir}", found, "--resume", "pass another --save_dir"))
     if clear:
         root = Path(save_dir)
         for path in root.iterdir():

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -73,10 +73,32 @@ def launcher_gone(pid: int, launchers: list[tuple[int, str]]) -> int | None:
     return None
 
 
-def stop_marker(pid: int) -> Path:
+STOP_MARKER = ".stopped-"  # + host-pid, in the run's SAVE_DIR
+
+
+def stop_marker(save_dir: str, pid: int) -> Path:
     """Left by a rank that stops on purpose (signal, launcher gone, a peer's death), so that its
-    peers on the node do not report it as a rank that died."""
-    return Path(tempfile.gettempdir()) / f"ds_mtraining-stopped-{pid}"
+    peers on the node do not report it as a rank that died. In the run's own folder, not the
+    machine's: peers read it after the rank is gone, so no process of the run can remove it
+    safely; the next run in that folder does (:func:`clear_stop_markers`). The host in the name:
+    ranks of several nodes may share the folder."""
+    return Path(save_dir) / f"{STOP_MARKER}{socket.gethostname()}-{pid}"
+
+
+def mark_stopped(save_dir: str, pid: int):
+    """Leaves ``pid``'s stop marker (the folder made if the run stops before its first save)."""
+    Path(save_dir).mkdir(parents=True, exist_ok=True)
+    stop_marker(save_dir, pid).touch()
+
+
+def clear_stop_markers(save_dir: str):
+    """Removes the markers of this host's processes that are gone or are this one: an earlier
+    run's (a pid may come back)."""
+    prefix = f"{STOP_MARKER}{socket.gethostname()}-"
+    for marker in Path(save_dir).glob(f"{prefix}*"):
+        pid = marker.name.removeprefix(prefix)
+        if not pid.isdigit() or int(pid) == os.getpid() or process_stat(int(pid)) is None:
+            marker.unlink(missing_ok=True)
 
 
 def last_checkpoint(save_dir: str) -> str:
@@ -94,8 +116,8 @@ def guard(rank_pid: int, rank: int, save_dir: str, launchers: list[tuple[int, st
             time.sleep(GRACE_S)
             if process_stat(rank_pid) is None:
                 return
-            stopping = stop_marker(rank_pid).exists()  # its watchdog ran and said so: no second line
-            stop_marker(rank_pid).touch()
+            stopping = stop_marker(save_dir, rank_pid).exists()  # its watchdog ran and said so: no second line
+            mark_stopped(save_dir, rank_pid)
             if rank == 0 and not stopping:
                 sys.stderr.write(f"ds_mtraining.train: the launcher (pid {gone}) is gone, so every rank stops (rank 0 "
                                  f"was stuck in a collective whose peer had stopped; killed); "

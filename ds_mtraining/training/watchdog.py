@@ -26,7 +26,8 @@ import threading
 import time
 
 from . import launcher_guard
-from .launcher_guard import last_checkpoint, launcher_processes, process_stat, stop_marker
+from .launcher_guard import (clear_stop_markers, last_checkpoint, launcher_processes, mark_stopped, process_stat,
+                             stop_marker)
 
 
 class Watchdog:
@@ -46,7 +47,7 @@ class Watchdog:
         read_fd, write_fd = os.pipe()
         os.set_blocking(write_fd, False)
         self._read_fd = read_fd
-        stop_marker(os.getpid()).unlink(missing_ok=True)  # a stale one of an earlier process
+        clear_stop_markers(self.save_dir)  # an earlier run's (this pid's among them)
         signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, lambda *_: None)  # handled by the thread, through the wakeup pipe
@@ -66,8 +67,8 @@ class Watchdog:
 
     # ------------------------------------------------------------------ checks
     def dead_peers(self) -> list[int]:
-        return sorted(rank for rank, pid in self.peers.items()
-                      if rank != self.rank and process_stat(pid) is None and not stop_marker(pid).exists())
+        return sorted(rank for rank, pid in self.peers.items() if rank != self.rank and process_stat(pid) is None
+                      and not stop_marker(self.save_dir, pid).exists())
 
     def launcher_gone(self) -> int | None:
         return launcher_guard.launcher_gone(os.getpid(), self.launchers)
@@ -121,7 +122,7 @@ class Watchdog:
     def stop(self, what: str, code: int, printer: int):
         with self._lock:  # one message per process, even if the thread and the main thread both get here
             try:
-                stop_marker(os.getpid()).touch()
+                mark_stopped(self.save_dir, os.getpid())
             except OSError:
                 pass
             if self.rank == printer:
