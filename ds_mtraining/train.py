@@ -329,7 +329,10 @@ def train(args, watchdog: Watchdog | None = None) -> dict:
     where = monitor_dir(ds_config)
     if where:
         progress.print(f"metrics:    {Path(where).resolve()}")
-    if not args.no_checkpoint:
+    if args.export_hf:  # the export is the step after the checkpoint: what comes next is its evaluation
+        progress.print(f"next:       evaluate it: python -m ds_mtraining.eval {args.export_hf}"
+                       + (f"; more steps: --resume --steps {2 * step}" if not args.no_checkpoint else ""))
+    elif not args.no_checkpoint:
         progress.print(f"next:       more steps: --resume --steps {2 * step}; a Hugging Face model: --resume "
                        f"--steps {step} --export_hf DIR, then python -m ds_mtraining.eval DIR")
     return {"losses": history, "step": step, "model": model}  # (the model: for in-process callers, tests)

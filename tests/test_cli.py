@@ -313,6 +313,12 @@ def test_continued_training_exports_the_trained_model(workspace, trained):
     assert all(trained.count(f"compiling {what}") <= 1 for what in ("the mtraining_cpu op", "DeepSpeed's shm")), \
         trained[-3000:]
     assert "tokenizing: 100%" in trained and "Loading weights: 100%" in trained, trained[-3000:]
+    # what comes after an export is its evaluation, of that folder
+    assert f"next:       evaluate it: python -m ds_mtraining.eval {workspace / 'export'}; more steps: --resume " \
+           f"--steps 6\n" in trained, trained[-3000:]
+    # on a machine without a GPU, the memory line names none
+    [memory] = [line for line in trained.splitlines() if line.startswith("ds_mtraining: memory: ")]
+    assert torch.cuda.is_available() or "GPU" not in memory, memory
 
 
 @pytest.mark.slow

@@ -75,6 +75,43 @@ def test_passkey_grid_scores_an_oracle_and_a_wrong_decoder():
     assert wrong["accuracy"] == [[0.0]]
 
 
+@pytest.mark.parametrize("answers, expected", [
+    ([" 11111.", " 22222"], "2 of 2 hidden keys repeated exactly by the greedy answer"),
+    ([" 11111.", " 99999"], "1 of 2 hidden keys repeated exactly by the greedy answer; 1 answered another number; "
+                            "a model trained with passkey samples"),
+    (["eeeeeee", "\n\n"], "0 of 2 hidden keys repeated exactly by the greedy answer; no answer starts with a number "
+                           "(the first: 'eeeeeee'): the model has not learned to answer yet, as after a short run; a "
+                           "model trained with passkey samples (passkey_fraction in mtraining.data) at these lengths "
+                           "retrieves most keys: docs/RESULTS.md#quality")])
+def test_passkey_figure_is_said_in_words(answers, expected):
+    """Keys 11111 and 22222, answered by hand: all right; one wrong number; letters only (what an
+    untrained byte-level model generates)."""
+    from ds_mtraining.eval.passkey import describe_retrieval
+    trials = [{"key": key, "generated": answer, "correct": exact_match(answer, key)}
+              for key, answer in zip(("11111", "22222"), answers)]
+    assert describe_retrieval({"trials": trials}).startswith(expected)
+
+
+def test_eval_command_says_what_the_passkey_figure_means_for_its_model(tmp_path, capsys):
+    """``python -m ds_mtraining.eval`` on an untrained tiny model (as a short demo run exports it):
+    the passkey line gives the figure and, beside it, how many keys its trials (passkey.json)
+    retrieved and what the model answered instead."""
+    from ds_mtraining.eval.cli import main
+    tiny_model("qwen2", attn="sdpa").save_pretrained(tmp_path / "model")
+    (tmp_path / "text.jsonl").write_text("".join(json.dumps({"text": TOKENIZER.decode(text_tokens(1500).numpy())})
+                                                 + "\n" for _ in range(2)))
+    main([str(tmp_path / "model"), "--tasks", "passkey", "--lengths", "300", "--depths", "0,1", "--trials", "1",
+          "--data", str(tmp_path / "text.jsonl"), "--tokenizer", "bytes", "--device", "cpu", "--no_progress",
+          "--out", str(tmp_path / "out")])
+    trials = json.loads((tmp_path / "out" / "passkey.json").read_text())["trials"]
+    assert not any(trial["correct"] or trial["generated"].lstrip()[:1].isdigit() for trial in trials), trials
+    [line] = [line for line in capsys.readouterr().out.splitlines() if line.startswith("passkey_accuracy:")]
+    assert line == (f"passkey_accuracy: 0.0 (0 of 2 hidden keys repeated exactly by the greedy answer; no answer "
+                    f"starts with a number (the first: {trials[0]['generated']!r}): the model has not learned to "
+                    f"answer yet, as after a short run; a model trained with passkey samples (passkey_fraction in "
+                    f"mtraining.data) at these lengths retrieves most keys: docs/RESULTS.md#quality)"), line
+
+
 def test_passkey_training_sample_asking_several_times():
     tokens = text_tokens(2049).numpy().astype(np.int64)
     sample = passkey_training_sample(tokens, TOKENIZER, np.random.default_rng(5), questions=4)

@@ -21,7 +21,7 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2MLP
 
 from ds_mtraining.distributed import run_on_ranks
 from ds_mtraining.training import ConfigError
-from ds_mtraining.training.memory import HOST_MEMORY_ENV, CheckpointOffload, HostMemoryError, OutOfMemory, \
+from ds_mtraining.training.memory import ALLOC_CONF, HOST_MEMORY_ENV, CheckpointOffload, HostMemoryError, OutOfMemory, \
     gpu_need_gib, out_of_memory_line, plan_memory, tile_mlps, tiled_mlp
 from ds_mtraining.training.run_config import load_run_config, parse_run_config
 from helpers import REPO
@@ -195,6 +195,7 @@ def test_host_check_chooses_n_and_refuses_with_the_numbers(monkeypatch):
     buckets + 33.0 GiB of transients = 129.5 GiB, x 1.05 + 4 = 140.0 > 139.8 with 14), none at
     256K; with a 24 GiB reserve the host holds 12 and the line says the GPU will not fit. 40 GiB
     of host refuses before anything else; 17 layers given refuses naming 16."""
+    monkeypatch.delenv(ALLOC_CONF, raising=False)  # (a plan for CUDA sets it: not for the tests after this one)
     monkeypatch.setenv(HOST_MEMORY_ENV, "125")
     run, ds_config = e2e_run(1 << 20, host_reserve_gib=8)
     plan = plan_memory(run, ds_config, 1, cuda=True, gpu_gib=139.8)
@@ -229,6 +230,25 @@ def test_host_check_chooses_n_and_refuses_with_the_numbers(monkeypatch):
     assert plan_memory(e2e_run(1 << 20)[0], ds_config, 1, cuda=False).offload_layers == 0  # auto: CUDA only
 
 
+@pytest.mark.parametrize("checkpointing, offload, expected", [
+    (False, "auto", "no activation checkpoints (mtraining.gradient_checkpointing false)"),
+    (True, "auto", "checkpoints in memory (auto: off without CUDA)"),
+    (True, "none", "checkpoints in memory (none)"),
+    (True, 1, "checkpoints of the first 1 of 2 layers to host memory (CPU: plain copies) (offload_checkpoints=1)")])
+def test_a_cpu_run_says_no_gpu_in_its_memory_line(monkeypatch, checkpointing, offload, expected):
+    """The demo's run (2 layers) as on a machine without a GPU: no GPU in the line, whatever the
+    settings; each says where the checkpoints are, or that there are none."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv(ALLOC_CONF, raising=False)
+    section = dict(json.loads(DEMO_CONFIG.read_text())["mtraining"], gradient_checkpointing=checkpointing,
+                   memory={"offload_checkpoints": offload})
+    config = dict(json.loads(DEMO_CONFIG.read_text()), mtraining=section)
+    run, ds_config = load_run_config(config, 2)
+    line = plan_memory(run, ds_config, 2).describe()
+    assert line.startswith(f"ds_mtraining: memory: MLP untiled; {expected}; host: ") and "GPU" not in line, line
+    assert line.endswith("; no CUDA allocator (CPU)")
+
+
 def test_cli_refuses_a_host_too_small_in_one_line(tmp_path):
     """The entry point with HOST_MEMORY_ENV=20 (GiB) and the 3B shape: exit 2 with one line naming
     the numbers, before any process group (no second rank needed)."""
@@ -246,13 +266,11 @@ def test_cli_refuses_a_host_too_small_in_one_line(tmp_path):
     assert "> 20.0 GiB available (DS_MTRAINING_HOST_MEMORY_GIB)" in last
 
 
-def test_out_of_memory_line_names_length_peak_and_setting():
+def test_out_of_memory_line_names_length_peak_and_setting(monkeypatch):
     run, ds_config = e2e_run(1 << 20, host_reserve_gib=8)
-    os.environ[HOST_MEMORY_ENV] = "125"
-    try:
-        plan = plan_memory(run, ds_config, 1, cuda=True, gpu_gib=139.8)
-    finally:
-        del os.environ[HOST_MEMORY_ENV]
+    monkeypatch.delenv(ALLOC_CONF, raising=False)  # (a plan for CUDA sets it: not for the tests after this one)
+    monkeypatch.setenv(HOST_MEMORY_ENV, "125")
+    plan = plan_memory(run, ds_config, 1, cuda=True, gpu_gib=139.8)
     error = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 10.75 GiB. GPU 0 has a total capacity "
                                    "of 139.80 GiB of which 1.2 GiB is free.")
     line = out_of_memory_line(error, run, plan, 2)

@@ -122,12 +122,13 @@ def run_eval(args, console=None) -> dict:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
     from . import plots
     from .model_recall import model_recall
-    from .passkey import passkey_grid
+    from .passkey import describe_retrieval, passkey_grid
     from .position_loss import loss_by_position, loss_windows
     from .runtime import (data_spec, greedy_generate, heldout_stream, load_eval_tokenizer, load_model,
                           resolve_device, resolve_dtype, set_attention, sparse_config)
 
     console = console or Console(soft_wrap=True)
+    meaning = {}  # what a figure says of this model, printed beside it
     out = fresh_directory(args.out)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
@@ -162,6 +163,7 @@ def run_eval(args, console=None) -> dict:
             plots.passkey_heatmap(result, out / "passkey.png", f"passkey retrieval ({args.attention} attention)")
             summary["files"]["passkey_png"] = "passkey.png"
             summary["passkey_accuracy"] = result["mean_accuracy"]
+            meaning["passkey_accuracy"] = describe_retrieval(result)
         if "loss" in args.tasks:
             advance = bar("loss", args.loss_windows)
             if stats is not None:
@@ -185,7 +187,8 @@ def run_eval(args, console=None) -> dict:
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     for key in ("passkey_accuracy", "loss", "recall"):
         if key in summary:
-            console.print(f"{key}: {summary[key]}", highlight=False)
+            console.print(f"{key}: {summary[key]}" + (f" ({meaning[key]})" if key in meaning else ""),
+                          highlight=False)
     console.print(f"results: {out.resolve()}", highlight=False)
     return summary
 

@@ -65,3 +65,22 @@ def passkey_grid(generate, tokenizer, stream: np.ndarray, lengths, depths, trial
                     advance()
     return {"lengths": [int(x) for x in lengths], "depths": [float(d) for d in depths],
             "accuracy": accuracy.tolist(), "trials": [vars(r) for r in records]}
+
+
+def describe_retrieval(result: dict) -> str:
+    """What :func:`passkey_grid`'s figure says of the model just evaluated, in words: the figure
+    alone (0.0) reads like a broken export, where a model trained for a few steps cannot retrieve
+    yet."""
+    trials = result["trials"]
+    correct = sum(trial["correct"] for trial in trials)
+    numbers = sum(re.match(r"\s*\d", trial["generated"]) is not None for trial in trials)
+    text = f"{correct} of {len(trials)} hidden keys repeated exactly by the greedy answer"
+    if correct == len(trials):
+        return text
+    if numbers == 0:
+        text += (f"; no answer starts with a number (the first: {trials[0]['generated']!r}): the model has not "
+                 f"learned to answer yet, as after a short run")
+    else:
+        text += f"; {numbers - correct} answered another number"
+    return text + ("; a model trained with passkey samples (passkey_fraction in mtraining.data) at these lengths "
+                   "retrieves most keys: docs/RESULTS.md#quality")

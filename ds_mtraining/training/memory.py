@@ -53,6 +53,7 @@ EXPANDABLE = "expandable_segments:True"
 # a test hook: the host's available memory in GiB instead of /proc/meminfo's MemAvailable
 HOST_MEMORY_ENV = "DS_MTRAINING_HOST_MEMORY_GIB"
 CPU_ONLY = "no CUDA allocator (CPU)"
+CHECKPOINTING_OFF = "checkpointing off"  # the offload choice without activation checkpointing
 
 
 class HostMemoryError(ConfigError):
@@ -255,6 +256,7 @@ class MemoryPlan:
     offload_layers: int
     offload_choice: str  # how offload_layers was chosen
     alloc_conf: str  # what PYTORCH_CUDA_ALLOC_CONF is, and who set it
+    cuda: bool  # the ranks run on GPUs (else on the CPU: no GPU memory to speak of)
     host: dict = field(default_factory=dict)  # GiB: available, optimizer, checkpoints, reserve
     gpu: dict = field(default_factory=dict)  # GiB: analytic resident memory per rank
     gpu_total_gib: float | None = None  # the GPU's memory (None on CPU)
@@ -266,12 +268,14 @@ class MemoryPlan:
     def describe(self) -> str:
         """The run's first line: each memory setting and why."""
         mlp = (f"tiled MLP ({self.mlp_chunk_tokens}-token chunks)" if self.tiled_mlp else "MLP untiled")
-        if self.offload_layers:
-            where = "pinned host memory" if self.alloc_conf != CPU_ONLY else "host memory (CPU: plain copies)"
+        if self.offload_choice == CHECKPOINTING_OFF:
+            offload = f"no activation checkpoints ({MTRAINING_KEY}.gradient_checkpointing false)"
+        elif self.offload_layers:
+            where = "pinned host memory" if self.cuda else "host memory (CPU: plain copies)"
             offload = (f"checkpoints of the first {self.offload_layers} of {self.num_layers} layers to {where} "
                        f"({self.offload_choice})")
         else:
-            offload = f"checkpoints on the GPU ({self.offload_choice})"
+            offload = f"checkpoints {'on the GPU' if self.cuda else 'in memory'} ({self.offload_choice})"
         host = self.host
         need = (f"host: optimizer {host['optimizer_gib']:.1f} + checkpoints {host['checkpoints_gib']:.1f} + reserve "
                 f"{host['reserve_gib']:.1f} of {host['available_gib']:.1f} GiB available ({host['source']})")
@@ -380,7 +384,7 @@ def plan_memory(run, ds_config: dict, world_size: int, cuda: bool | None = None,
             f"optimizer over all ranks), fewer parameters, or lower {SECTION}.host_reserve_gib")
     offload = settings.offload_checkpoints
     if not run.gradient_checkpointing or offload in ("none", 0):
-        count, choice = 0, "none" if run.gradient_checkpointing else "checkpointing off"
+        count, choice = 0, "none" if run.gradient_checkpointing else CHECKPOINTING_OFF
     elif offload == "auto":
         count, choice = 0, "auto: off without CUDA"
     else:
@@ -396,7 +400,7 @@ def plan_memory(run, ds_config: dict, world_size: int, cuda: bool | None = None,
     alloc = alloc_conf_setting(settings.expandable_segments, cuda)
     plan = MemoryPlan(settings=settings.to_dict(), num_layers=layers, parameters=parameters, tokens_per_rank=tokens,
                       tiled_mlp=tiled, mlp_chunk_tokens=settings.mlp_chunk_tokens, offload_layers=count,
-                      offload_choice=choice, alloc_conf=alloc)
+                      offload_choice=choice, alloc_conf=alloc, cuda=cuda)
 
     def estimate(offloaded: int) -> tuple[dict, dict]:
         plan.offload_layers = offloaded
