@@ -98,8 +98,8 @@ from ds_mtraining.distributed import ParallelConfigError, initialize_groups, shu
 from ds_mtraining.distributed.shm import release_shm_buffer
 from ds_mtraining.training import MTRAINING_KEY, ConfigError
 from ds_mtraining.training.export import export_hf
-from ds_mtraining.training.memory import CheckpointOffload, OutOfMemory, host_memory_now, out_of_memory_line, \
-    plan_memory, tile_mlps
+from ds_mtraining.training.memory import CheckpointOffload, OutOfMemory, enable_checkpointing, host_memory_now, \
+    out_of_memory_line, plan_memory, tile_mlps
 from ds_mtraining.training.checkpoint import claim_save_dir, continue_metrics, resume_checkpoint, save_checkpoint
 from ds_mtraining.training.model import (MTrainingCausalLM, build_model, model_config, random_init_device,
                                          use_fused_kernels)
@@ -244,7 +244,7 @@ def train(args, watchdog: Watchdog | None = None) -> dict:
         use_mtraining_attention(model, MTrainingAttentionSettings.from_groups(
             run.sparse, groups, stats, pattern, run.keep_attention_output, dense.name if dense else "sdpa"))
     if run.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model)
     module = MTrainingCausalLM(model, groups.sequence_group, run.loss_chunk_tokens,
                                fused_loss=fused_off is None).train()
 

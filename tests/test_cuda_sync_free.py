@@ -26,6 +26,7 @@ from ds_mtraining.documents import doc_start_from_cu_seqlens
 from ds_mtraining.estimator.rule import estimate_vertical_slash
 from ds_mtraining.layer import AttentionStats, IndexCache, MTrainingAttentionSettings, striped_sparse_attention
 from ds_mtraining.layout import StripedLayout
+from ds_mtraining.training.memory import enable_checkpointing
 from helpers import differing_entries
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -106,8 +107,7 @@ def _tiny_qwen2_on_gpu(checkpointing: str | None, keep_output: bool = False):
     settings = MTrainingAttentionSettings(CONFIG, stats=AttentionStats(), keep_output=keep_output)
     use_mtraining_attention(model, settings)
     if checkpointing is not None:
-        model.gradient_checkpointing_enable(  # the name transformers 5.17 (the GPU machine) knows
-            gradient_checkpointing_kwargs={"use_reentrant": checkpointing == "reentrant"})
+        enable_checkpointing(model, reentrant=checkpointing == "reentrant")
     return model, settings
 
 

@@ -16,6 +16,7 @@ from ds_mtraining.distributed import initialize_groups, run_on_ranks
 from ds_mtraining.hf import check_model_config, use_mtraining_attention
 from ds_mtraining.layer import AttentionStats, MTrainingAttentionSettings
 from ds_mtraining.layout import StripedLayout
+from ds_mtraining.training.memory import enable_checkpointing
 from ds_mtraining.training.model import MTrainingCausalLM
 
 WORLD, BLOCK, SEQ = 2, 64, 512  # SEQ: the length of helpers.sequence()
@@ -57,7 +58,7 @@ def _full_index_worker(rank, world):
         ring_calls = []
         loop.ring_forward = lambda *a, **kw: ring_calls.append(1) or ring_forward(*a, **kw)
         model = tiny_model("qwen2")
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        enable_checkpointing(model, reentrant)
         settings = MTrainingAttentionSettings.from_groups(FULL, groups, keep_output=True)
         loss = _mtraining_loss(model.train(), settings, groups.sequence_group, rank, input_ids, labels)
         loss.backward()

@@ -6,12 +6,14 @@ What a CPU run cannot exercise: pinned host buffers, the side stream and the ove
 copies with compute (on CPU the offload copies into a separate CPU tensor, synchronously), and
 liger-kernel's SwiGLU (Triton, CUDA only): the tiles wrap a module forward set on the instance
 the way liger's patch sets it, here plain torch."""
+import ast
 import copy
 import json
 import os
 import subprocess
 import sys
 import types
+import warnings
 
 import pytest
 import torch
@@ -22,7 +24,7 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2MLP
 from ds_mtraining.distributed import run_on_ranks
 from ds_mtraining.training import ConfigError
 from ds_mtraining.training.memory import ALLOC_CONF, HOST_MEMORY_ENV, CheckpointOffload, HostMemoryError, OutOfMemory, \
-    gpu_need_gib, out_of_memory_line, plan_memory, tile_mlps, tiled_mlp
+    enable_checkpointing, gpu_need_gib, out_of_memory_line, plan_memory, tile_mlps, tiled_mlp
 from ds_mtraining.training.run_config import load_run_config, parse_run_config
 from helpers import REPO
 
@@ -38,6 +40,47 @@ def liger_style(mlp):
     (here in torch: silu(gate) * up, then down)."""
     mlp.forward = types.MethodType(lambda self, x: self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)), mlp)
     return mlp
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpointing_recomputes_each_layer_and_warns_nothing(reentrant):
+    """enable_checkpointing with every FutureWarning an error (transformers 5.24 deprecates
+    ``gradient_checkpointing_enable`` in each call): each decoder layer's MLP runs twice per step
+    (the forward and its recompute) and the gradients equal those without checkpointing."""
+    def step(checkpointing: bool):
+        torch.manual_seed(0)
+        model = Qwen2ForCausalLM(Qwen2Config(**TINY)).double().train()
+        if checkpointing:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", FutureWarning)
+                enable_checkpointing(model, reentrant)
+        calls = []
+        for layer in model.model.layers:
+            layer.mlp.register_forward_pre_hook(lambda *_: calls.append(1))  # (the recompute stops inside it)
+        ids = torch.randint(0, TINY["vocab_size"], (1, 32), generator=torch.Generator().manual_seed(1))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", FutureWarning)
+            model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        return len(calls), {name: param.grad for name, param in model.named_parameters()}
+
+    (plain_calls, expected), (calls, grads) = step(False), step(True)
+    assert (plain_calls, calls) == (TINY["num_hidden_layers"], 2 * TINY["num_hidden_layers"])
+    for name, grad in expected.items():
+        torch.testing.assert_close(grads[name], grad, rtol=0, atol=1e-12, msg=name)
+
+
+def test_the_project_enables_checkpointing_only_through_one_function():
+    """No call of the deprecated name in the package, its scripts or its tests but
+    enable_checkpointing's own fallback (for transformers 5.17). (examples/common.py still calls it:
+    its --gradient_checkpointing, which no test runs, warns.)"""
+    calls = []
+    for folder in ("ds_mtraining", "scripts", "tests"):
+        for path in sorted((REPO / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                        and node.func.attr == "gradient_checkpointing_enable"):
+                    calls.append(str(path.relative_to(REPO)))
+    assert calls == ["ds_mtraining/training/memory.py"]
 
 
 @pytest.mark.parametrize("style", ["hf", "liger_style"])
@@ -81,7 +124,7 @@ def _mlp_rows(model) -> dict:
 def tiny_model(layers: int = 3):
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(Qwen2Config(**{**TINY, "num_hidden_layers": layers})).double().train()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_checkpointing(model)
     return model
 
 

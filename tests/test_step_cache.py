@@ -10,6 +10,7 @@ from ds_mtraining import SparseConfig, ops
 from ds_mtraining.layer import attention as layer
 from ds_mtraining.hf import use_mtraining_attention
 from ds_mtraining.layer import AttentionStats, IndexCache, MTrainingAttentionSettings
+from ds_mtraining.training.memory import enable_checkpointing
 
 CONFIG = SparseConfig(block_size=64, last_q=64, p_vertical=0.5, p_slash=0.5, max_vertical=16,
                       max_slash_diagonals=2)
@@ -30,8 +31,7 @@ def train_steps(monkeypatch, checkpointing: str | None, batches, micro_batches: 
     monkeypatch.setattr(ops, "attention_forward", lambda *a, **kw: kernel_calls.append(1) or real_forward(*a, **kw))
     use_mtraining_attention(model, settings)
     if checkpointing is not None:
-        model.gradient_checkpointing_enable(  # the name transformers 5.17 (the GPU machine) knows
-            gradient_checkpointing_kwargs={"use_reentrant": checkpointing == "reentrant"})
+        enable_checkpointing(model, reentrant=checkpointing == "reentrant")
     counted = []
     real = layer.estimate_index
     monkeypatch.setattr(layer, "estimate_index", lambda *a, **kw: counted.append(1) or real(*a, **kw))

@@ -9,6 +9,7 @@
   per step, as untiled; DeepSpeed's ``TiledMLP.forward`` saves its input after the chunks, and its
   MLP runs three times (:class:`TiledMLPFunction`). It wraps whatever forward the MLP module has,
   HF's or liger-kernel's SwiGLU.
+* **activation checkpointing** (:func:`enable_checkpointing`): HF's, of each decoder layer.
 * **checkpoint offload** (:class:`CheckpointOffload`): the inputs that activation checkpointing saves
   per decoder layer (the hidden states, [B, S/W, hidden]) of the first N layers go to pinned host
   memory on a side stream during the forward and come back, one layer ahead, during the
@@ -167,7 +168,19 @@ def tile_mlps(model, chunk_tokens: int) -> int:
     return count
 
 
-# ----------------------------------------------------------------------------- checkpoint offload
+# ----------------------------------------------------------------------------- checkpointing and its offload
+def enable_checkpointing(model, reentrant: bool = False):
+    """Recomputes each decoder layer of the HF ``model`` in the backward (torch's checkpoint,
+    ``use_reentrant=reentrant``): ``activation_checkpointing_enable`` where transformers has it
+    (5.24 deprecates the older ``gradient_checkpointing_enable`` with a FutureWarning in every
+    call), else the older name (5.17 knows no other)."""
+    kwargs = {"use_reentrant": reentrant}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 def _offload_base():
     from deepspeed.runtime.activation_checkpointing.offload_activations import CheckpointHiddenStatesOffload
     return CheckpointHiddenStatesOffload
