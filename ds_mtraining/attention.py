@@ -13,6 +13,7 @@ import torch
 from . import ops
 from .documents import check_doc_start
 from .index import SparseIndex, Stripe
+from .window import window_key_start
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -75,9 +76,10 @@ class SparseAttentionFunction(torch.autograd.Function):
 
 
 def sparse_attention_with_lse(q, k, v, index: SparseIndex, softmax_scale: float | None = None, *,
-                              doc_start: torch.Tensor | None = None, kept=None):
+                              doc_start: torch.Tensor | None = None, window: int | None = None, kept=None):
     """Sparse causal attention of q [B, S, H, D] over k, v [B, S, Hkv, D] on ``index``; with
-    ``doc_start`` [B, S] (ds_mtraining.documents) each query sees only its own document.
+    ``doc_start`` [B, S] (ds_mtraining.documents) each query sees only its own document; with
+    ``window`` only the last ``window`` keys up to itself (:mod:`ds_mtraining.window`).
     ``kept``: (out, lse) that this call returned before, for the same inputs (activation
     checkpointing's recompute): returned with the backward attached, no kernel runs.
 
@@ -85,11 +87,13 @@ def sparse_attention_with_lse(q, k, v, index: SparseIndex, softmax_scale: float 
     check_attention_inputs(q, k, v, index)
     if doc_start is not None:
         doc_start = check_doc_start(doc_start, q.shape[0], q.shape[1], q.device)
+    if window is not None:
+        doc_start = window_key_start(window, q.shape[0], q.shape[1], q.device, doc_start)
     scale = resolve_softmax_scale(q.shape[-1], softmax_scale)
     return SparseAttentionFunction.apply(q, k, v, index, scale, doc_start, kept)
 
 
 def sparse_attention(q, k, v, index: SparseIndex, softmax_scale: float | None = None, *,
-                     doc_start: torch.Tensor | None = None):
+                     doc_start: torch.Tensor | None = None, window: int | None = None):
     """Like :func:`sparse_attention_with_lse`, returning only the output."""
-    return sparse_attention_with_lse(q, k, v, index, softmax_scale, doc_start=doc_start)[0]
+    return sparse_attention_with_lse(q, k, v, index, softmax_scale, doc_start=doc_start, window=window)[0]

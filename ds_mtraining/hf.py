@@ -28,31 +28,75 @@ from transformers import AttentionInterface, PreTrainedModel
 from .attention import resolve_softmax_scale
 from .dense_backend import dense_causal_attention
 from .layer import IndexCache, MTrainingAttentionSettings, striped_sparse_attention
+from .ops import CUDA_HEAD_DIMS
 
 ATTENTION_NAME = "mtraining"
 SETTINGS_ATTRIBUTE = "mtraining_settings"
 INDEX_CACHE_ATTRIBUTE = "mtraining_index_cache"  # the module's IndexCache (one estimation per step)
 
 
+# Every keyword transformers passes to an attention function, and what MTraining does with it
+# (tests/test_hf_keywords.py walks the installed transformers' model sources against these).
+# Honoured: applied as the model means it (the function's own parameters).
+HONOURED_KEYWORDS = ("scaling", "dropout", "sliding_window", "position_ids", "is_causal", "doc_start")
+# Carried along by the model's forward with no bearing on attention's result.
+INERT_KEYWORDS = ("use_cache", "output_hidden_states", "output_router_logits", "num_items_in_batch",
+                  "deterministic", "max_length_q", "max_length_k")
+# Refused when set (not None or False): each names the feature and what to do instead.
+REFUSED_KEYWORDS = {
+    "softcap": "attention logit soft-capping (the config's attn_logit_softcapping) is not in MTraining's "
+               "kernels yet",
+    "s_aux": "attention sinks (a learned per-head logit) are not in MTraining's kernels yet",
+    "sinks": "attention sinks (a learned per-head logit) are not in MTraining's kernels yet",
+    "position_bias": "an additive position bias (T5-style) is not supported by MTraining's kernels",
+    "indices": "a learned sparse-attention index (DeepSeek-style) cannot be combined with MTraining's own",
+    "block_indices": "a learned sparse-attention index cannot be combined with MTraining's own",
+    "cu_seq_lens_q": "packed documents reached the attention unstriped; wrap the loader with mt.loader(...) "
+                     "(it turns them into doc_start)",
+    "cu_seq_lens_k": "packed documents reached the attention unstriped; wrap the loader with mt.loader(...)",
+    "seq_idx": "packed documents reached the attention unstriped; wrap the loader with mt.loader(...)",
+    "output_attentions": "attention weights are never materialised; run without output_attentions",
+    "query": "query/key/value passed by name: not a decoder's self-attention",
+    "key": "query/key/value passed by name: not a decoder's self-attention",
+    "value": "query/key/value passed by name: not a decoder's self-attention",
+}
+
+
+def refuse_keywords(module: torch.nn.Module, keywords: dict) -> None:
+    """One ValueError line for the first keyword that is set and neither honoured nor inert."""
+    for name, value in keywords.items():
+        if name in INERT_KEYWORDS or value is None or value is False:
+            continue
+        reason = REFUSED_KEYWORDS.get(name, "MTraining attention does not know this keyword, so it cannot "
+                                            "apply it; train this model with another attention")
+        raise ValueError(f"{type(module).__name__} passes {name}={_shown(value)} to its attention: {reason}")
+
+
+def _shown(value) -> str:
+    return f"<tensor {tuple(value.shape)}>" if isinstance(value, torch.Tensor) else repr(value)
+
+
 def mtraining_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                                 value: torch.Tensor, attention_mask, scaling: float | None = None,
-                                dropout: float = 0.0, sliding_window=None, position_ids=None,
-                                doc_start=None, **kwargs):
+                                dropout: float = 0.0, sliding_window: int | None = None, position_ids=None,
+                                is_causal: bool | None = None, doc_start=None, **kwargs):
     """transformers attention function: (out [B, S/W, H, D], None). ``doc_start`` (document
-    masking, :mod:`ds_mtraining.documents`) arrives as a keyword of the model's forward."""
+    masking, :mod:`ds_mtraining.documents`) arrives as a keyword of the model's forward; a layer's
+    ``sliding_window`` runs its band exactly (:mod:`ds_mtraining.window`); any other keyword is
+    honoured or refused (:data:`REFUSED_KEYWORDS`), never dropped."""
     settings = getattr(module, SETTINGS_ATTRIBUTE, None)
     if settings is None:
         raise RuntimeError(f"{type(module).__name__} runs attention '{ATTENTION_NAME}' but has no "
                            f"settings; enable it with ds_mtraining.hf.use_mtraining_attention(model, settings)")
+    refuse_keywords(module, kwargs)
     if attention_mask is not None:
         raise ValueError("MTraining attention takes no attention mask: pack documents instead of padding "
                          "them, and pass doc_start (ds_mtraining.documents) to mask across documents")
     if dropout:
         raise ValueError(f"attention dropout {dropout} is not supported; set the model config's "
                          f"attention_dropout to 0")
-    if sliding_window is not None:
-        raise ValueError(f"sliding-window attention (window {sliding_window}) is not supported; "
-                         f"set the model config's use_sliding_window to false")
+    if is_causal is False or getattr(module, "is_causal", True) is False:
+        raise ValueError(f"{type(module).__name__} is not causal; MTraining attention is causal only")
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     cache = getattr(module, INDEX_CACHE_ATTRIBUTE, None)
     if cache is None:
@@ -60,15 +104,23 @@ def mtraining_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
         setattr(module, INDEX_CACHE_ATTRIBUTE, cache)
     out = striped_sparse_attention(q.contiguous(), k.contiguous(), v.contiguous(), settings,
                                    softmax_scale=scaling, position_ids=position_ids, cache=cache,
-                                   doc_start=doc_start)
+                                   doc_start=doc_start, window=sliding_window)
     return out, None
 
 
 AttentionInterface.register(ATTENTION_NAME, mtraining_attention_forward)
 
 
-def check_model_config(config, key: str = "mtraining.model") -> None:
-    """Raises ValueError naming the model config field when MTraining attention cannot run it."""
+def config_head_dim(config) -> int:
+    """The attention head size of a transformers config (its head_dim, or hidden / heads)."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def check_model_config(config, key: str = "mtraining.model", device_type: str | None = None) -> None:
+    """Raises ValueError, one line naming the model config field, when MTraining cannot train
+    the model ``config`` describes exactly: its attention or its LM head has a feature that
+    MTraining's attention or loss would otherwise drop. ``device_type`` ``"cuda"`` also checks
+    what the CUDA kernels are built for (:data:`ds_mtraining.ops.CUDA_HEAD_DIMS`)."""
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     if heads % kv_heads != 0:
@@ -79,11 +131,49 @@ def check_model_config(config, key: str = "mtraining.model") -> None:
     if getattr(config, "head_dim", None) is None and config.hidden_size % heads != 0:
         raise ValueError(f"{key}: hidden_size={config.hidden_size} is not divisible by "
                          f"num_attention_heads={heads}; choose a divisor or set head_dim")
-    if getattr(config, "use_sliding_window", False):
-        raise ValueError(f"{key}: use_sliding_window=true is not supported by MTraining attention; "
-                         f"set it to false")
+    for field, feature in (("attn_logit_softcapping", "attention logit soft-capping"),
+                           ("final_logit_softcapping", "soft-capping of the LM head's logits")):
+        if getattr(config, field, None):
+            raise ValueError(f"{key}: {field}={getattr(config, field)}: {feature} is not in MTraining yet "
+                             f"(refused rather than trained without it, which would be another model)")
     if getattr(config, "attention_dropout", 0.0):
         raise ValueError(f"{key}: attention_dropout={config.attention_dropout} is not supported; set it to 0")
+    if getattr(config, "is_causal", True) is False:
+        raise ValueError(f"{key}: is_causal=false; MTraining attention is causal only")
+    head_dim = config_head_dim(config)
+    if device_type == "cuda" and head_dim not in CUDA_HEAD_DIMS:
+        raise ValueError(f"{key}: head_dim={head_dim}: MTraining's CUDA kernels take head_dim {list(CUDA_HEAD_DIMS)}; "
+                         f"train a model with one of those, or on CPU")
+
+
+def training_device_type() -> str:
+    """The device type this process trains on: DeepSpeed's accelerator's (``"cuda"``, ``"cpu"``)."""
+    from deepspeed.accelerator import get_accelerator
+    return get_accelerator().device_name()
+
+
+def check_attention_modules(modules: list) -> None:
+    """One ValueError line for an attention module with a feature its config does not show."""
+    for module in modules:
+        name = type(module).__name__
+        for attribute in ("sinks", "s_aux"):
+            if isinstance(getattr(module, attribute, None), torch.Tensor):
+                raise ValueError(f"{name}.{attribute}: {REFUSED_KEYWORDS[attribute]}")
+        if getattr(module, "is_causal", True) is False:
+            raise ValueError(f"{name}.is_causal is False; MTraining attention is causal only")
+
+
+def output_head_inputs(model: PreTrainedModel, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hidden states, LM head weight) whose product is the model's own logits, for the losses
+    that compute ``hidden @ weight.T`` chunk by chunk: the hidden states take the factor the
+    model puts on its logits (Granite divides them by ``logits_scaling``, Cohere multiplies them
+    by ``logit_scale``). A head with a bias is refused (the chunked and fused losses take none);
+    soft-capped logits by :func:`check_model_config`."""
+    head = model.get_output_embeddings()
+    if getattr(head, "bias", None) is not None:
+        raise ValueError(f"{type(model).__name__}'s LM head has a bias; MTraining's loss takes an LM head without one")
+    factor = getattr(model.config, "logit_scale", 1.0) / getattr(model.config, "logits_scaling", 1.0)
+    return (hidden if factor == 1.0 else hidden * factor), head.weight
 
 
 def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -91,14 +181,23 @@ def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")]
 
 
-def use_mtraining_attention(model: PreTrainedModel, settings: MTrainingAttentionSettings) -> PreTrainedModel:
-    """Switches ``model`` to MTraining attention with ``settings`` (in place; returns it)."""
-    check_model_config(model.config)
+def checked_attention_modules(model: PreTrainedModel, device_type: str | None = None) -> list[torch.nn.Module]:
+    """``model``'s attention modules after :func:`check_model_config` (for ``device_type``) and
+    :func:`check_attention_modules`: one ValueError line for what MTraining cannot train."""
+    check_model_config(model.config, type(model.config).__name__, device_type)
     modules = attention_modules(model)
     if not modules:
         raise ValueError(f"{type(model).__name__} has no transformers self-attention modules "
                          f"(classes named *Attention with a layer_idx); MTraining cannot hook it")
-    for module in modules:
+    check_attention_modules(modules)
+    return modules
+
+
+def use_mtraining_attention(model: PreTrainedModel, settings: MTrainingAttentionSettings,
+                            device_type: str | None = None) -> PreTrainedModel:
+    """Switches ``model`` to MTraining attention with ``settings`` (in place; returns it), once
+    :func:`checked_attention_modules` takes it."""
+    for module in checked_attention_modules(model, device_type):
         setattr(module, SETTINGS_ATTRIBUTE, settings)
     model.set_attn_implementation(ATTENTION_NAME)
     return model

@@ -322,9 +322,10 @@ class MTraining:
 
     def loss(self, hidden: torch.Tensor, shift_labels: torch.Tensor, num_items=None) -> torch.Tensor:
         """:func:`sequence_parallel_loss` of final hidden states [B, S/W, D] against the LM head."""
-        return sequence_parallel_loss(hidden, self.model.get_output_embeddings().weight, shift_labels,
-                                      self.groups.sequence_group, num_items, self.settings.loss_chunk_tokens,
-                                      self.fused_loss)
+        from .hf import output_head_inputs
+        hidden, weight = output_head_inputs(self.model, hidden)
+        return sequence_parallel_loss(hidden, weight, shift_labels, self.groups.sequence_group, num_items,
+                                      self.settings.loss_chunk_tokens, self.fused_loss)
 
     def adapt_trainer(self, trainer):
         """Makes a ``transformers.Trainer`` train on striped shards: its train dataloader (sharded
@@ -444,13 +445,14 @@ def enable(model, config=None, *, sequence_parallel_size: int | None = None, spa
     the first step. See the module docstring for what it wires."""
     import deepspeed
     from .distributed.shm import release_shm_buffer
-    from .hf import check_model_config, use_mtraining_attention
+    from .hf import checked_attention_modules, training_device_type, use_mtraining_attention
     from .layer import MTrainingAttentionSettings
     from .static import attention_pattern
     from .training.model import use_fused_kernels
     if enabled(model) is not None:
         raise ValueError("MTraining is already enabled on this model; call enable() once per model")
-    check_model_config(model.config, key=type(model.config).__name__)
+    device_type = training_device_type()
+    checked_attention_modules(model, device_type)  # a refusal before any process group
     if not dist.is_initialized():
         deepspeed.init_distributed()
     release_shm_buffer()  # on CPU: the name of DeepSpeed's shm buffer (whoever initialised), not the mapping
@@ -469,7 +471,7 @@ def enable(model, config=None, *, sequence_parallel_size: int | None = None, spa
     pattern = attention_pattern(settings.attention, settings.static)
     attention_settings = MTrainingAttentionSettings.from_groups(settings.sparse, groups, None, pattern,
                                                                 settings.keep_attention_output, dense)
-    use_mtraining_attention(model, attention_settings)
+    use_mtraining_attention(model, attention_settings, device_type)
     mt = MTraining(model, groups, settings, attention_settings, fused_loss=fused_off is None)
     model.forward = _forward_with_loss(model, mt)
     model.accepts_loss_kwargs = False  # HF Trainer: the loss is already the group's mean; no rescaling

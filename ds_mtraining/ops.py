@@ -14,6 +14,11 @@ from torch.profiler import record_function
 
 from .index import SparseIndex, Stripe
 
+# the head dims and dtypes csrc/cuda's kernels (and its fused estimator) are instantiated for; the
+# CPU op takes any head_dim and float32 too
+CUDA_HEAD_DIMS = (64, 128)
+CUDA_DTYPES = (torch.bfloat16, torch.float16)
+
 _modules: dict[str, object] = {}
 _lock = threading.Lock()
 

@@ -1,6 +1,6 @@
 """A plain HF Trainer run with DeepSpeed (its MTraining twin: trainer_mtraining.py).
 
-    deepspeed --num_gpus 2 examples/trainer.py --deepspeed_config examples/ds_config_trainer.json
+    deepspeed --num_gpus 2 examples/trainer.py --deepspeed_config examples/ds_config_trainer.json --bf16
 """
 import torch
 from transformers import Trainer, TrainingArguments
@@ -13,7 +13,7 @@ def main(argv=None, dataset=None):
     training_args = TrainingArguments(
         output_dir=args.output_dir, deepspeed=args.deepspeed_config, per_device_train_batch_size=1,
         max_steps=args.steps, learning_rate=args.learning_rate, max_grad_norm=args.max_grad_norm,
-        lr_scheduler_type="constant", optim="sgd", weight_decay=0.0, seed=args.seed, logging_steps=1,
+        lr_scheduler_type="constant", optim="sgd", weight_decay=0.0, seed=args.seed, logging_steps=1, bf16=args.bf16,
         save_strategy="no", report_to=[], train_sampling_strategy="sequential", use_cpu=not torch.cuda.is_available(),
         disable_tqdm=True)
     model = build_model(args)

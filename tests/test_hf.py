@@ -186,13 +186,11 @@ def test_model_with_indivisible_heads_is_refused(heads, kv_heads, hidden, fix):
     assert fix in str(error.value)
 
 
-def test_attention_masks_and_sliding_windows_are_refused():
+def test_attention_masks_are_refused():
     model = use_mtraining_attention(tiny_model("qwen2"), MTrainingAttentionSettings(FULL))
     input_ids, _ = sequence()
     with pytest.raises(ValueError, match="no attention mask"):
         model(input_ids=input_ids, attention_mask=torch.ones(1, 1, SEQ, SEQ))
-    with pytest.raises(ValueError, match="use_sliding_window"):
-        check_model_config(Qwen2Config(**SMALL, use_sliding_window=True, sliding_window=128))
 
 
 @pytest.mark.parametrize("kind", MODELS)

@@ -67,7 +67,7 @@ def _example(name: str, root: Path, config: dict, steps: int, tag: str) -> dict:
     if str(EXAMPLES) not in sys.path:
         sys.path.insert(0, str(EXAMPLES))
     result = importlib.import_module(name).main(
-        ["--deepspeed_config", str(path), "--seq_len", str(SEQ), "--steps", str(steps), "--seed", str(SEED),
+        ["--deepspeed_config", str(path), "--model", "tiny-qwen2", "--seq_len", str(SEQ), "--steps", str(steps), "--seed", str(SEED),
          "--learning_rate", "1.0", "--max_grad_norm", "0.0", "--output_dir", str(root / f"out_{tag}")],
         dataset=samples_in_train_order())
     return {"losses": result["losses"], "params": {n: p.detach().clone() for n, p in result["model"].named_parameters()}}

@@ -37,11 +37,10 @@ from ..attention import resolve_softmax_scale
 from ..config import SUPPORTED_BLOCK_SIZES, SparseConfig
 from ..documents import remember_last
 from ..index import PAD, SparseIndex
+from ..ops import CUDA_DTYPES as SUPPORTED_DTYPES, CUDA_HEAD_DIMS as SUPPORTED_HEAD_DIMS
 from .rule import DOCUMENT_WEIGHTS, check_qk, document_sink_columns, document_spans
 
 MAX_LAST_Q = 256  # query rows the kernels keep in shared memory (4 chunks of 64)
-SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
-SUPPORTED_HEAD_DIMS = (64, 128)
 
 __all__ = ["estimate_vertical_slash_cuda", "row_stats", "masses", "select_top_p_padded", "select_top_p_padded_pair",
            "build_index", "trusted_index", "supports", "document_masses"]

@@ -11,6 +11,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..hf import output_head_inputs
+
 
 def bucket_edges(length: int, buckets: int) -> list[int]:
     """``buckets + 1`` increasing position edges from 0 to ``length`` (fewer if L < buckets)."""
@@ -23,11 +25,10 @@ def bucket_edges(length: int, buckets: int) -> list[int]:
 def token_losses(model, input_ids: torch.Tensor, labels: torch.Tensor, chunk_tokens: int = 2048) -> torch.Tensor:
     """Float32 [B, L] cross-entropy per position, from the decoder's hidden states through the
     output head ``chunk_tokens`` positions at a time (never [L, vocab] logits of a long sequence)."""
-    hidden = model.base_model(input_ids=input_ids).last_hidden_state
-    head = model.get_output_embeddings()
+    hidden, weight = output_head_inputs(model, model.base_model(input_ids=input_ids).last_hidden_state)
     losses = []
     for start in range(0, hidden.shape[1], chunk_tokens):
-        logits = head(hidden[:, start:start + chunk_tokens]).float()
+        logits = (hidden[:, start:start + chunk_tokens] @ weight.T).float()
         target = labels[:, start:start + chunk_tokens]
         losses.append(F.cross_entropy(logits.transpose(1, 2), target, reduction="none"))
     return torch.cat(losses, 1)

@@ -10,6 +10,7 @@ balanced sparse ring (flat or hierarchical) and records sparsity statistics.
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -27,6 +28,7 @@ from ..ring import ring_sparse_attention_with_lse
 from ..ring.agreement import (check_due, check_ranks_before_collectives, current_step, in_backward,
                               mark_checked, new_step)
 from ..ring.work import imbalance, pair_work, step_work
+from ..window import window_index
 
 class LayoutError(ValueError):
     """The tokens handed to MTraining attention are not this rank's block-striped shard."""
@@ -220,8 +222,10 @@ def striped_sparse_attention(q, k, v, settings: MTrainingAttentionSettings,
                              softmax_scale: float | None = None,
                              position_ids: torch.Tensor | None = None,
                              cache: IndexCache | None = None,
-                             doc_start: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal dynamic sparse attention of this rank's striped shard over the whole sequence.
+                             doc_start: torch.Tensor | None = None,
+                             window: int | None = None) -> torch.Tensor:
+    """Causal dynamic sparse attention of this rank's striped shard over the whole sequence, or,
+    with ``window``, exact sliding-window attention through the same kernels and ring.
 
     Args:
         q: [B, S/W, H, D] (after RoPE with the global positions); k, v: [B, S/W, Hkv, D].
@@ -235,13 +239,20 @@ def striped_sparse_attention(q, k, v, settings: MTrainingAttentionSettings,
             layer and step); with ``settings.keep_output`` also its output (one attention).
         doc_start: document masking: int32 [B, S] for the whole sequence
             (:mod:`ds_mtraining.documents`); position ids then restart per document.
+        window: a sliding-window layer's window in tokens (:mod:`ds_mtraining.window`): its band,
+            exactly; nothing is estimated and the statistics leave it out.
     Returns:
         [B, S/W, H, D], this rank's output, in q's dtype.
+
+    float32 inputs on CUDA run in bfloat16 (:func:`kernel_inputs`), as transformers' own
+    flash-attention path runs them.
 
     On CUDA inputs nothing here waits for the GPU (estimation by the fused CUDA estimator, the
     ring, the statistics), apart from the once-per-step checks.
     """
     recompute = in_backward()
+    input_dtype = q.dtype
+    q, k, v = kernel_inputs(q, k, v)
     check_ranks_before_collectives(ring_comm(settings.group), q, k, v, settings.sparse)
     if position_ids is not None:
         if not position_ids.is_cuda:
@@ -251,21 +262,42 @@ def striped_sparse_attention(q, k, v, settings: MTrainingAttentionSettings,
             mark_checked("positions")
     scale = resolve_softmax_scale(q.shape[-1], softmax_scale)
     key = (tuple(q.shape), tuple(k.shape), q.dtype, str(q.device), scale, settings.sparse,
-           id(settings.group), None if doc_start is None else doc_start.data_ptr())
+           id(settings.group), None if doc_start is None else doc_start.data_ptr(), window)
     index, kept = (cache.take(key) if (cache is not None and recompute) else None) or (None, None)
-    if index is None and settings.pattern is None:
+    if index is None and window is not None:  # the layer's band, exactly
+        index = window_index(q.shape[0], q.shape[2], q.shape[1] * settings.world, settings.sparse.block_size,
+                             window, q.device)
+    elif index is None and settings.pattern is None:
         index = estimate_index(q.detach(), k.detach(), settings.sparse, ring_comm(settings.group), scale, doc_start)
     elif index is None:  # a fixed baseline pattern (ds_mtraining.static), global [B, S, H]
         index = settings.pattern.index(q.shape[0], q.shape[2], q.shape[1] * settings.world,
                                        settings.sparse.block_size, q.device)
-    if settings.stats is not None and settings.stats.enabled and not recompute:
+    if settings.stats is not None and settings.stats.enabled and not recompute and window is None:
         settings.stats.record(index, settings.world, doc_start)
-    if getattr(settings.pattern, "dense", False) and settings.world == 1 and q.is_cuda and doc_start is None:
-        return dense_causal_attention(q, k, v, scale, settings.dense_backend)  # the dense baseline on one GPU
+    if (getattr(settings.pattern, "dense", False) and settings.world == 1 and q.is_cuda and doc_start is None
+            and window is None):
+        return dense_causal_attention(q, k, v, scale, settings.dense_backend).to(input_dtype)  # one GPU's baseline
     out, lse = ring_sparse_attention_with_lse(q, k, v, settings.sparse, settings.group, softmax_scale=scale,
                                               index=index, hierarchy=settings.hierarchy, doc_start=doc_start,
-                                              kept=kept)
+                                              window=window, kept=kept)
     if cache is not None and not recompute:
         cache.store(key, (index, (out.detach(), lse.detach()) if settings.keep_output else None))
-    return out
+    return out.to(input_dtype)
+
+
+_warned_float32 = []
+
+
+def kernel_inputs(q, k, v):
+    """q, k, v in a dtype the kernels take: float32 on CUDA becomes bfloat16, with one warning per
+    process (the CUDA kernels and the fused estimator take bfloat16 and float16 only)."""
+    if not (q.is_cuda and q.dtype == torch.float32):
+        return q, k, v
+    if not _warned_float32:
+        _warned_float32.append(True)
+        warnings.warn("ds_mtraining: the model runs in float32 but MTraining's CUDA kernels take bfloat16 or "
+                      "float16, so attention runs in bfloat16 (inputs cast, output cast back), as transformers' "
+                      "flash-attention path does; to train in bfloat16 and silence this, add "
+                      "\"bf16\": {\"enabled\": true} to the DeepSpeed JSON", stacklevel=3)
+    return tuple(t.to(torch.bfloat16) for t in (q, k, v))
 

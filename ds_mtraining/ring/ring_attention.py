@@ -16,24 +16,26 @@ from ..distributed.comm import ring_comm
 from ..distributed.topology import HierarchicalGroups
 from ..estimator import estimate_index
 from ..layout import StripedLayout
+from ..window import window_key_start
 from .agreement import check_due, check_ranks_agree, mark_checked, ranks_check_key
 from .loop import RingSparseAttentionFunction
 from .schedule import ring_schedule
 
 
-def _single_device(q, k, v, config: SparseConfig, softmax_scale, index: SparseIndex | None, doc_start, kept):
+def _single_device(q, k, v, config: SparseConfig, softmax_scale, index: SparseIndex | None, doc_start, window,
+                   kept):
     check_attention_inputs(q, k, v, index)
     scale = resolve_softmax_scale(q.shape[-1], softmax_scale)
     if index is None:  # the estimator and the attention each check doc_start
         index = estimate_index(q, k, config, None, scale, doc_start)
-    return sparse_attention_with_lse(q, k, v, index, scale, doc_start=doc_start, kept=kept)
+    return sparse_attention_with_lse(q, k, v, index, scale, doc_start=doc_start, window=window, kept=kept)
 
 
 def ring_sparse_attention_with_lse(q, k, v, config: SparseConfig, group=None,
                                    softmax_scale: float | None = None,
                                    index: SparseIndex | None = None,
                                    hierarchy: HierarchicalGroups | None = None,
-                                   doc_start=None, kept=None):
+                                   doc_start=None, window: int | None = None, kept=None):
     """Causal vertical-slash sparse attention over a sequence striped across ``group``.
 
     Args:
@@ -53,6 +55,8 @@ def ring_sparse_attention_with_lse(q, k, v, config: SparseConfig, group=None,
             hierarchical ring; ``None`` runs the flat ring.
         doc_start: int32 [B, S] for the *whole* sequence (every rank passes the same): document
             masking, each query sees only its own document (:mod:`ds_mtraining.documents`).
+        window: a sliding window (:mod:`ds_mtraining.window`): each query sees only the last
+            ``window`` keys up to itself, within the index (and its document).
         kept: (out, lse) that this call returned before, for the same inputs and ``index`` (the
             forward recomputed under activation checkpointing, ``keep_output`` of
             :class:`~ds_mtraining.layer.MTrainingAttentionSettings`): returned again with the
@@ -68,7 +72,7 @@ def ring_sparse_attention_with_lse(q, k, v, config: SparseConfig, group=None,
         raise TypeError(f"config must be a SparseConfig, got {type(config).__name__}")
     comm = ring_comm(group)
     if comm is None:
-        return _single_device(q, k, v, config, softmax_scale, index, doc_start, kept)
+        return _single_device(q, k, v, config, softmax_scale, index, doc_start, window, kept)
     check_key = ranks_check_key(comm)
     checking = check_due(check_key)
     if checking:
@@ -95,13 +99,15 @@ def ring_sparse_attention_with_lse(q, k, v, config: SparseConfig, group=None,
         mark_checked(check_key)
     if index is None:
         index = estimate_index(q, k, config, comm, scale, doc_start)
-    return RingSparseAttentionFunction.apply(q, k, v, index, scale, ring_schedule(comm, hierarchy), doc_start,
+    # the kernels' per-query first key: the document's start, or later within a window
+    key_start = doc_start if window is None else window_key_start(window, q.shape[0], seq_len, q.device, doc_start)
+    return RingSparseAttentionFunction.apply(q, k, v, index, scale, ring_schedule(comm, hierarchy), key_start,
                                              kept)
 
 
 def ring_sparse_attention(q, k, v, config: SparseConfig, group=None,
                           softmax_scale: float | None = None, index: SparseIndex | None = None,
-                          hierarchy: HierarchicalGroups | None = None, doc_start=None):
+                          hierarchy: HierarchicalGroups | None = None, doc_start=None, window: int | None = None):
     """Like :func:`ring_sparse_attention_with_lse`, returning only this rank's output."""
     return ring_sparse_attention_with_lse(q, k, v, config, group, softmax_scale, index, hierarchy,
-                                          doc_start)[0]
+                                          doc_start, window)[0]

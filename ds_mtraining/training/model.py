@@ -14,6 +14,10 @@ PRESETS = {
     "tiny-qwen2": {"model_type": "qwen2", "vocab_size": 257, "hidden_size": 64, "num_hidden_layers": 2,
                    "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,
                    "rope_theta": 1e6, "max_position_embeddings": 1 << 20, "tie_word_embeddings": False},
+    # the same at head_dim 64, the smallest the CUDA kernels take: the examples, the GPU demo
+    "small-qwen2": {"model_type": "qwen2", "vocab_size": 257, "hidden_size": 256, "num_hidden_layers": 2,
+                    "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 512,
+                    "rope_theta": 1e6, "max_position_embeddings": 1 << 20, "tie_word_embeddings": False},
     # real shapes, random init (benchmarks: ds_mtraining.bench.e2e); no weights, nothing downloaded
     "qwen2.5-3b": {"model_type": "qwen2", "vocab_size": 151936, "hidden_size": 2048, "num_hidden_layers": 36,
                    "num_attention_heads": 16, "num_key_value_heads": 2, "intermediate_size": 11008,
@@ -108,13 +112,14 @@ class MTrainingCausalLM(torch.nn.Module):
         self.fused_loss = fused_loss
 
     def forward(self, input_ids, labels, position_ids, doc_start=None):
+        from ds_mtraining.hf import output_head_inputs
         from ds_mtraining.loss import sequence_parallel_cross_entropy
         documents = {} if doc_start is None else {"doc_start": doc_start}
         # no KV cache: training never reads it, and filling it copies every layer's keys and values
         # (and holds the copies to the end of the forward) unless activation checkpointing is on
         hidden = self.model.base_model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
                                        **documents).last_hidden_state
-        weight = self.model.get_output_embeddings().weight
+        hidden, weight = output_head_inputs(self.model, hidden)
         return sequence_parallel_cross_entropy(hidden, weight, labels, self.group, self.loss_chunk_tokens,
                                                self.fused_loss)
 

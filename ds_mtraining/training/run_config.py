@@ -121,12 +121,13 @@ def _model_spec(value) -> dict:
     return {"name_or_path": name, "config_overrides": dict(spec.get("config_overrides", {}))}
 
 
-def check_model(spec: dict, vocab_size: int):
-    """Heads/GQA/feature checks and the tokenizer's vocabulary against the model's."""
+def check_model(spec: dict, vocab_size: int, device_type: str | None = None):
+    """Heads/GQA/feature checks (with the CUDA kernels' for ``device_type`` ``"cuda"``) and the
+    tokenizer's vocabulary against the model's."""
     from ds_mtraining.hf import check_model_config
     config = model_config(spec)
     try:
-        check_model_config(config, key=f"{MTRAINING_KEY}.model ({spec['name_or_path']})")
+        check_model_config(config, f"{MTRAINING_KEY}.model ({spec['name_or_path']})", device_type)
     except ValueError as error:
         raise ConfigError(str(error)) from None
     if vocab_size > config.vocab_size:
@@ -331,7 +332,9 @@ def load_run_config(ds_config: str | dict, world_size: int, model: str | None = 
         tokenizer = load_tokenizer(run.tokenizer, key=f"{MTRAINING_KEY}.tokenizer")
     except DataConfigError as error:
         raise ConfigError(str(error)) from None
-    config = check_model(run.model, tokenizer.vocab_size)
+    from ds_mtraining.hf import training_device_type
+    # the CUDA kernels' head dims bind MTraining's attention only, not the Ulysses baseline's
+    config = check_model(run.model, tokenizer.vocab_size, None if run.attention == ULYSSES else training_device_type())
     if run.attention == ULYSSES:
         check_ulysses_heads(config, run.sequence_parallel_size, key=f"{MTRAINING_KEY}.model ({run.model['name_or_path']})")
     return run, values

@@ -1,0 +1,135 @@
+"""The model-family matrix (ds_mtraining.families) on CPU: every supported family, built from
+transformers' own config class, trains under MTraining with a full index over 2 striped ranks
+with the loss and summed gradients of the same model (same weights) on one process with its own
+eager attention over the whole sequence; sliding-window layers run their window exactly at a
+length longer than the window. The refused families are refused in one line, before any process
+group. Also the ring with a window against float64 dense attention.
+
+Tolerances: fp32 on both sides, only the summation order differs (as tests/test_hf.py)."""
+import pytest
+import torch
+import torch.distributed as dist
+from helpers import dense_loss, every_entry_config, ring_inputs, sequence, summed_grads
+
+from ds_mtraining import SparseConfig
+from ds_mtraining.distributed import initialize_groups, run_on_ranks
+from ds_mtraining.documents import doc_start_from_cu_seqlens, document_causal_mask
+from ds_mtraining.families import FAMILIES, TOY_WINDOW, family, family_config, markdown_table, matrix_rows
+from ds_mtraining.hf import check_model_config, use_mtraining_attention
+from ds_mtraining.layer import MTrainingAttentionSettings
+from ds_mtraining.layout import StripedLayout
+from ds_mtraining.reference import dense_attention, outputs_and_grads
+from ds_mtraining.ring import ring_sparse_attention
+from ds_mtraining.training.model import MTrainingCausalLM
+from ds_mtraining.window import window_index
+
+WORLD, BLOCK, SEQ = 2, 64, 512  # SEQ > TOY_WINDOW: windows cut in
+TIMEOUT_S = 240
+LOSS_TOL = dict(rtol=1e-5, atol=1e-5)
+GRAD_TOL = dict(rtol=1e-4, atol=3e-5)
+REF_TOL = dict(atol=2e-5, rtol=1e-4)     # fp32 ring vs float64
+REFUSED = {"Gemma-2": "Gemma2Config: attn_logit_softcapping=50.0", "gpt-oss": "GptOssAttention.sinks"}
+SUPPORTED = [f.name for f in FAMILIES if f.name not in REFUSED]
+WINDOWED = {"Qwen2 (sliding window)", "Mistral", "Gemma-2 (soft-capping off)", "Gemma-3 (text)"}
+FULL = every_entry_config(SEQ, BLOCK)
+
+
+def toy_model(name: str, attention: str):
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(0)
+    config = family_config(family(name))
+    return AutoModelForCausalLM.from_config(config, attn_implementation=attention).float()
+
+
+def window_inputs():
+    q, k, v, dout, _ = ring_inputs(SEQ, BLOCK, seed=5)
+    return q, k, v, dout, doc_start_from_cu_seqlens(torch.tensor([0, 150, 151, 400, SEQ]), SEQ)
+
+
+def _worker(rank, world):
+    groups = initialize_groups(world, "flat")
+    layout = StripedLayout(world, BLOCK)
+    input_ids, labels = sequence()
+    positions = layout.positions(SEQ, rank)[None]
+    results = {}
+    for name in SUPPORTED:
+        model = toy_model(name, "eager")
+        settings = MTrainingAttentionSettings.from_groups(FULL, groups)
+        wrapper = MTrainingCausalLM(use_mtraining_attention(model, settings), groups.sequence_group, 100)
+        loss = wrapper(layout.shard(input_ids, rank), layout.shard(labels, rank), positions)
+        loss.backward()
+        results[name] = {"loss": loss.item(), "grads": summed_grads(model, groups.sequence_group)}
+    q, k, v, dout, doc_start = window_inputs()
+    index = window_index(1, q.shape[2], SEQ, BLOCK, TOY_WINDOW)
+    shards = [layout.shard(t, rank) for t in (q, k, v, dout)]
+    results["ring_window"] = {
+        documents: outputs_and_grads(lambda a, b, c: ring_sparse_attention(
+            a, b, c, SparseConfig(block_size=BLOCK), groups.sequence_group, index=index,
+            doc_start=doc_start if documents else None, window=TOY_WINDOW), *shards)
+        for documents in (False, True)}
+    return results
+
+
+@pytest.fixture(scope="module")
+def results(built_ops):  # the ops are built before the ranks start
+    return run_on_ranks(_worker, WORLD, timeout=TIMEOUT_S)
+
+
+@pytest.mark.parametrize("name", SUPPORTED)
+def test_family_trains_with_its_own_eager_attentions_loss_and_gradients(results, name):
+    input_ids, labels = sequence()
+    model = toy_model(name, "eager")
+    loss = dense_loss(model, input_ids, labels)
+    loss.backward()
+    if name in WINDOWED:  # the window cuts in at this length: the comparison sees it
+        unwindowed = toy_model(name, "eager")
+        unwindowed.config.sliding_window = SEQ
+        for module in unwindowed.modules():
+            if getattr(module, "sliding_window", None):
+                module.sliding_window = SEQ
+        assert abs(dense_loss(unwindowed, input_ids, labels).item() - loss.item()) > 1e-4
+    for rank_result in results:
+        result = rank_result[name]
+        torch.testing.assert_close(torch.tensor(result["loss"]), loss.detach(), **LOSS_TOL)
+        for param_name, param in model.named_parameters():
+            torch.testing.assert_close(result["grads"][param_name], param.grad, **GRAD_TOL, msg=param_name)
+
+
+@pytest.mark.parametrize("documents", [False, True], ids=["one-document", "documents"])
+def test_ring_with_a_window_equals_float64_dense(results, documents):
+    q, k, v, dout, doc_start = window_inputs()
+    i = torch.arange(SEQ)
+    mask = (i[None] <= i[:, None]) & (i[None] > i[:, None] - TOY_WINDOW)
+    if documents:
+        mask = mask & document_causal_mask(doc_start)[0]
+    want = outputs_and_grads(lambda a, b, c: dense_attention(a, b, c, mask), *(t.double() for t in (q, k, v, dout)))
+    layout = StripedLayout(WORLD, BLOCK)
+    for rank, rank_result in enumerate(results):
+        for label, got, reference in zip("out dq dk dv".split(), rank_result["ring_window"][documents], want):
+            torch.testing.assert_close(got, layout.shard(reference, rank).float(), **REF_TOL,
+                                       msg=lambda m: f"{label} rank {rank}: {m}")
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_refused_family_gets_one_line_before_any_process_group(name):
+    from ds_mtraining.integration import enable
+    model = toy_model(name, "eager")
+    with pytest.raises(ValueError) as error:
+        enable(model)
+    message = str(error.value)
+    assert message.startswith(REFUSED[name]) and "\n" not in message
+    assert not dist.is_initialized()
+
+
+def test_a_head_dim_the_cuda_kernels_lack_is_refused_for_cuda_only():
+    config = family_config(family("Phi-3"), hidden_size=96 * 4)  # Phi-3's head_dim, 96
+    check_model_config(config, "mtraining.model", "cpu")  # the CPU op takes any head_dim
+    with pytest.raises(ValueError, match=r"^mtraining.model: head_dim=96: MTraining's CUDA kernels take head_dim "
+                                         r"\[64, 128\]"):
+        check_model_config(config, "mtraining.model", "cuda")
+
+
+def test_models_md_holds_the_matrix():
+    from pathlib import Path
+    text = (Path(__file__).resolve().parents[1] / "docs" / "MODELS.md").read_text()
+    assert markdown_table(matrix_rows()) in text, "regenerate with: python -m ds_mtraining.families"
