@@ -74,12 +74,17 @@ def family_config(fam: Family, **size):
     return getattr(transformers, fam.config_class)(**values)
 
 
-def public_shape_config(fam: Family, layers: int = 2, heads: int = 8, kv_heads: int = 2, vocab_size: int = 32000):
-    """``fam``'s config at its public models' head_dim, small otherwise: what the GPU matrix runs."""
-    head_dim = fam.public_head_dim
-    return family_config(fam, hidden_size=heads * head_dim, head_dim=head_dim, num_attention_heads=heads,
-                         num_key_value_heads=kv_heads, num_hidden_layers=layers, intermediate_size=2 * heads * head_dim,
-                         vocab_size=vocab_size)
+def public_shape_config(fam: Family, layers: int = 2, heads: int = 8, kv_heads: int = 2, vocab_size: int = 32000,
+                        head_dim: int | None = None, window: int = 4096):
+    """``fam``'s config at its public models' head_dim (or ``head_dim``), small otherwise, its
+    windowed layers at ``window`` tokens: what the GPU matrix runs."""
+    head_dim = head_dim or fam.public_head_dim
+    config = family_config(fam, hidden_size=heads * head_dim, head_dim=head_dim, num_attention_heads=heads,
+                           num_key_value_heads=kv_heads, num_hidden_layers=layers,
+                           intermediate_size=2 * heads * head_dim, vocab_size=vocab_size)
+    if "sliding_window" in fam.fields:
+        config.sliding_window = window
+    return config
 
 
 def refusal(config, device_type: str) -> str | None:
