@@ -53,10 +53,12 @@ def op_status(builder) -> tuple[str, str]:
     return "[yellow]JIT-compilable[/]", detail
 
 
-def environment_rows() -> list[tuple[str, str, str]]:
-    """(item, status, detail) rows of the versions and tools the ops depend on."""
+def environment_rows(named: bool = False) -> list[tuple[str, str, str]]:
+    """(item, status, detail) rows of the versions and tools the ops depend on; ``named``: this
+    process named DeepSpeed's accelerator (:func:`ds_mtraining.training.placement.name_accelerator`)."""
     import deepspeed
     import torch
+    from deepspeed.accelerator import get_accelerator
     from torch.utils.cpp_extension import CUDA_HOME
 
     from ds_mtraining_op_builder import NO_JIT_VAR, csrc_root, extension_root
@@ -70,6 +72,10 @@ def environment_rows() -> list[tuple[str, str, str]]:
     rows = [
         ("torch", "", f"{torch.__version__} (CUDA {cuda}); {torch.get_num_threads()} CPU threads"),
         ("deepspeed", "", deepspeed.__version__),
+        ("DeepSpeed accelerator", "", get_accelerator().device_name() + (
+            " (no CUDA device: named DS_ACCELERATOR=cpu here, in place of DeepSpeed's 'Setting accelerator to "
+            "CPU' warning)" if named else f" (DS_ACCELERATOR={os.environ['DS_ACCELERATOR']})"
+            if "DS_ACCELERATOR" in os.environ else " (detected by DeepSpeed)")),
         ("CUDA devices", "", devices),
         ("ninja", *_tool("ninja")),
         ("C++ compiler", *_tool(os.environ.get("CXX", "c++"))),
@@ -96,7 +102,7 @@ def _optional_package(name: str, absent: str) -> tuple[str, str]:
         return "[yellow]optional[/]", absent
 
 
-def build_tables() -> list[Table]:
+def build_tables(named: bool = False) -> list[Table]:
     from ds_mtraining_op_builder import ALL_BUILDERS
 
     ops = Table(title="ds-mtraining ops", title_justify="left")
@@ -109,7 +115,7 @@ def build_tables() -> list[Table]:
     environment = Table(title="environment", title_justify="left")
     for column in ("item", "status", "detail"):
         environment.add_column(column, overflow="fold")
-    for item, status, detail in environment_rows():
+    for item, status, detail in environment_rows(named):
         environment.add_row(item, status, escape(detail))
     return [ops, environment]
 
@@ -119,8 +125,10 @@ def main(argv: list[str] | None = None) -> int:
         prog="ds-mtraining report",
         description="Which sparse attention ops are prebuilt, JIT-compilable or incompatible, and why.")
     parser.parse_args(argv)
+    from ds_mtraining.training.placement import name_accelerator
+    named = name_accelerator()  # before DeepSpeed loads
     console = Console()
-    for table in build_tables():
+    for table in build_tables(named):
         console.print(table)
     console.print("prebuild: DS_BUILD_MTRAINING=1 pip install --no-build-isolation .   "
                   "(otherwise ops JIT-compile on first use)")

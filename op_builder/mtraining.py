@@ -144,13 +144,13 @@ class MTrainingBuilderMixin:
             raise RuntimeError(f"cannot JIT-compile the {self.NAME} op: " + "; ".join(reasons))
         announce = not verbose and not os.path.exists(self.jit_library())
         if announce:
-            print(f"ds-mtraining: compiling the {self.NAME} op once ({self.TYPICAL_BUILD}; cached in "
+            print(f"ds_mtraining: compiling the {self.NAME} op once ({self.TYPICAL_BUILD}; cached in "
                   f"{self.jit_build_dir()}) ...", file=sys.stderr, flush=True)
         started = time.perf_counter()
         with self._build_lock():
             _loaded_modules[self.NAME] = super().jit_load(verbose)
         if announce:
-            print(f"ds-mtraining: compiled the {self.NAME} op in {time.perf_counter() - started:.0f} s",
+            print(f"ds_mtraining: compiled the {self.NAME} op in {time.perf_counter() - started:.0f} s",
                   file=sys.stderr, flush=True)
         return _loaded_modules[self.NAME]
 

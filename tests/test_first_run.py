@@ -44,8 +44,9 @@ def test_both_demo_configs_are_valid_for_two_ranks():
     assert runs[0].to_dict() == runs[1].to_dict()  # the same run; only the precision differs
 
 
-LAUNCHER_LINE = "[ERROR] [launch.py:259:sigkill_handler] ['python', '-u', '-m', 'ds_mtraining.train', '--local_rank=1'] " \
-                "exits with return code = {code}"  # DeepSpeed 0.19.8's, after a rank's error
+# DeepSpeed 0.19.8's, after a rank's error
+LAUNCHER_LINE = ("[ERROR] [launch.py:259:sigkill_handler] ['python', '-u', '-m', 'ds_mtraining.train', "
+                 "'--local_rank=1'] exits with return code = {code}")
 
 
 def fake_deepspeed(folder: Path, exit_code: int, rank_line: str = "") -> dict:
@@ -73,7 +74,8 @@ RANK_LINE = "ds_mtraining.train: configuration error: the rank's one line"
     (0, "", ""),
     (2, RANK_LINE, RANK_LINE),  # the rank's line alone: not the launcher's after it
     (1, "RuntimeError: a rank's own crash", "RuntimeError: a rank's own crash\ndemo: a rank exited with code 1 and "
-                                            "the launcher stopped the others (the output above says why)")])
+                                            "the launcher stopped the others (the output above says why)")],
+    ids=["trained", "refused", "crashed"])
 def test_demo_script_names_its_ranks_first_and_ends_with_the_rank_line(tmp_path, exit_code, rank_line, error):
     env = fake_deepspeed(tmp_path, exit_code, rank_line)
     done = subprocess.run(["bash", str(DEMO), "--steps", "5"], cwd=tmp_path, env=env, capture_output=True,

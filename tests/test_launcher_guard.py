@@ -74,7 +74,7 @@ def test_guard_leaves_a_rank_that_stops_by_itself_and_exits_with_it(tmp_path):
     assert guard.returncode == 0 and err == ""
 
 
-def test_a_rank_stopped_by_a_signal_marks_its_run_folder_and_the_next_run_clears_the_mark(tmp_path):
+def test_a_signalled_rank_marks_its_run_folder(tmp_path):
     """A rank's watchdog on SIGTERM: one line, exit 128 + 15, and a stop marker for its peers in
     SAVE_DIR (created if the run had saved nothing yet), nothing in the temporary folder. The next
     run's watchdog clears the marks of processes that are gone, not those of live ones."""
@@ -93,7 +93,8 @@ def test_a_rank_stopped_by_a_signal_marks_its_run_folder_and_the_next_run_clears
     rank.send_signal(signal.SIGTERM)
     _, err = rank.communicate(timeout=30)
     assert rank.returncode == 128 + signal.SIGTERM
-    assert err.splitlines() == [f"ds_mtraining.train: stopped by SIGTERM at step 0; no checkpoint in {save_dir.resolve()} yet"]
+    assert err.splitlines() == [f"ds_mtraining.train: stopped by SIGTERM at step 0; no checkpoint in "
+                                f"{save_dir.resolve()} yet"]
     marker = launcher_guard.stop_marker(save_dir, rank.pid)
     assert list(save_dir.iterdir()) == [marker] and not any(temp.iterdir())
 

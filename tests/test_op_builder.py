@@ -3,6 +3,7 @@ install (DS_BUILD_MTRAINING=1 pip install, a background build: conftest) that im
 compiling. Each runs in a subprocess and checks the op's forward and gradients against float64
 dense attention."""
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -45,7 +46,7 @@ def run_python(code: str, env: dict, cwd: Path, timeout: int) -> str:
     result = subprocess.run([sys.executable, "-c", code], env=env, cwd=cwd, capture_output=True,
                             text=True, timeout=timeout)
     assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
-    return result.stdout
+    return result.stdout + result.stderr
 
 
 INSTALL_TIMEOUT_S = 1200
@@ -84,6 +85,9 @@ def test_jit_build_in_fresh_extension_dir(tmp_path):
     """)
     out = run_python(code, env, tmp_path, timeout=900)
     assert "JIT OK" in out and "removing" in out, out
+    # announced and timed under the prefix of the project's other lines
+    assert re.search(r"^ds_mtraining: compiling the mtraining_cpu op once \(about .+; cached in .+\) \.\.\.$", out,
+                     re.M) and re.search(r"^ds_mtraining: compiled the mtraining_cpu op in \d+ s$", out, re.M), out
     assert (extensions / "mtraining_cpu" / "mtraining_cpu.so").is_file()
 
 
@@ -115,6 +119,19 @@ def test_prebuilt_install_imports_without_compiling(background_build, tmp_path):
     assert "prebuilt" in report
     assert "liger-kernel" in report  # the optional package's row: found with its version, or what it brings
     assert not any(extensions.iterdir()), "nothing may be compiled when the op is prebuilt"
+
+
+def test_report_names_the_cpu_accelerator_in_place_of_deepspeeds_warning(tmp_path):
+    """Where no GPU is visible DeepSpeed warns, on import, that it set the accelerator to the CPU
+    (the reference: a bare import); ``ds-mtraining report`` does not, and its row says why."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", COLUMNS="300")
+    env.pop("DS_ACCELERATOR", None)
+    warning = "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it."
+    assert warning in run_python("import deepspeed", env, tmp_path, 120)
+    report = run_python("from ds_mtraining.cli import main; main(['report'])", env, tmp_path, 120)
+    assert warning not in report and re.search(
+        r"DeepSpeed accelerator +│ +│ cpu \(no CUDA device: named DS_ACCELERATOR=cpu here, in place of DeepSpeed's "
+        r"'Setting accelerator to CPU' warning\)", report), report
 
 
 def test_cpu_arch_is_deepspeeds_answer_without_its_probe():

@@ -47,13 +47,16 @@ def usable_gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def name_accelerator():
+def name_accelerator() -> bool:
     """DeepSpeed picks CUDA where torch sees a GPU, else the CPU, with a warning from every process
     that imports it ("Setting accelerator to CPU. If you have GPU or other accelerator, we were
     unable to detect it."): named before DeepSpeed loads, the warning goes. The ops are CPU and
-    CUDA only, so no other accelerator is passed over. A ``DS_ACCELERATOR`` already set stays."""
-    if "DS_ACCELERATOR" not in os.environ and usable_gpus() == 0:
-        os.environ["DS_ACCELERATOR"] = "cpu"
+    CUDA only, so no other accelerator is passed over. A ``DS_ACCELERATOR`` already set stays.
+    Returns whether it named it."""
+    if "DS_ACCELERATOR" in os.environ or usable_gpus() > 0:
+        return False
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    return True
 
 
 def demo_placement(gpus: int) -> Placement:
