@@ -17,6 +17,7 @@ from ds_mtraining.window import window_index
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 TOLERANCE = 2e-2  # relative Frobenius error of bf16/fp16 kernels against float64 (tests/test_cuda_attention.py)
+ZERO_GRADIENT_ATOL = 1e-5  # where the float64 gradient is exactly 0 (seen: up to 3e-7, rounding of dP - delta)
 LOSS_RTOL = 2e-3  # a whole model's loss, bf16 MTraining (full index) against bf16 SDPA
 
 
@@ -48,7 +49,10 @@ def test_window_through_the_cuda_kernels_equals_float64(dtype, head_dim, block, 
     want = outputs_and_grads(lambda a, b, c: dense_attention(a, b, c, mask.cuda()),
                              *(t.to("cuda", torch.float64) for t in (q, k, v, dout)))
     for name, mine, reference in zip(("out", "dq", "dk", "dv"), got, want):
-        assert relative_error(mine, reference) < TOLERANCE, name
+        if not reference.any():  # window 1: each row sees itself alone, so no score has a gradient
+            assert float(mine.abs().max()) < ZERO_GRADIENT_ATOL, name
+        else:
+            assert relative_error(mine, reference) < TOLERANCE, name
 
 
 def test_float32_inputs_run_in_bfloat16_with_one_warning():
