@@ -87,7 +87,9 @@ def _start_background_builds(items):
         command, env = job
         log = directory / "build.log"
         niced = ["nice", "-n", "19", *command] if shutil.which("nice") else command
-        process = start(niced, log, env)  # a session of its own: killed whole at the end
+        # its compilers' temporary files in its own folder too: an nvcc killed mid-build (timed out,
+        # or ended with the session) leaves its tmpxft_* files where TMPDIR says
+        process = start(niced, log, dict(env, TMPDIR=str(directory)))  # a session of its own: killed whole at the end
         try:  # a new session is a scheduler autogroup, weighted by its own nice, not its processes'
             Path(f"/proc/{process.pid}/autogroup").write_text("19")
         except OSError:  # no autogroups here: the processes' nice is what counts
