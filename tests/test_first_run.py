@@ -40,8 +40,14 @@ def test_demo_ranks_go_on_gpus_only_where_two_are_usable(monkeypatch, capsys, tm
 
 def test_both_demo_configs_are_valid_for_two_ranks():
     from ds_mtraining.training.run_config import load_run_config
+    from ds_mtraining.hf import config_head_dim
+    from ds_mtraining.ops import CUDA_HEAD_DIMS
+    from ds_mtraining.training.model import model_config
     runs = [load_run_config(str(REPO / name), 2)[0] for name in (placement.CPU_CONFIG, placement.GPU_CONFIG)]
-    assert runs[0].to_dict() == runs[1].to_dict()  # the same run; only the precision differs
+    # the same run; only the precision differs, and the model: the GPU's at a head_dim its kernels take
+    cpu, gpu = (dict(run.to_dict()) for run in runs)
+    assert config_head_dim(model_config(gpu.pop("model"))) in CUDA_HEAD_DIMS
+    assert cpu.pop("model")["name_or_path"] == "tiny-qwen2" and cpu == gpu
 
 
 # DeepSpeed 0.19.8's, after a rank's error
