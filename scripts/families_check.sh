@@ -49,5 +49,8 @@ run_stage tests 240 "$LOG" python3 -m pytest -q -ra tests/test_cuda_families.py
 run_stage families 300 "$LOG" python3 -m ds_mtraining.bench.families --seq_len "${SEQ_LEN:-32768}" --repeats 3 \
   --out "$OUT"
 run_stage examples 400 "$OUT/examples.log" bash -c examples
+[ -f "$OUT/examples.log" ] && python3 -m ds_mtraining.bench.families --examples_log "$OUT/examples.log" --out "$OUT" \
+  --tag "$(python3 -c "from ds_mtraining.bench.e2e import device_name, device_tag; print(device_tag(device_name(False), False, 1))")" \
+  --device "$(python3 -c "from ds_mtraining.bench.e2e import device_name; print(device_name(False))")" >>"$LOG" 2>&1
 { echo "=== families_check ($(date -u +%FT%TZ), $gpus GPU(s)) ==="; printf '%s\n' "${summary[@]}"; } \
   | tee "$OUT/summary.txt"

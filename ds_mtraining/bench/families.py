@@ -9,7 +9,9 @@ Each family runs at its public models' head_dim where the CUDA kernels take it, 
 (Gemma-3-27B's and Gemma-2-27B's), ``--layers`` layers of 8 query and 2 key/value heads, the
 windowed families at ``--window`` tokens; a refused family is recorded with its one line.
 
-Writes ``OUT/families_<tag>.json`` and prints a table.
+Writes ``OUT/families_<tag>.json`` and prints a table. ``--examples_log LOG`` adds to that file
+instead what ``scripts/families_check.sh``'s examples stage logged (each documented command, its
+exit code and its loss lines), as its ``examples`` (with their own date, command and commit).
 
     python -m ds_mtraining.bench.families --seq_len 32768 --out benchmarks/results --tag h200
 """
@@ -103,6 +105,21 @@ def table(record: dict) -> str:
     return "\n".join(lines)
 
 
+def examples_record(log: str) -> list[dict]:
+    """Each ``=== deepspeed ...`` command of the examples stage's log, its exit code and loss lines."""
+    runs = []
+    for line in log.splitlines():
+        if line.startswith("=== deepspeed "):
+            runs.append({"command": line.removeprefix("=== "), "exit_code": None, "losses": [], "warnings": []})
+        elif runs and line.startswith("=== exit "):
+            runs[-1]["exit_code"] = int(line.removeprefix("=== exit "))
+        elif runs and ('"loss"' in line or "'loss'" in line):
+            runs[-1]["losses"].append(line.strip())
+        elif runs and "UserWarning: ds_mtraining:" in line:
+            runs[-1]["warnings"].append(line.split("UserWarning: ", 1)[1].strip())
+    return runs
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(prog="python -m ds_mtraining.bench.families", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -115,10 +132,15 @@ def parse_args(argv=None):
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--out", default=None, help="results folder (default bench_results/families-<time>)")
     parser.add_argument("--tag", default=None, help="families_<tag>.json (default: the device, e.g. h200x1)")
+    parser.add_argument("--examples_log", default=None, help="record this examples-stage log instead (no GPU needed)")
+    parser.add_argument("--device", default=None, help="with --examples_log: the GPU the log comes from")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
+    if args.examples_log:
+        if not (args.out and args.tag and args.device):
+            parser.error("--examples_log needs --out, --tag and --device (the machine that ran it)")
+    elif not torch.cuda.is_available():
         parser.error("bench.families measures the CUDA kernels: it needs a GPU (tests/test_families.py is the CPU check)")
-    args.device = device_name(False)
+    args.device = args.device or device_name(False)
     args.tag = args.tag or device_tag(args.device, False, 1)
     args.out = args.out or str(fresh_output_dir("families"))
     args.command = " ".join(["python -m ds_mtraining.bench.families", *(argv if argv is not None else sys.argv[1:])])
@@ -127,6 +149,15 @@ def parse_args(argv=None):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.examples_log:
+        runs = examples_record(Path(args.examples_log).read_text())
+        path = Path(args.out) / f"families_{args.tag}.json"
+        record = json.loads(path.read_text()) if path.is_file() else {"device": args.device}
+        record["examples"] = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                              "device": args.device, "command": args.command, **provenance(), "runs": runs}
+        path.write_text(json.dumps(record, indent=1))
+        print(f"families: {sum(r['exit_code'] == 0 for r in runs)} of {len(runs)} documented commands exited 0; {path}")
+        return record
     families = [f for f in FAMILIES if args.families is None or f.name in args.families]
     record = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "device": args.device, "command": args.command, **provenance(), "seq_len": args.seq_len,
