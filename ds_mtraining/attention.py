@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 from . import ops
 from .documents import check_doc_start
@@ -51,6 +52,33 @@ def check_attention_inputs(q, k, v, index: SparseIndex | None = None, local_inde
         index.check_matches(q.shape[0], seq, q.shape[2])
 
 
+def kernel_head_dim(head_dim: int, device_type: str) -> int:
+    """The head_dim the kernels run ``head_dim`` at: itself on the CPU; on CUDA the smallest of
+    :data:`ds_mtraining.ops.CUDA_HEAD_DIMS` that holds it (ValueError above the largest)."""
+    if device_type != "cuda" or head_dim in ops.CUDA_HEAD_DIMS:
+        return head_dim
+    fitting = [d for d in ops.CUDA_HEAD_DIMS if d > head_dim]
+    if not fitting:
+        raise ValueError(f"head_dim={head_dim}: MTraining's CUDA kernels take head_dim up to "
+                         f"{max(ops.CUDA_HEAD_DIMS)}; train this model on CPU")
+    return fitting[0]
+
+
+def padded_to_kernel_head_dim(q, k, v, kept=None) -> tuple:
+    """(q, k, v, kept) ([..., D]; ``kept``: an (out, lse) of an earlier call, or None) with D
+    zero-padded to :func:`kernel_head_dim`: zero columns change no score q.k, and the output's
+    extra columns are zero (crop with ``out[..., :D]``). The softmax scale stays the caller's:
+    resolve it from D first."""
+    head_dim = q.shape[-1]
+    target = kernel_head_dim(head_dim, q.device.type)
+    if target == head_dim:
+        return q, k, v, kept
+    q, k, v = (F.pad(t, (0, target - head_dim)) for t in (q, k, v))
+    if kept is not None:
+        kept = (F.pad(kept[0], (0, target - head_dim)), kept[1])
+    return q, k, v, kept
+
+
 class SparseAttentionFunction(torch.autograd.Function):
     """Causal vertical-slash sparse attention, within the documents of ``doc_start`` when given;
     returns (out in q's dtype, lse fp32 [B, H, S]). ``kept``: the (out, lse) this call returned
@@ -83,14 +111,18 @@ def sparse_attention_with_lse(q, k, v, index: SparseIndex, softmax_scale: float 
     ``kept``: (out, lse) that this call returned before, for the same inputs (activation
     checkpointing's recompute): returned with the backward attached, no kernel runs.
 
-    Returns (out [B, S, H, D] in q's dtype, lse [B, H, S] float32)."""
+    Returns (out [B, S, H, D] in q's dtype, lse [B, H, S] float32). On CUDA a head_dim the
+    kernels lack runs zero-padded to the next one they take (:func:`padded_to_kernel_head_dim`)."""
     check_attention_inputs(q, k, v, index)
     if doc_start is not None:
         doc_start = check_doc_start(doc_start, q.shape[0], q.shape[1], q.device)
     if window is not None:
         doc_start = window_key_start(window, q.shape[0], q.shape[1], q.device, doc_start)
-    scale = resolve_softmax_scale(q.shape[-1], softmax_scale)
-    return SparseAttentionFunction.apply(q, k, v, index, scale, doc_start, kept)
+    head_dim = q.shape[-1]
+    scale = resolve_softmax_scale(head_dim, softmax_scale)
+    q, k, v, kept = padded_to_kernel_head_dim(q, k, v, kept)
+    out, lse = SparseAttentionFunction.apply(q, k, v, index, scale, doc_start, kept)
+    return out[..., :head_dim], lse
 
 
 def sparse_attention(q, k, v, index: SparseIndex, softmax_scale: float | None = None, *,

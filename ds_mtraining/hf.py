@@ -25,10 +25,9 @@ from __future__ import annotations
 import torch
 from transformers import AttentionInterface, PreTrainedModel
 
-from .attention import resolve_softmax_scale
+from .attention import kernel_head_dim, resolve_softmax_scale
 from .dense_backend import dense_causal_attention
 from .layer import IndexCache, MTrainingAttentionSettings, striped_sparse_attention
-from .ops import CUDA_HEAD_DIMS
 
 ATTENTION_NAME = "mtraining"
 SETTINGS_ATTRIBUTE = "mtraining_settings"
@@ -120,7 +119,7 @@ def check_model_config(config, key: str = "mtraining.model", device_type: str | 
     """Raises ValueError, one line naming the model config field, when MTraining cannot train
     the model ``config`` describes exactly: its attention or its LM head has a feature that
     MTraining's attention or loss would otherwise drop. ``device_type`` ``"cuda"`` also checks
-    what the CUDA kernels are built for (:data:`ds_mtraining.ops.CUDA_HEAD_DIMS`)."""
+    the head_dim against the CUDA kernels' (:func:`ds_mtraining.attention.kernel_head_dim`)."""
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     if heads % kv_heads != 0:
@@ -140,10 +139,10 @@ def check_model_config(config, key: str = "mtraining.model", device_type: str | 
         raise ValueError(f"{key}: attention_dropout={config.attention_dropout} is not supported; set it to 0")
     if getattr(config, "is_causal", True) is False:
         raise ValueError(f"{key}: is_causal=false; MTraining attention is causal only")
-    head_dim = config_head_dim(config)
-    if device_type == "cuda" and head_dim not in CUDA_HEAD_DIMS:
-        raise ValueError(f"{key}: head_dim={head_dim}: MTraining's CUDA kernels take head_dim {list(CUDA_HEAD_DIMS)}; "
-                         f"train a model with one of those, or on CPU")
+    try:
+        kernel_head_dim(config_head_dim(config), device_type or "cpu")
+    except ValueError as error:
+        raise ValueError(f"{key}: {error}") from None
 
 
 def training_device_type() -> str:

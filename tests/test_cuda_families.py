@@ -1,7 +1,8 @@
 """GPU tests of bringing one's own model: sliding windows through the CUDA kernels against float64
 dense attention (bf16 and fp16, head_dim 64 and 128, GQA, packed documents, a partial last block,
-on both kernel blocks), float32 inputs run in bfloat16 with one warning, and families of the
-matrix (ds_mtraining.families) in bf16 against the same model with SDPA. Skipped without CUDA."""
+on both kernel blocks), head dims the kernels lack (32, 80, 96) zero-padded, float32 inputs in
+bfloat16 with one warning, and families of the matrix (ds_mtraining.families) in bf16 against the
+same model with SDPA. Skipped without CUDA."""
 from __future__ import annotations
 
 import warnings
@@ -55,6 +56,35 @@ def test_window_through_the_cuda_kernels_equals_float64(dtype, head_dim, block, 
             assert relative_error(mine, reference) < TOLERANCE, name
 
 
+@pytest.mark.parametrize("head_dim", [32, 80, 96])
+@pytest.mark.parametrize("documents", [False, True], ids=["one-document", "documents"])
+def test_a_head_dim_the_kernels_lack_runs_padded_and_equals_float64(head_dim, documents):
+    """Zero-padded to the next kernel head_dim (ds_mtraining.attention.padded_to_kernel_head_dim),
+    with its own scale 1/sqrt(D): outputs and gradients in [.., D], against float64."""
+    from ds_mtraining.index import SparseIndex
+    from ds_mtraining.reference import dense_mask
+    seq, block = 1024 + 17, 64
+    g = torch.Generator().manual_seed(head_dim)
+    q = torch.randn(1, seq, 8, head_dim, generator=g)
+    k, v = torch.randn(2, 1, seq, 2, head_dim, generator=g)
+    dout = torch.randn(1, seq, 8, head_dim, generator=g)
+    index = SparseIndex.from_blocks(torch.randint(1, seq // block, (1, 8, 4), generator=g),
+                                    torch.randint(0, seq, (1, 8, 16), generator=g), seq, block)
+    doc_start = doc_start_from_cu_seqlens(torch.tensor([0, 200, 700, seq]), seq) if documents else None
+    got = outputs_and_grads(
+        lambda a, b, c: sparse_attention(a, b, c, index.to("cuda"),
+                                         doc_start=None if doc_start is None else doc_start.cuda()),
+        *(t.to("cuda", torch.bfloat16) for t in (q, k, v, dout)))
+    mask = dense_mask(index)
+    if documents:
+        mask = mask & document_causal_mask(doc_start)[:, None]
+    want = outputs_and_grads(lambda a, b, c: dense_attention(a, b, c, mask.cuda()),
+                             *(t.to("cuda", torch.float64) for t in (q, k, v, dout)))
+    for name, mine, reference in zip(("out", "dq", "dk", "dv"), got, want):
+        assert mine.shape == reference.shape, name
+        assert relative_error(mine, reference) < TOLERANCE, name
+
+
 def test_float32_inputs_run_in_bfloat16_with_one_warning():
     from ds_mtraining.config import SparseConfig
     from ds_mtraining.layer import MTrainingAttentionSettings, attention as layer_attention
@@ -76,8 +106,9 @@ def test_float32_inputs_run_in_bfloat16_with_one_warning():
     torch.testing.assert_close(out, bf16.float(), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("name", ["Llama", "Mistral", "Gemma-3 (text)", "Granite", "Qwen2 (sliding window)"])
-def test_family_in_bf16_with_a_full_index_matches_sdpa(name):
+@pytest.mark.parametrize("name,head_dim", [("Llama", 64), ("Mistral", 64), ("Gemma-3 (text)", 64), ("Granite", 64),
+                                           ("Qwen2 (sliding window)", 64), ("Phi-3", 96)])
+def test_family_in_bf16_with_a_full_index_matches_sdpa(name, head_dim):
     from transformers import AutoModelForCausalLM
     from ds_mtraining.config import SparseConfig
     from ds_mtraining.families import family, public_shape_config
@@ -86,7 +117,7 @@ def test_family_in_bf16_with_a_full_index_matches_sdpa(name):
     from ds_mtraining.static import StaticPattern
     from ds_mtraining.training.model import MTrainingCausalLM
     seq = 4096
-    config = public_shape_config(family(name), head_dim=64, window=1000)
+    config = public_shape_config(family(name), head_dim=head_dim, window=1000)
     ids = torch.randint(0, config.vocab_size, (1, seq + 1), generator=torch.Generator().manual_seed(1)).cuda()
 
     def build(attention):

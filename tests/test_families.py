@@ -121,12 +121,20 @@ def test_refused_family_gets_one_line_before_any_process_group(name):
     assert not dist.is_initialized()
 
 
-def test_a_head_dim_the_cuda_kernels_lack_is_refused_for_cuda_only():
-    config = family_config(family("Phi-3"), hidden_size=96 * 4)  # Phi-3's head_dim, 96
+def test_a_head_dim_above_the_cuda_kernels_is_refused_for_cuda_only():
+    config = family_config(family("Gemma"), hidden_size=256 * 4, head_dim=256)  # Gemma's head_dim
     check_model_config(config, "mtraining.model", "cpu")  # the CPU op takes any head_dim
-    with pytest.raises(ValueError, match=r"^mtraining.model: head_dim=96: MTraining's CUDA kernels take head_dim "
-                                         r"\[64, 128\]"):
+    with pytest.raises(ValueError, match=r"^mtraining.model: head_dim=256: MTraining's CUDA kernels take head_dim up "
+                                         r"to 128; train this model on CPU$"):
         check_model_config(config, "mtraining.model", "cuda")
+    check_model_config(family_config(family("Phi-3"), hidden_size=96 * 4), "mtraining.model", "cuda")  # padded
+
+
+@pytest.mark.parametrize("head_dim,device_type,runs_at", [(96, "cuda", 128), (32, "cuda", 64), (80, "cuda", 128),
+                                                          (128, "cuda", 128), (96, "cpu", 96), (256, "cpu", 256)])
+def test_kernel_head_dim(head_dim, device_type, runs_at):
+    from ds_mtraining.attention import kernel_head_dim
+    assert kernel_head_dim(head_dim, device_type) == runs_at
 
 
 def test_models_md_holds_the_matrix():

@@ -5,8 +5,8 @@ and with MTraining, twice: on the full causal index through MTraining's kernels 
 match SDPA's to bf16 rounding) and on its own estimated index (``--sparse``, the loss then
 differs by what the index leaves out; its density is recorded).
 
-Each family runs at its public models' head_dim where the CUDA kernels take it, else at 128
-(Gemma-3-27B's and Gemma-2-27B's), ``--layers`` layers of 8 query and 2 key/value heads, the
+Each family runs at its public models' head_dim where the CUDA kernels take it (Phi-3's 96
+zero-padded to 128), else at 128 (Gemma-3-27B's and Gemma-2-27B's), ``--layers`` layers of 8 query and 2 key/value heads, the
 windowed families at ``--window`` tokens; a refused family is recorded with its one line.
 
 Writes ``OUT/families_<tag>.json`` and prints a table. ``--examples_log LOG`` adds to that file
@@ -37,7 +37,7 @@ FALLBACK_HEAD_DIM = 128
 
 
 def family_run_config(fam: Family, args):
-    head_dim = fam.public_head_dim if fam.public_head_dim in CUDA_HEAD_DIMS else FALLBACK_HEAD_DIM
+    head_dim = fam.public_head_dim if fam.public_head_dim <= max(CUDA_HEAD_DIMS) else FALLBACK_HEAD_DIM
     config = public_shape_config(fam, layers=args.layers, head_dim=head_dim, window=args.window)
     return config, head_dim
 

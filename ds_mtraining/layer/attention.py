@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ..attention import resolve_softmax_scale
+from ..attention import padded_to_kernel_head_dim, resolve_softmax_scale
 from ..config import SparseConfig
 from ..dense_backend import dense_causal_attention
 from ..distributed.comm import ring_comm
@@ -245,14 +245,16 @@ def striped_sparse_attention(q, k, v, settings: MTrainingAttentionSettings,
         [B, S/W, H, D], this rank's output, in q's dtype.
 
     float32 inputs on CUDA run in bfloat16 (:func:`kernel_inputs`), as transformers' own
-    flash-attention path runs them.
+    flash-attention path runs them; a head_dim the CUDA kernels lack runs zero-padded to the next
+    one they take (:func:`ds_mtraining.attention.padded_to_kernel_head_dim`).
 
     On CUDA inputs nothing here waits for the GPU (estimation by the fused CUDA estimator, the
     ring, the statistics), apart from the once-per-step checks.
     """
     recompute = in_backward()
-    input_dtype = q.dtype
-    q, k, v = kernel_inputs(q, k, v)
+    input_dtype, head_dim = q.dtype, q.shape[-1]
+    scale = resolve_softmax_scale(head_dim, softmax_scale)
+    q, k, v, _ = padded_to_kernel_head_dim(*kernel_inputs(q, k, v))  # once, before the estimate and the ring
     check_ranks_before_collectives(ring_comm(settings.group), q, k, v, settings.sparse)
     if position_ids is not None:
         if not position_ids.is_cuda:
@@ -260,7 +262,6 @@ def striped_sparse_attention(q, k, v, settings: MTrainingAttentionSettings,
         elif check_due("positions"):
             check_striped(position_ids, settings, doc_start)
             mark_checked("positions")
-    scale = resolve_softmax_scale(q.shape[-1], softmax_scale)
     key = (tuple(q.shape), tuple(k.shape), q.dtype, str(q.device), scale, settings.sparse,
            id(settings.group), None if doc_start is None else doc_start.data_ptr(), window)
     index, kept = (cache.take(key) if (cache is not None and recompute) else None) or (None, None)
@@ -276,13 +277,13 @@ def striped_sparse_attention(q, k, v, settings: MTrainingAttentionSettings,
         settings.stats.record(index, settings.world, doc_start)
     if (getattr(settings.pattern, "dense", False) and settings.world == 1 and q.is_cuda and doc_start is None
             and window is None):
-        return dense_causal_attention(q, k, v, scale, settings.dense_backend).to(input_dtype)  # one GPU's baseline
+        return dense_causal_attention(q, k, v, scale, settings.dense_backend)[..., :head_dim].to(input_dtype)
     out, lse = ring_sparse_attention_with_lse(q, k, v, settings.sparse, settings.group, softmax_scale=scale,
                                               index=index, hierarchy=settings.hierarchy, doc_start=doc_start,
                                               window=window, kept=kept)
     if cache is not None and not recompute:
         cache.store(key, (index, (out.detach(), lse.detach()) if settings.keep_output else None))
-    return out.to(input_dtype)
+    return out[..., :head_dim].to(input_dtype)
 
 
 _warned_float32 = []

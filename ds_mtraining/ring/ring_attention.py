@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from ..attention import check_attention_inputs, resolve_softmax_scale, sparse_attention_with_lse
+from ..attention import (check_attention_inputs, padded_to_kernel_head_dim, resolve_softmax_scale,
+                         sparse_attention_with_lse)
 from ..config import SparseConfig
 from ..documents import check_doc_start
 from ..index import SparseIndex
@@ -62,7 +63,8 @@ def ring_sparse_attention_with_lse(q, k, v, config: SparseConfig, group=None,
             :class:`~ds_mtraining.layer.MTrainingAttentionSettings`): returned again with the
             backward attached; no kernel and no ring step runs.
     Returns:
-        (out [B, S/W, H, D] in q's dtype, lse float32 [B, H, S/W]) for this rank's queries.
+        (out [B, S/W, H, D] in q's dtype, lse float32 [B, H, S/W]) for this rank's queries. On
+        CUDA a head_dim the kernels lack runs zero-padded (K/V rotate padded).
 
     The ranks' agreement on shapes, dtypes, config and index is checked at the group's first
     call of each training step (:mod:`.agreement`: ``DS_MTRAINING_CHECK_RANKS``); apart from that
@@ -80,7 +82,9 @@ def ring_sparse_attention_with_lse(q, k, v, config: SparseConfig, group=None,
     # After a passed check every rank holds the same shapes, so every check below fails everywhere
     # alike (between checks, see .agreement for what goes unnoticed).
     check_attention_inputs(q, k, v)
-    scale = resolve_softmax_scale(q.shape[-1], softmax_scale)
+    head_dim = q.shape[-1]
+    scale = resolve_softmax_scale(head_dim, softmax_scale)
+    q, k, v, kept = padded_to_kernel_head_dim(q, k, v, kept)  # before the K/V rotate, so once per call
     seq_len = q.shape[1] * comm.world
     StripedLayout(comm.world, config.block_size).check(seq_len)
     if index is not None:
@@ -101,8 +105,9 @@ def ring_sparse_attention_with_lse(q, k, v, config: SparseConfig, group=None,
         index = estimate_index(q, k, config, comm, scale, doc_start)
     # the kernels' per-query first key: the document's start, or later within a window
     key_start = doc_start if window is None else window_key_start(window, q.shape[0], seq_len, q.device, doc_start)
-    return RingSparseAttentionFunction.apply(q, k, v, index, scale, ring_schedule(comm, hierarchy), key_start,
-                                             kept)
+    out, lse = RingSparseAttentionFunction.apply(q, k, v, index, scale, ring_schedule(comm, hierarchy), key_start,
+                                                 kept)
+    return out[..., :head_dim], lse
 
 
 def ring_sparse_attention(q, k, v, config: SparseConfig, group=None,

@@ -14,7 +14,7 @@ PRESETS = {
     "tiny-qwen2": {"model_type": "qwen2", "vocab_size": 257, "hidden_size": 64, "num_hidden_layers": 2,
                    "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,
                    "rope_theta": 1e6, "max_position_embeddings": 1 << 20, "tie_word_embeddings": False},
-    # the same at head_dim 64, the smallest the CUDA kernels take: the examples, the GPU demo
+    # the same at head_dim 64, the smallest the CUDA kernels take unpadded: the examples, the GPU demo
     "small-qwen2": {"model_type": "qwen2", "vocab_size": 257, "hidden_size": 256, "num_hidden_layers": 2,
                     "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 512,
                     "rope_theta": 1e6, "max_position_embeddings": 1 << 20, "tie_word_embeddings": False},
