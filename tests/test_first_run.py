@@ -95,10 +95,10 @@ def test_demo_script_names_its_ranks_first_and_ends_with_the_rank_line(tmp_path,
     assert done.stderr == error + "\n" * bool(error)
 
 
-def test_the_demos_second_run_is_one_line_before_any_launch(tmp_path):
+def test_the_demos_second_run_is_one_line_before_any_launch(tmp_path, monkeypatch):
     """A SAVE_DIR holding a run (as DeepSpeed's save_checkpoint and the csv monitor leave it):
     exactly one line on the terminal, naming --resume, --overwrite and SAVE_DIR, exit 2, and the
-    launcher never started; with --resume or --overwrite the launch goes ahead."""
+    launcher never started; with --resume the launch goes ahead (--overwrite: the same check)."""
     save_dir = tmp_path / "demo"
     (save_dir / "step30").mkdir(parents=True)
     (save_dir / "latest").write_text("step30")
@@ -110,12 +110,14 @@ def test_the_demos_second_run_is_one_line_before_any_launch(tmp_path):
     assert done.stderr == (f"demo: {save_dir} already holds a run (checkpoints up to step30 and metrics in "
                            f"{save_dir / 'metrics' / 'mtraining'}); continue it with --resume (e.g. --resume --steps "
                            f"60), start over with --overwrite (deletes them), or set SAVE_DIR=runs/other\n")
-    for flag in ("--resume", "--overwrite"):
-        done = subprocess.run(["bash", str(DEMO), flag], cwd=tmp_path, env=env, capture_output=True, text=True,
-                              timeout=120)
-        assert done.returncode == 0 and done.stderr == "", done
-        assert (tmp_path / "record.txt").read_text().splitlines()[0].endswith(f"--save_dir {save_dir} "
-                                                                             f"--save_interval 10 {flag}")
+    done = subprocess.run(["bash", str(DEMO), "--resume"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and done.stderr == "", done
+    assert (tmp_path / "record.txt").read_text().splitlines()[0].endswith(f"--save_dir {save_dir} --save_interval 10 "
+                                                                         f"--resume")
+    monkeypatch.chdir(REPO)  # (the demo's config, as the script reads it)
+    assert placement.earlier_run_line(str(save_dir), placement.CPU_CONFIG, ["--overwrite"]) is None
+    assert placement.earlier_run_line(str(save_dir), placement.CPU_CONFIG, ["--save_dir", str(tmp_path)]) is None
 
 
 def test_a_rank_without_a_gpu_gets_one_line(monkeypatch):
