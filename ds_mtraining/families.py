@@ -68,9 +68,8 @@ def family_config(fam: Family, **size):
     ``hidden_size``, ``head_dim``) and the family's own fields over both."""
     import transformers
     values = {**TOY, **size, **fam.fields}
-    if "head_dim" not in values and fam.config_class not in ("LlamaConfig", "Qwen2Config", "MistralConfig",
-                                                             "Phi3Config", "Olmo2Config", "GraniteConfig"):
-        values["head_dim"] = values["hidden_size"] // values["num_attention_heads"]  # these default to 256 or 128
+    # explicit: Gemma's, Qwen3's and gpt-oss's configs default it to 256, 128 and 64 at any size
+    values.setdefault("head_dim", values["hidden_size"] // values["num_attention_heads"])
     return getattr(transformers, fam.config_class)(**values)
 
 

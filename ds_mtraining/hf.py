@@ -10,7 +10,7 @@ with q [B, H, S/W, D] and k/v [B, Hkv, S/W, D] (GQA: key/value heads are not rep
     out = model.model(input_ids=ids_r, position_ids=positions_r)  # this rank's striped shard
 
 Each attention module keeps an :class:`~ds_mtraining.layer.IndexCache`: under activation
-checkpointing (``model.gradient_checkpointing_enable()``, reentrant or not) the recomputed
+checkpointing (reentrant or not: ``ds_mtraining.training.memory.enable_checkpointing``) the recomputed
 forward reuses the index its forward estimated, so each layer estimates once per step; with the
 settings' ``keep_output`` it reuses the forward's output too, so each layer runs attention once.
 

@@ -435,13 +435,13 @@ def _install_hooks():
 def enable(model, config=None, *, sequence_parallel_size: int | None = None, sparse=None, ring: str | None = None,
            loss_chunk_tokens: int | None = None, liger=None, keep_attention_output: bool | None = None,
            attention: str | None = None, dense_backend: str | None = None) -> MTraining:
-    """Switches a HF Qwen2/Llama causal LM to MTraining for the user's own training loop.
+    """Switches a HF causal LM (docs/MODELS.md) to MTraining for the user's own training loop.
 
     Settings: keyword arguments, else the ``mtraining`` section of ``config`` (a DeepSpeed JSON
     path or dict, e.g. the one ``ds_mtraining.train`` runs; keys that belong to train's own loop,
     such as ``seq_len`` or ``data``, are ignored), else the defaults (sequence-parallel size: the
     world; ``SparseConfig()``; liger ``"auto"``). Call before ``deepspeed.initialize`` (or before
-    ``Trainer.train``), after ``gradient_checkpointing_enable`` if you use it or at any point before
+    ``Trainer.train``), after enabling activation checkpointing if you use it or at any point before
     the first step. See the module docstring for what it wires."""
     import deepspeed
     from .distributed.shm import release_shm_buffer
