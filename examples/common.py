@@ -9,6 +9,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from ds_mtraining.training.memory import enable_checkpointing
 from ds_mtraining.training.model import build_model as build_preset, random_init_device
 
 
@@ -38,7 +39,7 @@ def build_model(args):
     device = f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu"
     model = build_preset(spec, random_init_device(spec, device))
     if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model)  # transformers' own, under the name this transformers has
     return model
 
 

@@ -70,11 +70,10 @@ def test_checkpointing_recomputes_each_layer_and_warns_nothing(reentrant):
 
 
 def test_the_project_enables_checkpointing_only_through_one_function():
-    """No call of the deprecated name in the package, its scripts or its tests but
-    enable_checkpointing's own fallback (for transformers 5.17). (examples/common.py still calls it:
-    its --gradient_checkpointing, which no test runs, warns.)"""
+    """No call of the deprecated name in the package, its scripts, examples or tests but
+    enable_checkpointing's own fallback (for transformers 5.17)."""
     calls = []
-    for folder in ("ds_mtraining", "scripts", "tests"):
+    for folder in ("ds_mtraining", "scripts", "examples", "tests"):
         for path in sorted((REPO / folder).rglob("*.py")):
             for node in ast.walk(ast.parse(path.read_text())):
                 if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
