@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from . import ops
 from .documents import check_doc_start
 from .index import SparseIndex, Stripe
+from .sinks import check_sinks, sink_gradient, with_sinks
 from .window import window_key_start
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -80,34 +81,43 @@ def padded_to_kernel_head_dim(q, k, v, kept=None) -> tuple:
 
 
 class SparseAttentionFunction(torch.autograd.Function):
-    """Causal vertical-slash sparse attention, within the documents of ``doc_start`` when given;
-    returns (out in q's dtype, lse fp32 [B, H, S]). ``kept``: the (out, lse) this call returned
-    before (a forward recomputed under activation checkpointing): returned again with the
-    backward attached, without running the kernel."""
+    """Causal vertical-slash sparse attention, within the documents of ``doc_start`` when given,
+    with attention ``sinks`` [H] when given (:mod:`ds_mtraining.sinks`); returns (out in q's
+    dtype, lse fp32 [B, H, S]). ``kept``: the (out, lse) this call returned before (a forward
+    recomputed under activation checkpointing): returned again with the backward attached,
+    without running the kernel."""
 
     @staticmethod
-    def forward(ctx, q, k, v, index: SparseIndex, scale: float, doc_start=None, kept=None):
-        # out (and dq) in q's dtype straight from the kernels: no float32 copy to convert
-        out, lse = kept if kept is not None else ops.attention_forward(q, k, v, index, scale, Stripe(),
-                                                                       doc_start=doc_start, input_dtype=True)
-        ctx.save_for_backward(q, k, v, out, lse)
+    def forward(ctx, q, k, v, index: SparseIndex, scale: float, doc_start=None, kept=None, sinks=None):
+        if kept is not None:
+            out, lse = kept
+        else:  # out (and dq) in q's dtype straight from the kernels: no float32 copy to convert
+            out, lse = ops.attention_forward(q, k, v, index, scale, Stripe(), doc_start=doc_start, input_dtype=True)
+            if sinks is not None:
+                out, lse = with_sinks(out, lse, sinks)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.index, ctx.scale, ctx.doc_start = index, scale, doc_start
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        dout = dout.contiguous()
+        delta = ops.attention_delta(dout, out)
         dq, dk, dv = ops.attention_backward(dout, q, k, v, out, lse, ctx.index, ctx.scale, Stripe(),
-                                            doc_start=ctx.doc_start, input_dtype=True)
-        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+                                            doc_start=ctx.doc_start, delta=delta, input_dtype=True)
+        dsinks = sink_gradient(delta, lse, sinks) if sinks is not None and ctx.needs_input_grad[7] else None
+        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, dsinks
 
 
 def sparse_attention_with_lse(q, k, v, index: SparseIndex, softmax_scale: float | None = None, *,
-                              doc_start: torch.Tensor | None = None, window: int | None = None, kept=None):
+                              doc_start: torch.Tensor | None = None, window: int | None = None,
+                              sinks: torch.Tensor | None = None, kept=None):
     """Sparse causal attention of q [B, S, H, D] over k, v [B, S, Hkv, D] on ``index``; with
     ``doc_start`` [B, S] (ds_mtraining.documents) each query sees only its own document; with
-    ``window`` only the last ``window`` keys up to itself (:mod:`ds_mtraining.window`).
+    ``window`` only the last ``window`` keys up to itself (:mod:`ds_mtraining.window`); with
+    ``sinks`` [H] a learned logit per head joins each row's softmax (:mod:`ds_mtraining.sinks`).
     ``kept``: (out, lse) that this call returned before, for the same inputs (activation
     checkpointing's recompute): returned with the backward attached, no kernel runs.
 
@@ -120,12 +130,16 @@ def sparse_attention_with_lse(q, k, v, index: SparseIndex, softmax_scale: float 
         doc_start = window_key_start(window, q.shape[0], q.shape[1], q.device, doc_start)
     head_dim = q.shape[-1]
     scale = resolve_softmax_scale(head_dim, softmax_scale)
+    if sinks is not None:
+        sinks = check_sinks(sinks, q.shape[2])
     q, k, v, kept = padded_to_kernel_head_dim(q, k, v, kept)
-    out, lse = SparseAttentionFunction.apply(q, k, v, index, scale, doc_start, kept)
+    out, lse = SparseAttentionFunction.apply(q, k, v, index, scale, doc_start, kept, sinks)
     return out[..., :head_dim], lse
 
 
 def sparse_attention(q, k, v, index: SparseIndex, softmax_scale: float | None = None, *,
-                     doc_start: torch.Tensor | None = None, window: int | None = None):
+                     doc_start: torch.Tensor | None = None, window: int | None = None,
+                     sinks: torch.Tensor | None = None):
     """Like :func:`sparse_attention_with_lse`, returning only the output."""
-    return sparse_attention_with_lse(q, k, v, index, softmax_scale, doc_start=doc_start, window=window)[0]
+    return sparse_attention_with_lse(q, k, v, index, softmax_scale, doc_start=doc_start, window=window,
+                                     sinks=sinks)[0]

@@ -37,7 +37,7 @@ INDEX_CACHE_ATTRIBUTE = "mtraining_index_cache"  # the module's IndexCache (one 
 # Every keyword transformers passes to an attention function, and what MTraining does with it
 # (tests/test_hf_keywords.py walks the installed transformers' model sources against these).
 # Honoured: applied as the model means it (the function's own parameters).
-HONOURED_KEYWORDS = ("scaling", "dropout", "sliding_window", "position_ids", "is_causal", "doc_start")
+HONOURED_KEYWORDS = ("scaling", "dropout", "sliding_window", "position_ids", "is_causal", "s_aux", "doc_start")
 # Carried along by the model's forward with no bearing on attention's result.
 INERT_KEYWORDS = ("use_cache", "output_hidden_states", "output_router_logits", "num_items_in_batch",
                   "deterministic", "max_length_q", "max_length_k")
@@ -45,8 +45,8 @@ INERT_KEYWORDS = ("use_cache", "output_hidden_states", "output_router_logits", "
 REFUSED_KEYWORDS = {
     "softcap": "attention logit soft-capping (the config's attn_logit_softcapping) is not in MTraining's "
                "kernels yet",
-    "s_aux": "attention sinks (a learned per-head logit) are not in MTraining's kernels yet",
-    "sinks": "attention sinks (a learned per-head logit) are not in MTraining's kernels yet",
+    "sinks": "attention sinks passed as sinks= (MTraining takes gpt-oss's s_aux: one logit per query head, "
+             "unscaled) are not known to mean the same",
     "position_bias": "an additive position bias (T5-style) is not supported by MTraining's kernels",
     "indices": "a learned sparse-attention index (DeepSeek-style) cannot be combined with MTraining's own",
     "block_indices": "a learned sparse-attention index cannot be combined with MTraining's own",
@@ -78,10 +78,12 @@ def _shown(value) -> str:
 def mtraining_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                                 value: torch.Tensor, attention_mask, scaling: float | None = None,
                                 dropout: float = 0.0, sliding_window: int | None = None, position_ids=None,
-                                is_causal: bool | None = None, doc_start=None, **kwargs):
+                                is_causal: bool | None = None, s_aux: torch.Tensor | None = None, doc_start=None,
+                                **kwargs):
     """transformers attention function: (out [B, S/W, H, D], None). ``doc_start`` (document
     masking, :mod:`ds_mtraining.documents`) arrives as a keyword of the model's forward; a layer's
-    ``sliding_window`` runs its band exactly (:mod:`ds_mtraining.window`); any other keyword is
+    ``sliding_window`` runs its band exactly (:mod:`ds_mtraining.window`), ``s_aux`` (gpt-oss's
+    attention sinks) joins each row's softmax (:mod:`ds_mtraining.sinks`); any other keyword is
     honoured or refused (:data:`REFUSED_KEYWORDS`), never dropped."""
     settings = getattr(module, SETTINGS_ATTRIBUTE, None)
     if settings is None:
@@ -103,7 +105,7 @@ def mtraining_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
         setattr(module, INDEX_CACHE_ATTRIBUTE, cache)
     out = striped_sparse_attention(q.contiguous(), k.contiguous(), v.contiguous(), settings,
                                    softmax_scale=scaling, position_ids=position_ids, cache=cache,
-                                   doc_start=doc_start, window=sliding_window)
+                                   doc_start=doc_start, window=sliding_window, sinks=s_aux)
     return out, None
 
 
@@ -154,12 +156,8 @@ def training_device_type() -> str:
 def check_attention_modules(modules: list) -> None:
     """One ValueError line for an attention module with a feature its config does not show."""
     for module in modules:
-        name = type(module).__name__
-        for attribute in ("sinks", "s_aux"):
-            if isinstance(getattr(module, attribute, None), torch.Tensor):
-                raise ValueError(f"{name}.{attribute}: {REFUSED_KEYWORDS[attribute]}")
         if getattr(module, "is_causal", True) is False:
-            raise ValueError(f"{name}.is_causal is False; MTraining attention is causal only")
+            raise ValueError(f"{type(module).__name__}.is_causal is False; MTraining attention is causal only")
 
 
 def output_head_inputs(model: PreTrainedModel, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

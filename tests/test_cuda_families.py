@@ -85,6 +85,27 @@ def test_a_head_dim_the_kernels_lack_runs_padded_and_equals_float64(head_dim, do
         assert relative_error(mine, reference) < TOLERANCE, name
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_sinks_through_the_cuda_kernels_equal_float64(dtype):
+    from test_sinks import sink_attention
+    from ds_mtraining.index import SparseIndex
+    from ds_mtraining.reference import dense_mask
+    seq, block = 2048 + 37, 128
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(1, seq, 8, 64, generator=g)
+    k, v = torch.randn(2, 1, seq, 2, 64, generator=g)
+    dout = torch.randn(1, seq, 8, 64, generator=g)
+    sinks = torch.randn(8, generator=g) * 2
+    index = SparseIndex.from_blocks(torch.randint(1, seq // block, (1, 8, 4), generator=g),
+                                    torch.randint(0, seq, (1, 8, 16), generator=g), seq, block)
+    mine = [t.to("cuda", dtype).requires_grad_() for t in (q, k, v)] + [sinks.cuda().requires_grad_()]
+    sparse_attention(*mine[:3], index.to("cuda"), sinks=mine[3]).backward(dout.to("cuda", dtype))
+    theirs = [t.to("cuda", torch.float64).requires_grad_() for t in (q, k, v, sinks)]
+    sink_attention(*theirs[:3], dense_mask(index).cuda(), theirs[3]).backward(dout.to("cuda", torch.float64))
+    for name, a, b in zip(("dq", "dk", "dv", "dsinks"), mine, theirs):
+        assert relative_error(a.grad, b.grad) < TOLERANCE, name
+
+
 def test_float32_inputs_run_in_bfloat16_with_one_warning():
     from ds_mtraining.config import SparseConfig
     from ds_mtraining.layer import MTrainingAttentionSettings, attention as layer_attention
@@ -107,7 +128,7 @@ def test_float32_inputs_run_in_bfloat16_with_one_warning():
 
 
 @pytest.mark.parametrize("name,head_dim", [("Llama", 64), ("Mistral", 64), ("Gemma-3 (text)", 64), ("Granite", 64),
-                                           ("Qwen2 (sliding window)", 64), ("Phi-3", 96)])
+                                           ("Qwen2 (sliding window)", 64), ("Phi-3", 96), ("gpt-oss", 64)])
 def test_family_in_bf16_with_a_full_index_matches_sdpa(name, head_dim):
     from transformers import AutoModelForCausalLM
     from ds_mtraining.config import SparseConfig
@@ -123,7 +144,7 @@ def test_family_in_bf16_with_a_full_index_matches_sdpa(name, head_dim):
     def build(attention):
         torch.manual_seed(0)
         return AutoModelForCausalLM.from_config(config, attn_implementation=attention).to("cuda", torch.bfloat16)
-    reference = build("sdpa")
+    reference = build("eager" if name == "gpt-oss" else "sdpa")  # transformers' SDPA takes no sinks
     want = torch.nn.functional.cross_entropy(reference(input_ids=ids[:, :-1]).logits[0].float(), ids[0, 1:])
     model = build("eager")
     pattern = StaticPattern(window_tokens=seq, sink_tokens=0)  # every causal entry, through MTraining's kernels

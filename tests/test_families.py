@@ -28,10 +28,11 @@ TIMEOUT_S = 240
 LOSS_TOL = dict(rtol=1e-5, atol=1e-5)
 GRAD_TOL = dict(rtol=1e-4, atol=3e-5)
 REF_TOL = dict(atol=2e-5, rtol=1e-4)     # fp32 ring vs float64
-REFUSED = {"Gemma-2": "Gemma2Config: attn_logit_softcapping=50.0", "gpt-oss": "GptOssAttention.sinks"}
+REFUSED = {"Gemma-2": "Gemma2Config: attn_logit_softcapping=50.0"}
 SUPPORTED = [f.name for f in FAMILIES if f.name not in REFUSED]
-WINDOWED = {"Qwen2 (sliding window)", "Mistral", "Gemma-2 (soft-capping off)", "Gemma-3 (text)"}
+WINDOWED = {"Qwen2 (sliding window)", "Mistral", "Gemma-2 (soft-capping off)", "Gemma-3 (text)", "gpt-oss"}
 FULL = every_entry_config(SEQ, BLOCK)
+SINKS = torch.tensor([0.5, -1.0, 2.0, 0.0])  # one logit per query head of ring_inputs' 4
 
 
 def toy_model(name: str, attention: str):
@@ -67,6 +68,13 @@ def _worker(rank, world):
             a, b, c, SparseConfig(block_size=BLOCK), groups.sequence_group, index=index,
             doc_start=doc_start if documents else None, window=TOY_WINDOW), *shards)
         for documents in (False, True)}
+    sinks = SINKS.clone().requires_grad_()
+    out = ring_sparse_attention(*shards[:3], SparseConfig(block_size=BLOCK), groups.sequence_group,
+                                index=index, window=TOY_WINDOW, sinks=sinks)
+    out.backward(shards[3])
+    grad = sinks.grad.clone()
+    dist.all_reduce(grad, group=groups.sequence_group)  # each rank's rows' share, summed
+    results["ring_sinks"] = (out.detach(), grad)
     return results
 
 
@@ -108,6 +116,23 @@ def test_ring_with_a_window_equals_float64_dense(results, documents):
         for label, got, reference in zip("out dq dk dv".split(), rank_result["ring_window"][documents], want):
             torch.testing.assert_close(got, layout.shard(reference, rank).float(), **REF_TOL,
                                        msg=lambda m: f"{label} rank {rank}: {m}")
+
+
+def test_ring_with_a_window_and_sinks_equals_float64_dense(results):
+    """Sinks join each row's softmax once, after the ring's last merge; their gradient is the
+    ranks' shares summed (as DeepSpeed sums a sequence-parallel group's)."""
+    from test_sinks import sink_attention
+    q, k, v, dout, _ = window_inputs()
+    i = torch.arange(SEQ)
+    mask = (i[None] <= i[:, None]) & (i[None] > i[:, None] - TOY_WINDOW)
+    sinks = SINKS.double().requires_grad_()
+    want = sink_attention(*(t.double() for t in (q, k, v)), mask, sinks)
+    want.backward(dout.double())
+    layout = StripedLayout(WORLD, BLOCK)
+    for rank, rank_result in enumerate(results):
+        out, grad = rank_result["ring_sinks"]
+        torch.testing.assert_close(out, layout.shard(want.detach(), rank).float(), **REF_TOL)
+        torch.testing.assert_close(grad, sinks.grad.float(), **REF_TOL)
 
 
 @pytest.mark.parametrize("name", sorted(REFUSED))

@@ -31,6 +31,7 @@ import torch
 
 from .. import ops
 from ..index import SparseIndex
+from ..sinks import sink_gradient, with_sinks
 from ..distributed.comm import GRAD_TAG, PendingRotation, RingComm
 from .schedule import RingSchedule
 
@@ -92,17 +93,19 @@ def _accumulate_and_pass(comm: RingComm | None, in_flight, dk, dv, stream) -> Pe
 
 
 def ring_backward(schedule: RingSchedule, dout, q, k, v, out, lse, index: SparseIndex, scale: float,
-                  held_k=None, held_v=None, doc_start=None):
+                  held_k=None, held_v=None, doc_start=None, delta=None):
     """(dq in q's dtype, dk and dv float32) for this rank's shards; ``out``/``lse`` are the merged
     forward ones (``out`` in q's dtype or float32), ``held_k``/``held_v`` the K/V this rank held
-    at the forward's last step (:func:`ring_forward`; None: fetched here, one exposed transfer)."""
+    at the forward's last step (:func:`ring_forward`; None: fetched here, one exposed transfer),
+    ``delta`` rowsum(dout * out) if already computed."""
     if held_k is None:
         held_k, held_v = _fetch_last_step_kv(schedule, k, v)
     stream = _grad_stream(q.device)
     inner_comm = schedule.inner if schedule.per_node > 1 else None
     outer_comm = schedule.outer if schedule.nodes > 1 else None
     dq = inner_grads = outer_grads = None
-    delta = ops.attention_delta(dout, out)  # the same for every step: computed once
+    if delta is None:
+        delta = ops.attention_delta(dout, out)  # the same for every step: computed once
     steps = schedule.kv_steps(held_k, held_v, reverse=True)
     for step, (outer_step, inner_step, stripe, step_k, step_v) in enumerate(steps):
         dq, dk_step, dv_step = ops.attention_backward(dout, q, step_k, step_v, out, lse, index, scale, stripe,
@@ -139,27 +142,33 @@ class RingSparseAttentionFunction(torch.autograd.Function):
     """Ring sparse attention on striped shards; returns (out in q's dtype, lse fp32 [B, H, S/W]).
     ``kept``: the (out, lse) this call returned before (a forward recomputed under activation
     checkpointing): returned again with the backward attached; no ring step runs, only one hop
-    back for the K/V of the forward's last step, where the backward starts."""
+    back for the K/V of the forward's last step, where the backward starts. ``sinks`` [H]: join
+    after the last step's merge (:mod:`ds_mtraining.sinks`)."""
 
     @staticmethod
     def forward(ctx, q, k, v, index: SparseIndex, scale: float, schedule: RingSchedule, doc_start=None,
-                kept=None):
+                kept=None, sinks=None):
         if kept is None:
             # out: the merged fp32 out rounded once, by the last step's kernel; returned, and
             # saved for the backward's delta
             out, lse, (held_k, held_v) = ring_forward(schedule, q, k, v, index, scale, doc_start)
+            if sinks is not None:
+                out, lse = with_sinks(out, lse, sinks)
         else:  # the tensors the forward saved, alike (non-reentrant checkpointing's backward pairs
             # them with the first forward's ctx): out, the last step's K/V (one hop back)
             out, lse = kept
             held_k, held_v = _fetch_last_step_kv(schedule, k, v)
-        ctx.save_for_backward(q, k, v, out, lse, held_k, held_v)
+        ctx.save_for_backward(q, k, v, out, lse, held_k, held_v, sinks)
         ctx.index, ctx.scale, ctx.schedule, ctx.doc_start = index, scale, schedule, doc_start
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse, held_k, held_v = ctx.saved_tensors
-        dq, dk, dv = ring_backward(ctx.schedule, dout.contiguous(), q, k, v, out, lse, ctx.index,
-                                   ctx.scale, held_k, held_v, ctx.doc_start)
-        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+        q, k, v, out, lse, held_k, held_v, sinks = ctx.saved_tensors
+        dout = dout.contiguous()
+        delta = ops.attention_delta(dout, out)
+        dq, dk, dv = ring_backward(ctx.schedule, dout, q, k, v, out, lse, ctx.index, ctx.scale, held_k, held_v,
+                                   ctx.doc_start, delta)
+        dsinks = sink_gradient(delta, lse, sinks) if sinks is not None and ctx.needs_input_grad[8] else None
+        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, dsinks

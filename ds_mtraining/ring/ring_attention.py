@@ -17,6 +17,7 @@ from ..distributed.comm import ring_comm
 from ..distributed.topology import HierarchicalGroups
 from ..estimator import estimate_index
 from ..layout import StripedLayout
+from ..sinks import check_sinks
 from ..window import window_key_start
 from .agreement import check_due, check_ranks_agree, mark_checked, ranks_check_key
 from .loop import RingSparseAttentionFunction
@@ -24,19 +25,20 @@ from .schedule import ring_schedule
 
 
 def _single_device(q, k, v, config: SparseConfig, softmax_scale, index: SparseIndex | None, doc_start, window,
-                   kept):
+                   sinks, kept):
     check_attention_inputs(q, k, v, index)
     scale = resolve_softmax_scale(q.shape[-1], softmax_scale)
     if index is None:  # the estimator and the attention each check doc_start
         index = estimate_index(q, k, config, None, scale, doc_start)
-    return sparse_attention_with_lse(q, k, v, index, scale, doc_start=doc_start, window=window, kept=kept)
+    return sparse_attention_with_lse(q, k, v, index, scale, doc_start=doc_start, window=window, sinks=sinks,
+                                     kept=kept)
 
 
 def ring_sparse_attention_with_lse(q, k, v, config: SparseConfig, group=None,
                                    softmax_scale: float | None = None,
                                    index: SparseIndex | None = None,
                                    hierarchy: HierarchicalGroups | None = None,
-                                   doc_start=None, window: int | None = None, kept=None):
+                                   doc_start=None, window: int | None = None, sinks=None, kept=None):
     """Causal vertical-slash sparse attention over a sequence striped across ``group``.
 
     Args:
@@ -58,6 +60,8 @@ def ring_sparse_attention_with_lse(q, k, v, config: SparseConfig, group=None,
             masking, each query sees only its own document (:mod:`ds_mtraining.documents`).
         window: a sliding window (:mod:`ds_mtraining.window`): each query sees only the last
             ``window`` keys up to itself, within the index (and its document).
+        sinks: attention sinks, a logit per query head [H] in every row's softmax
+            (:mod:`ds_mtraining.sinks`); its gradient is this rank's rows' share.
         kept: (out, lse) that this call returned before, for the same inputs and ``index`` (the
             forward recomputed under activation checkpointing, ``keep_output`` of
             :class:`~ds_mtraining.layer.MTrainingAttentionSettings`): returned again with the
@@ -74,7 +78,7 @@ def ring_sparse_attention_with_lse(q, k, v, config: SparseConfig, group=None,
         raise TypeError(f"config must be a SparseConfig, got {type(config).__name__}")
     comm = ring_comm(group)
     if comm is None:
-        return _single_device(q, k, v, config, softmax_scale, index, doc_start, window, kept)
+        return _single_device(q, k, v, config, softmax_scale, index, doc_start, window, sinks, kept)
     check_key = ranks_check_key(comm)
     checking = check_due(check_key)
     if checking:
@@ -105,14 +109,17 @@ def ring_sparse_attention_with_lse(q, k, v, config: SparseConfig, group=None,
         index = estimate_index(q, k, config, comm, scale, doc_start)
     # the kernels' per-query first key: the document's start, or later within a window
     key_start = doc_start if window is None else window_key_start(window, q.shape[0], seq_len, q.device, doc_start)
+    if sinks is not None:
+        sinks = check_sinks(sinks, q.shape[2])
     out, lse = RingSparseAttentionFunction.apply(q, k, v, index, scale, ring_schedule(comm, hierarchy), key_start,
-                                                 kept)
+                                                 kept, sinks)
     return out[..., :head_dim], lse
 
 
 def ring_sparse_attention(q, k, v, config: SparseConfig, group=None,
                           softmax_scale: float | None = None, index: SparseIndex | None = None,
-                          hierarchy: HierarchicalGroups | None = None, doc_start=None, window: int | None = None):
+                          hierarchy: HierarchicalGroups | None = None, doc_start=None, window: int | None = None,
+                          sinks=None):
     """Like :func:`ring_sparse_attention_with_lse`, returning only this rank's output."""
     return ring_sparse_attention_with_lse(q, k, v, config, group, softmax_scale, index, hierarchy,
-                                          doc_start, window)[0]
+                                          doc_start, window, sinks)[0]
