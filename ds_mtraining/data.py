@@ -264,6 +264,16 @@ def load_documents(spec: dict | None, key: str = "mtraining.data"):
     if text_field not in dataset.column_names:
         raise DataConfigError(f"{key}.text_field={text_field!r} is not a column of the data "
                               f"(columns: {dataset.column_names}); set {key}.text_field")
+    where = spec.get("files") or spec["saved_dataset"]
+    column = dataset.data.column(text_field)
+    if column.null_count:
+        raise DataConfigError(f"{key}: {column.null_count} document(s) of {where} have no text (null "
+                              f"{text_field!r}); give them text or remove them")
+    try:  # the json reader keeps bytes that are not UTF-8; tokenizing would fail on them later
+        column.validate(full=True)
+    except Exception as error:  # noqa: BLE001 - pyarrow's ArrowInvalid: one line
+        raise DataConfigError(f"{key}: {where} holds text that is not UTF-8 ({str(error).strip()[:200]}); "
+                              f"convert it, e.g. iconv -f latin1 -t utf-8 FILE > FILE.utf8") from None
     return dataset.rename_column(text_field, "text") if text_field != "text" else dataset
 
 

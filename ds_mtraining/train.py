@@ -100,12 +100,15 @@ from ds_mtraining.training import MTRAINING_KEY, ConfigError
 from ds_mtraining.training.export import export_hf
 from ds_mtraining.training.memory import CheckpointOffload, OutOfMemory, enable_checkpointing, host_memory_now, \
     out_of_memory_line, plan_memory, tile_mlps
-from ds_mtraining.training.checkpoint import claim_save_dir, continue_metrics, resume_checkpoint, save_checkpoint
+from ds_mtraining.training.checkpoint import DiskFull, claim_save_dir, continue_metrics, record_files, \
+    record_metrics, resume_checkpoint, save_checkpoint
+from ds_mtraining.training.heartbeat import group_timeout
 from ds_mtraining.training.model import (MTrainingCausalLM, build_model, model_config, random_init_device,
                                          use_fused_kernels)
-from ds_mtraining.training.profile import describe, profiled, summarise, write_summary
+from ds_mtraining.training.profile import describe, profile_path, profiled, summarise, write_summary
 from ds_mtraining.training.progress import Progress, describe_run, monitor_dir, with_default_monitor
 from ds_mtraining.training.run_config import ULYSSES, RunConfig, load_run_config
+from ds_mtraining.training.step_checks import NonFinite, StepChecks
 from ds_mtraining.training.watchdog import Watchdog
 
 
@@ -218,16 +221,19 @@ def train(args, watchdog: Watchdog | None = None) -> dict:
     dense = dense_backend_of(run)  # on this rank's device, before any process group
     if dense is not None and launcher_rank() == 0:
         print(f"ds_mtraining: {dense.describe()}", flush=True)
+    timeout = group_timeout(run.stall_timeout_s)  # every process group's, the default one's included
     with one_time_build("DeepSpeed's shm comm op", "about 40 s on 2 CPU cores", shm_op_cached()), \
             contextlib.redirect_stdout(io.StringIO()):  # (DeepSpeed's own build note)
-        deepspeed.init_distributed()
+        deepspeed.init_distributed(timeout=timeout)
     release_shm_buffer()
     load_attention_op(get_accelerator().device_name())  # before step 1, so its tokens/s leave the build out
-    groups = initialize_groups(run.sequence_parallel_size, run.ring)
+    groups = initialize_groups(run.sequence_parallel_size, run.ring, timeout=timeout)
     if watchdog is not None:
-        watchdog.know_peers()
+        watchdog.know_peers(run.stall_timeout_s)
+    at = watchdog.at if watchdog is not None else lambda phase: None  # progress marks: the stall detection's
 
     startup.done("config, data, process groups and ops")
+    at("building the model")
     torch.manual_seed(args.seed)
     model = build_model(run.model, random_init_device(run.model, get_accelerator().current_device_name()))
     startup.done("model")
@@ -248,6 +254,7 @@ def train(args, watchdog: Watchdog | None = None) -> dict:
     module = MTrainingCausalLM(model, groups.sequence_group, run.loss_chunk_tokens,
                                fused_loss=fused_off is None).train()
 
+    at("starting the engine")
     engine, _, _, _ = deepspeed.initialize(model=module, config=ds_config, mpu=groups,
                                            model_parameters=[p for p in module.parameters() if p.requires_grad])
     startup.done("DeepSpeed engine")
@@ -264,15 +271,19 @@ def train(args, watchdog: Watchdog | None = None) -> dict:
 
     step, position = 0, 0
     if args.resume:
+        at("loading the checkpoint")
         step, position = resume_checkpoint(engine, args.save_dir, run)
-        continue_metrics(engine, step)  # no second header, no step logged twice
+        continue_metrics(engine, args.save_dir, step)  # no second header, no step logged twice
+    checks = StepChecks(engine, run.max_nonfinite_steps, args.steps, watchdog)
     if watchdog is not None:
         watchdog.step = step
+        watchdog.preemptible = not args.no_checkpoint  # SIGTERM/SIGUSR1: save the step in flight, then stop
     progress = Progress(args.steps, step, enabled=dist.get_rank() == 0 and not args.no_progress)
     if dist.get_rank() == 0:
         Path(args.save_dir).mkdir(parents=True, exist_ok=True)
         (Path(args.save_dir) / "memory_plan.json").write_text(json.dumps(plan.to_dict(), indent=1))
         (Path(args.save_dir) / "startup.json").write_text(json.dumps(startup.seconds, indent=1))
+        record_files(args.save_dir, ["memory_plan.json", "startup.json"])
     offload = (CheckpointOffload(plan.offload_layers, plan.num_layers, engine.device.type == "cuda")
                if plan.offload_layers else contextlib.nullcontext())
     progress.print(describe_run(run, groups) + f"; {startup.describe()}")
@@ -289,23 +300,30 @@ def train(args, watchdog: Watchdog | None = None) -> dict:
         try:
             with profiled(args.profile_step == step + 1) as profiler:
                 for micro in range(accumulation):
+                    at("loading data")
                     batch = batches.batch(position)
                     position += 1
                     with offload:  # the checkpointed inputs of the first N layers on the host
+                        at("forward")
                         loss = engine(**{k: v.to(engine.device) for k, v in batch.items()})
+                        at("backward")
                         engine.backward(loss)
+                    at("optimizer step")
                     engine.step()
                     losses.append(loss.detach().float())
                     stats.enabled = False
         except torch.OutOfMemoryError as error:
             raise OutOfMemory(out_of_memory_line(error, run, plan, step + 1)) from None
         step += 1
+        at("end of step")
         if profiler is not None:
             summary = summarise(profiler, step, dist.get_rank(), time.perf_counter() - started)
             write_summary(summary, args.save_dir)
             progress.print(describe(summary))
-        if watchdog is not None:
-            watchdog.step = step
+            if dist.get_rank() == 0:  # every rank's file, among the run's
+                ranks = range(dist.get_world_size())
+                record_files(args.save_dir, [profile_path(args.save_dir, step, r) for r in ranks])
+        preempt = checks.after_step(step, losses)  # a signal on any rank; raises NonFinite
         mean_loss = torch.stack(losses).mean()
         dist.all_reduce(mean_loss, group=groups.data_group)
         mean_loss = float(mean_loss) / groups.get_data_parallel_world_size()
@@ -316,11 +334,22 @@ def train(args, watchdog: Watchdog | None = None) -> dict:
                        "lr": engine.get_lr()[0], **({} if ulysses else stats.summary()), **peak_memory(),
                        **resident, **host_memory(engine.device), **offloaded(offload)}
             engine.monitor.write_events([(f"Train/mtraining/{k}", v, step) for k, v in metrics.items()])
+            record_metrics(engine, args.save_dir)
             progress.update(step, metrics)
-        if not args.no_checkpoint and (args.save_interval and step % args.save_interval == 0 or step == args.steps):
-            save_checkpoint(engine, args.save_dir, step, position, run)
+        due = args.save_interval and step % args.save_interval == 0 or step == args.steps or preempt
+        seconds = None
+        if not args.no_checkpoint and checks.save_due(bool(due)):
+            at("checkpoint save")
+            seconds = save_checkpoint(engine, args.save_dir, step, position, run)
+        if watchdog is not None:
+            watchdog.step = step
+        if preempt:
+            watchdog.preempted(preempt, seconds)
+    if watchdog is not None:
+        watchdog.preemptible = False
     progress.close()
     if args.export_hf:
+        at("export")
         tokenizer_dir = None if run.tokenizer == "bytes" else run.tokenizer
         exported = export_hf(model, args.export_hf, tokenizer_dir)
         progress.print(f"exported:   {exported} (step {step}; AutoModelForCausalLM.from_pretrained)")
@@ -472,8 +501,10 @@ def main(argv=None):
     except DeviceError as error:  # only the ranks without a device find it
         print(f"ds_mtraining.train: {error}", file=sys.stderr)
         sys.exit(2)
-    except OutOfMemory as error:  # one line from the rank that ran out; the launcher stops the rest
+    except (OutOfMemory, DiskFull) as error:  # one line from the rank that ran out; the launcher stops the rest
         watchdog.stop(str(error), code=1, printer=rank)
+    except NonFinite as error:  # every rank finds it in the same step
+        watchdog.stop(str(error), code=1, printer=0)
     except Exception as error:  # noqa: BLE001 - a dead peer or launcher: one line, no traceback
         watchdog.on_failure(error)
         raise

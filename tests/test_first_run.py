@@ -15,7 +15,7 @@ from helpers import REPO, environment
 
 from ds_mtraining.training import ConfigError
 from ds_mtraining.training import placement
-from ds_mtraining.training.checkpoint import claim_save_dir, earlier_run
+from ds_mtraining.training.checkpoint import RUN_FILES, claim_save_dir, earlier_run, record_files
 
 DEMO = REPO / "scripts" / "train_demo.sh"
 
@@ -136,6 +136,9 @@ def test_a_rank_without_a_gpu_gets_one_line(monkeypatch):
 
 
 def test_an_earlier_run_is_refused_and_overwrite_deletes_only_it(tmp_path):
+    """What --overwrite deletes is what the run listed in run_files.json (as train.py lists it):
+    a file of the user's in the metrics folder or SAVE_DIR stays; a run that lists nothing (an
+    earlier version's) is refused with one line, nothing deleted."""
     save, metrics = tmp_path / "run", tmp_path / "run" / "metrics" / "mtraining"
     claim_save_dir(str(save), str(metrics), resume=False, overwrite=False, clear=True)  # nothing there yet
     for tag in ("step10", "step20"):
@@ -146,6 +149,13 @@ def test_an_earlier_run_is_refused_and_overwrite_deletes_only_it(tmp_path):
     metrics.mkdir(parents=True)
     (metrics / "Train_mtraining_loss.csv").write_text("step,loss\n1,5.0\n")
     (save / "notes.txt").write_text("mine")
+    (metrics / "notes.csv").write_text("mine")
+    with pytest.raises(ConfigError, match=rf"--overwrite: --save_dir .*run holds checkpoints up to step20 and metrics "
+                                          rf"in .* that no {RUN_FILES} lists as a run's .*: --overwrite deletes only "
+                                          rf"what a run listed; delete them yourself or pass another --save_dir"):
+        claim_save_dir(str(save), str(metrics), resume=False, overwrite=True, clear=True)
+    assert (save / "step20").is_dir()
+    record_files(str(save), ["step10", "step20", "latest", "zero_to_fp32.py", metrics / "Train_mtraining_loss.csv"])
     assert earlier_run(str(save), str(metrics)) == f"checkpoints up to step20 and metrics in {metrics}"
     with pytest.raises(ConfigError, match=r"--save_dir .*run already holds a run \(checkpoints up to step20 "
                                           r"and metrics in .*\); continue it with --resume, start over with "
@@ -157,8 +167,9 @@ def test_an_earlier_run_is_refused_and_overwrite_deletes_only_it(tmp_path):
     with pytest.raises(ConfigError, match="pass one of them"):
         claim_save_dir(str(save), str(metrics), resume=True, overwrite=True, clear=True)
     claim_save_dir(str(save), str(metrics), resume=False, overwrite=True, clear=True)
-    assert sorted(p.name for p in save.iterdir()) == ["metrics", "notes.txt"] and not list(metrics.iterdir())
-    assert earlier_run(str(save), str(metrics)) is None
+    assert sorted(p.name for p in save.iterdir()) == ["metrics", "notes.txt", RUN_FILES]
+    assert [p.name for p in metrics.iterdir()] == ["notes.csv"]
+    assert earlier_run(str(save), str(metrics)) is None  # the user's CSV is no run
 
 
 def test_an_empty_data_file_says_it_is_empty(tmp_path):

@@ -126,6 +126,10 @@ def test_num_gpus_zero2_offload_trains_and_the_loss_falls(reference):
 
 
 def test_sigkill_then_resume_matches_the_uninterrupted_run_bit_for_bit(reference, tmp_path):
+    """SIGKILL mid-run; the same command refused; the latest checkpoint's model file truncated
+    (as a crash mid-copy leaves it), so that --resume names it and falls back to the tag before;
+    the resumed run's losses equal the uninterrupted run's; a user's files beside the run (in the
+    metrics folder, in SAVE_DIR) survive --resume and --overwrite."""
     losses, _ = reference
     log = tmp_path / "killed.txt"
     config = demo_config(tmp_path)
@@ -152,6 +156,13 @@ def test_sigkill_then_resume_matches_the_uninterrupted_run_bit_for_bit(reference
                       f"metrics in ") == 1 and "continue it with --resume, start over with --overwrite" in text, text
     assert loss_rows(tmp_path) == killed_rows
 
+    model_file = tmp_path / f"step{resumed_from}" / "mp_rank_00_model_states.pt"
+    size = model_file.stat().st_size
+    model_file.write_bytes(model_file.read_bytes()[:size // 2])
+    fallback = resumed_from - SAVE_INTERVAL
+    mine = {tmp_path / "metrics" / "mtraining" / "notes.csv": "step,mine\n1,2\n", tmp_path / "notes.txt": "mine"}
+    for path, text in mine.items():
+        path.write_text(text)
     run(train_command(tmp_path, config, "--num_gpus", "2", "--master_port", str(free_port()),
                       extra=["--resume"]), tmp_path / "resumed.txt")
     rows = loss_rows(tmp_path)
@@ -159,7 +170,11 @@ def test_sigkill_then_resume_matches_the_uninterrupted_run_bit_for_bit(reference
     assert [step for step, _ in rows] == list(range(1, STEPS + 1))
     for step, loss in killed_rows + rows:  # before the kill, after the resume: every value exactly equal
         assert loss == losses[step], f"step {step}: {loss!r} != uninterrupted {losses[step]!r}"
-    assert f"resumed from {tmp_path} at step {resumed_from}" in (tmp_path / "resumed.txt").read_text()
+    text = (tmp_path / "resumed.txt").read_text()
+    assert text.count(f"ds_mtraining: --resume: {model_file} is {size // 2} bytes, {size} when saved (truncated or "
+                      f"overwritten); resuming from step{fallback}, the newest intact checkpoint\n") == 1, text[-3000:]
+    assert f"resumed from {tmp_path} at step {fallback}" in text and "Traceback" not in text, text[-3000:]
+    assert all(path.read_text() == text for path, text in mine.items())
 
     # --overwrite: the run's checkpoints and metrics go first, then a fresh run from step 0
     run(train_command(tmp_path, config, "--num_gpus", "2", "--master_port", str(free_port()), steps=3,
@@ -168,6 +183,7 @@ def test_sigkill_then_resume_matches_the_uninterrupted_run_bit_for_bit(reference
     assert [step for step, _ in rows] == [1, 2, 3] and all(loss == losses[step] for step, loss in rows), rows
     assert (tmp_path / "latest").read_text().strip() == "step3"
     assert sorted(p.name for p in tmp_path.glob("step*")) == ["step3"]  # the earlier run's tags are gone
+    assert all(path.read_text() == text for path, text in mine.items())  # and nothing else
 
 
 def test_hostfile_two_fake_nodes_hierarchical_ring(reference, side_runs):

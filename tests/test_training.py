@@ -52,6 +52,9 @@ def demo_config(**mtraining) -> dict:
     (dict(loss_chunk_tokens=0), 2, r"mtraining.loss_chunk_tokens=0 must be a positive integer"),
     (dict(seq_lenght=1024), 2, r"unknown key\(s\) \['seq_lenght'\] in 'mtraining'"),
     (dict(keep_attention_output="yes"), 2, r"mtraining.keep_attention_output='yes' must be true or false"),
+    (dict(stall_timeout_s=-1), 2, r"mtraining.stall_timeout_s=-1 must be a number of seconds >= 0 \(0: no stall "
+                                  r"detection\)"),
+    (dict(max_nonfinite_steps=1.5), 2, r"mtraining.max_nonfinite_steps=1.5 must be an integer >= 0"),
     (dict(keep_attention_output=True, gradient_checkpointing=False), 2,
      r"mtraining.keep_attention_output=true keeps each layer's attention output .* checkpointing is off: set "
      r"mtraining.gradient_checkpointing to true, or this to false"),

@@ -133,6 +133,7 @@ def demo_inputs(checkpoint: Path, seq_len: int, device) -> list[tuple]:
     from transformers import AttentionInterface
 
     from ..data import PackedSequences, datasets_offline, load_documents, load_tokenizer, tokenize_documents
+    from ..training.checkpoint import load_weights_only
     from ..training.model import build_model
 
     latest = checkpoint / "latest"
@@ -140,7 +141,7 @@ def demo_inputs(checkpoint: Path, seq_len: int, device) -> list[tuple]:
         raise FileNotFoundError(f"{checkpoint} holds no DeepSpeed checkpoint ('latest' is missing); "
                                 f"train one with: bash scripts/train_demo.sh (SAVE_DIR={checkpoint})")
     tag = latest.read_text().strip()
-    states = torch.load(checkpoint / tag / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+    states = load_weights_only(checkpoint / tag / "mp_rank_00_model_states.pt", "cpu")  # code in it: refused
     run = states["mtraining"]
     model = build_model(run["model"])
     model.load_state_dict({name.removeprefix("model."): t for name, t in states["module"].items()})

@@ -14,7 +14,9 @@ For the hierarchical ring, the inner (per node) and outer (across nodes) groups 
 sequence-parallel group are created by :func:`.topology.create_hierarchical_groups`
 from the launcher's nodes x ranks-per-node topology.
 
-Every rank creates every group, in the same order (``torch.distributed.new_group`` is collective).
+Every rank creates every group, in the same order (``torch.distributed.new_group`` is collective),
+with the ``timeout`` given (``new_group`` does not take the default group's: left out, each group
+gets torch's default).
 """
 from __future__ import annotations
 
@@ -133,13 +135,14 @@ class ParallelGroups:
         return dist.get_rank()
 
 
-def initialize_groups(sequence_parallel_size: int, ring: str = "flat",
-                      ranks_per_node: int | None = None) -> ParallelGroups:
+def initialize_groups(sequence_parallel_size: int, ring: str = "flat", ranks_per_node: int | None = None,
+                      timeout=None) -> ParallelGroups:
     """Creates the groups for ``sequence_parallel_size`` (a divisor of the world size).
 
     ``ring`` is "flat", "hierarchical" or "auto" (hierarchical when a sequence-parallel group
     spans nodes of ``ranks_per_node`` ranks, default from the launcher's environment). A bad
-    topology raises :class:`ParallelConfigError` before any group is created.
+    topology raises :class:`ParallelConfigError` before any group is created. ``timeout``
+    (a ``timedelta``): how long a collective on any of the groups waits.
     Call after ``deepspeed.init_distributed()``; every rank must call it with the same arguments.
     """
     if not dist.is_initialized():
@@ -154,25 +157,25 @@ def initialize_groups(sequence_parallel_size: int, ring: str = "flat",
 
     sequence_group = sequence_ranks = None
     for ranks in sequence_rank_lists:
-        group = dist.new_group(ranks)
+        group = dist.new_group(ranks, timeout=timeout)
         if rank in ranks:
             sequence_group, sequence_ranks = group, ranks
     data_group = data_ranks = None
     for offset in range(sp):
         ranks = list(range(offset, world, sp))
-        group = dist.new_group(ranks)
+        group = dist.new_group(ranks, timeout=timeout)
         if rank in ranks:
             data_group, data_ranks = group, ranks
     model_group = None
     for single in range(world):
-        group = dist.new_group([single])
+        group = dist.new_group([single], timeout=timeout)
         if single == rank:
             model_group = group
-    sequence_data_group = dist.new_group(list(range(world)))
+    sequence_data_group = dist.new_group(list(range(world)), timeout=timeout)
 
     hierarchy = None
     if topology is not None:
-        hierarchy = create_hierarchical_groups(topology, sequence_rank_lists)
+        hierarchy = create_hierarchical_groups(topology, sequence_rank_lists, timeout=timeout)
     return ParallelGroups(sp, sequence_group, data_group, sequence_data_group, model_group, ring,
                           hierarchy, sequence_ranks, data_ranks)
 

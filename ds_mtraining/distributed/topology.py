@@ -123,21 +123,22 @@ class HierarchicalGroups:
         return self.node_index * self.per_node + self.local_index
 
 
-def create_hierarchical_groups(topology: Topology, sp_groups: list[list[int]], backend=None):
+def create_hierarchical_groups(topology: Topology, sp_groups: list[list[int]], backend=None, timeout=None):
     """Creates, once and in the same order on every rank, the inner and outer groups of every SP
-    group (``sp_groups`` partitions the ranks), and returns this rank's :class:`HierarchicalGroups`
-    (``None`` if this rank is in none). All validation happens before any communication."""
+    group (``sp_groups`` partitions the ranks; collectives wait ``timeout``), and returns this
+    rank's :class:`HierarchicalGroups` (``None`` if this rank is in none). All validation happens
+    before any communication."""
     layouts = [topology.split(group) for group in sp_groups]
     me = dist.get_rank()
     mine = None
     for nodes in layouts:
         for node_index, node_ranks in enumerate(nodes):
-            group = dist.new_group(node_ranks, backend=backend)
+            group = dist.new_group(node_ranks, backend=backend, timeout=timeout)
             if me in node_ranks:
                 inner, node_of_me, local_of_me = group, node_index, node_ranks.index(me)
         for local_index in range(len(nodes[0])):
             outer_ranks = [node_ranks[local_index] for node_ranks in nodes]
-            group = dist.new_group(outer_ranks, backend=backend)
+            group = dist.new_group(outer_ranks, backend=backend, timeout=timeout)
             if me in outer_ranks:
                 mine = HierarchicalGroups(inner, group, len(nodes), len(nodes[0]), node_of_me, local_of_me)
     return mine

@@ -62,6 +62,27 @@ def launcher_processes(pid: int) -> list[tuple[int, str]]:
     return chain
 
 
+RANK_VARIABLES = (b"RANK", b"OMPI_COMM_WORLD_RANK", b"PMI_RANK", b"SLURM_PROCID")  # as launchers set them
+
+
+def sibling_ranks(launcher: int) -> dict[int, int]:
+    """The ranks that ``launcher`` started on this node, {global rank: pid}, from the rank variable
+    in each child's environment: known before any process group exists."""
+    ranks = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or parent_pid(int(entry.name)) != launcher:
+            continue
+        try:
+            items = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        environ = dict(item.split(b"=", 1) for item in items if b"=" in item)
+        rank = next((environ[name] for name in RANK_VARIABLES if environ.get(name, b"").isdigit()), None)
+        if rank is not None:
+            ranks[int(rank)] = int(entry.name)
+    return ranks
+
+
 def launcher_gone(pid: int, launchers: list[tuple[int, str]]) -> int | None:
     """The first launcher above ``pid`` that is gone (or no longer its parent), else None."""
     for launcher, started in launchers:

@@ -94,8 +94,12 @@ def summarise(profiler, step: int, rank: int, step_s: float) -> dict:
             "top": rows[:TOP]}
 
 
+def profile_path(save_dir: str, step: int, rank: int) -> Path:
+    return Path(save_dir) / f"profile_step{step}_rank{rank}.json"
+
+
 def write_summary(summary: dict, save_dir: str) -> Path:
-    path = Path(save_dir) / f"profile_step{summary['step']}_rank{summary['rank']}.json"
+    path = profile_path(save_dir, summary["step"], summary["rank"])
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(summary, indent=2))
     return path

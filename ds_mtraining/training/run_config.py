@@ -15,6 +15,7 @@ from . import MTRAINING_KEY, ConfigError
 from .memory import MemorySettings, parse_memory
 from .model import PRESETS, check_liger_setting, model_config
 
+DEFAULT_STALL_TIMEOUT_S = 600  # torch's NCCL default; above a 1M-token step and a 3B checkpoint save
 ULYSSES = "ulysses"  # dense HF attention (SDPA or FA4: dense_backend) under DeepSpeed-Ulysses sequence parallelism
 # keys of the section that are no RunConfig field, with their docs/CONFIG.md text
 INPUT_KEYS = {"stripe_block": "the stripe width and kernel block, 64 or 128: sets `sparse.block_size` (give one)"}
@@ -73,6 +74,15 @@ class RunConfig:
             backend and a training step's attention 1.2x SDPA's cuDNN kernel, SDPA elsewhere and
             wherever FA4 cannot run; the run's first lines name the kernel and why). Other modes
             ignore it.
+        stall_timeout_s: seconds a rank may make no progress (a phase of a step: data, forward,
+            backward, optimizer step, checkpoint save) before the job stops with one line naming
+            it, its host, the step and where it was (its Python stack in the log); a collective on
+            any of the run's process groups times out a minute later. Raise it above the longest
+            phase (a slow disk's checkpoint save); 0 turns it off (the groups: DeepSpeed's timeout).
+        max_nonfinite_steps: optimizer steps in a row with a non-finite loss (or, in bf16 and fp32,
+            a step DeepSpeed skipped for a non-finite gradient norm) that the run continues
+            through; one more stops it, with no checkpoint after the first of them. In fp16 the
+            skips of DeepSpeed's loss scaler are its own (it stops at its minimum scale).
     """
 
     seq_len: int
@@ -91,6 +101,8 @@ class RunConfig:
     keep_attention_output: bool
     memory: MemorySettings
     dense_backend: str
+    stall_timeout_s: int | float
+    max_nonfinite_steps: int
 
     def to_dict(self) -> dict:
         values = asdict(self)
@@ -200,7 +212,24 @@ def parse_run_config(section: dict, world_size: int) -> RunConfig:
                      loss_chunk_tokens=_positive_int(section, "loss_chunk_tokens", 1024),
                      gradient_checkpointing=checkpointing, attention=attention, static=static,
                      document_masking=documents, liger=liger, keep_attention_output=keep,
-                     memory=parse_memory(section, checkpointing), dense_backend=dense_backend)
+                     memory=parse_memory(section, checkpointing), dense_backend=dense_backend,
+                     stall_timeout_s=_stall_timeout(section),
+                     max_nonfinite_steps=_count(section, "max_nonfinite_steps", 0))
+
+
+def _stall_timeout(section: dict) -> float:
+    value = section.get("stall_timeout_s", DEFAULT_STALL_TIMEOUT_S)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1e7:
+        raise ConfigError(f"{MTRAINING_KEY}.stall_timeout_s={value!r} must be a number of seconds >= 0 "
+                          f"(0: no stall detection)")
+    return value
+
+
+def _count(section: dict, key: str, default: int) -> int:
+    value = section.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"{MTRAINING_KEY}.{key}={value!r} must be an integer >= 0")
+    return value
 
 
 def _boolean(section: dict, key: str) -> bool:
