@@ -106,3 +106,41 @@ def test_a_signalled_rank_marks_its_run_folder(tmp_path):
     finally:
         alive.kill()
         alive.wait()
+
+
+def test_a_preempted_rank_saves_though_the_signal_took_its_launcher(tmp_path):
+    """SIGTERM to the launcher and its rank at once, as a scheduler sends it (DeepSpeed's
+    single-node runner dies of it at once): the rank's watchdog, in the training loop, lets it
+    finish its step and save instead of stopping for the gone launcher, and its guard does not
+    kill it meanwhile: the rank says it saved and exits 128 + 15 by itself after the guard's grace."""
+    saved, err = tmp_path / "saved", tmp_path / "err.txt"
+    code = textwrap.dedent(f"""
+        import time
+        from ds_mtraining.training.watchdog import Watchdog
+        watchdog = Watchdog({str(tmp_path / "run")!r}, rank=0).start()
+        watchdog.preemptible = True  # in the training loop, checkpoints on
+        print("watching", flush=True)
+        while not watchdog.preempt:
+            time.sleep(0.05)
+        time.sleep({launcher_guard.GRACE_S + 1.5})  # the step in flight, then its save
+        open({str(saved)!r}, "w").write(str(time.monotonic()))
+        watchdog.preempted(watchdog.preempt, 1.0)
+    """)
+    with err.open("w") as stderr:
+        launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, code, "deepspeed"], stdout=subprocess.PIPE,
+                                    stderr=stderr, text=True, env=environment())
+    rank_pid = int(launcher.stdout.readline())
+    try:
+        assert launcher.stdout.readline() == "watching\n"
+        launcher.send_signal(signal.SIGTERM)
+        subprocess.run(["kill", "-TERM", str(rank_pid)], check=True)
+        assert launcher.wait(timeout=10) == -signal.SIGTERM
+        deadline = time.monotonic() + launcher_guard.GRACE_S + 30
+        while launcher_guard.process_stat(rank_pid) is not None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert launcher_guard.process_stat(rank_pid) is None, "the preempted rank never stopped"
+    finally:
+        subprocess.run(["kill", "-9", str(rank_pid)], capture_output=True)
+    assert saved.exists(), err.read_text()  # neither its watchdog nor its guard stopped it first
+    assert err.read_text().splitlines() == [f"ds_mtraining.train: stopped by SIGTERM after finishing step 0: saved it "
+                                            f"in 1.00 s; no checkpoint in {(tmp_path / 'run').resolve()} yet"]

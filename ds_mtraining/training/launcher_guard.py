@@ -7,8 +7,9 @@ stopped never lets its watchdog run: with the launcher killed it would spin at 1
 This guard is a separate small process (standard library only, started by path so that it
 imports neither torch nor the package): it polls the rank and the launchers above it, and when a
 launcher is gone and the rank is still alive ``GRACE_S`` later, it says so in the run's one line
-(rank 0's guard; the rank's own watchdog prints it when it can) and SIGKILLs the rank. It exits
-with the rank.
+(rank 0's guard; the rank's own watchdog prints it when it can) and SIGKILLs the rank; a rank that
+saves a checkpoint before it stops (preempted: the signal took the launcher too) is left until its
+saving marker's time. It exits with the rank.
 
     python launcher_guard.py RANK_PID RANK SAVE_DIR PID:START[,PID:START...]
 """
@@ -95,6 +96,7 @@ def launcher_gone(pid: int, launchers: list[tuple[int, str]]) -> int | None:
 
 
 STOP_MARKER = ".stopped-"  # + host-pid, in the run's SAVE_DIR
+SAVING_MARKER = ".saving-"  # + host-pid: a preempted rank that saves before it stops, until the time it holds
 
 
 def stop_marker(save_dir: str, pid: int) -> Path:
@@ -112,14 +114,29 @@ def mark_stopped(save_dir: str, pid: int):
     stop_marker(save_dir, pid).touch()
 
 
+def mark_saving(save_dir: str, pid: int, until: float):
+    """``pid`` saves a checkpoint before it stops (preempted), until ``until`` at the latest (epoch
+    seconds): its guard does not kill it meanwhile, though its launcher is gone."""
+    Path(save_dir).mkdir(parents=True, exist_ok=True)
+    (Path(save_dir) / f"{SAVING_MARKER}{socket.gethostname()}-{pid}").write_text(str(until))
+
+
+def saving_until(save_dir: str, pid: int) -> float:
+    try:
+        return float((Path(save_dir) / f"{SAVING_MARKER}{socket.gethostname()}-{pid}").read_text())
+    except (OSError, ValueError):
+        return 0.0
+
+
 def clear_stop_markers(save_dir: str):
     """Removes the markers of this host's processes that are gone or are this one: an earlier
     run's (a pid may come back)."""
-    prefix = f"{STOP_MARKER}{socket.gethostname()}-"
-    for marker in Path(save_dir).glob(f"{prefix}*"):
-        pid = marker.name.removeprefix(prefix)
-        if not pid.isdigit() or int(pid) == os.getpid() or process_stat(int(pid)) is None:
-            marker.unlink(missing_ok=True)
+    for kind in (STOP_MARKER, SAVING_MARKER):
+        prefix = f"{kind}{socket.gethostname()}-"
+        for marker in Path(save_dir).glob(f"{prefix}*"):
+            pid = marker.name.removeprefix(prefix)
+            if not pid.isdigit() or int(pid) == os.getpid() or process_stat(int(pid)) is None:
+                marker.unlink(missing_ok=True)
 
 
 def last_checkpoint(save_dir: str) -> str:
@@ -135,6 +152,8 @@ def guard(rank_pid: int, rank: int, save_dir: str, launchers: list[tuple[int, st
         gone = launcher_gone(rank_pid, launchers)
         if gone is not None:
             time.sleep(GRACE_S)
+            while process_stat(rank_pid) is not None and time.time() < saving_until(save_dir, rank_pid):
+                time.sleep(POLL_S)  # preempted: the signal took the launcher too, the rank saves first
             if process_stat(rank_pid) is None:
                 return
             stopping = stop_marker(save_dir, rank_pid).exists()  # its watchdog ran and said so: no second line

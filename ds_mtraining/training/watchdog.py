@@ -37,10 +37,11 @@ import time
 
 from . import launcher_guard
 from .heartbeat import Heartbeat, main_thread_state
-from .launcher_guard import (clear_stop_markers, last_checkpoint, launcher_processes, mark_stopped, process_stat,
-                             sibling_ranks, stop_marker)
+from .launcher_guard import (clear_stop_markers, last_checkpoint, launcher_processes, mark_saving, mark_stopped,
+                             process_stat, sibling_ranks, stop_marker)
 
 PREEMPTING = (signal.SIGTERM, signal.SIGUSR1)
+SAVE_GRACE_S = 600  # how long the guard lets a preempted rank finish its step and save, its launcher gone
 
 
 class Watchdog:
@@ -66,6 +67,7 @@ class Watchdog:
             return self  # signals belong to the main thread: nothing to watch from here
         read_fd, write_fd = os.pipe()
         os.set_blocking(write_fd, False)
+        os.set_blocking(read_fd, False)
         self._read_fd = read_fd
         clear_stop_markers(self.save_dir)  # an earlier run's (this pid's among them)
         signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
@@ -105,15 +107,21 @@ class Watchdog:
     def _run(self):
         import select
         while True:
-            ready, _, _ = select.select([self._read_fd], [], [], launcher_guard.POLL_S)
-            if ready:
-                data = os.read(self._read_fd, 64)
-                if signal.SIGINT in data:  # Ctrl-C reaches every process, the launcher's SIGTERM after it
-                    self.on_signal(signal.SIGINT)
-                for signum in (s for s in PREEMPTING if s in data):
-                    self.on_signal(signum)
+            select.select([self._read_fd], [], [], launcher_guard.POLL_S)
+            self.take_signals()
             self.explain()
             self.beat()
+
+    def take_signals(self):
+        """Handles the signals received since the last call (the wakeup pipe's bytes)."""
+        try:
+            data = os.read(self._read_fd, 64)
+        except BlockingIOError:
+            return
+        if signal.SIGINT in data:  # Ctrl-C reaches every process, the launcher's SIGTERM after it
+            self.on_signal(signal.SIGINT)
+        for signum in (s for s in PREEMPTING if s in data):
+            self.on_signal(signum)
 
     def beat(self):
         """Publishes the heartbeat; stops the run on a stall (:mod:`.heartbeat`)."""
@@ -148,9 +156,12 @@ class Watchdog:
     # ------------------------------------------------------------------ exits
     def explain(self):
         """Stops with the cause when there is one: the launcher gone (which explains any peer's
-        exit and any signal), else a dead peer; returns otherwise."""
+        exit and any signal; but a preempted rank saves first: the signal took the launcher too),
+        else a dead peer; returns otherwise."""
         gone = self.launcher_gone()
         if gone is not None:
+            self.take_signals()  # the signal that took the launcher may not be read yet
+        if gone is not None and not self.preempt:
             self.stop(f"the launcher (pid {gone}) is gone, so every rank stops at step {self.step}",
                       code=1, printer=0)
         dead = self.dead_peers()
@@ -158,14 +169,16 @@ class Watchdog:
             self.on_dead(dead)
 
     def on_signal(self, signum: int):
-        self.explain()
-        if signum in PREEMPTING and self.preemptible and not self.preempt:
-            self.preempt = signum  # the loop ends this step, saves it and stops (preempted)
-            return
-        if self.preempt and signum != signal.SIGINT:
+        if signum == signal.SIGINT:  # the user's: nothing else explains it
+            self.stop(f"stopped by Ctrl-C (SIGINT) at step {self.step}", code=128 + signum, printer=0)
+        if self.preempt:
             return  # saving already: the launcher forwards SIGTERM, schedulers send it again
-        name = "Ctrl-C (SIGINT)" if signum == signal.SIGINT else signal.Signals(signum).name
-        self.stop(f"stopped by {name} at step {self.step}", code=128 + signum, printer=0)
+        if self.preemptible:
+            self.preempt = signum  # the loop ends this step, saves it and stops (preempted)
+            mark_saving(self.save_dir, os.getpid(), time.time() + SAVE_GRACE_S)  # for the guard
+            return
+        self.explain()
+        self.stop(f"stopped by {signal.Signals(signum).name} at step {self.step}", code=128 + signum, printer=0)
 
     def preempted(self, signum: int, seconds: float | None):
         """The loop saved step ``step`` in ``seconds`` (None: not saved, a non-finite step) after
