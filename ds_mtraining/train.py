@@ -27,6 +27,8 @@ precision, monitors), an ``"mtraining"`` section, removed before the JSON reache
                                         # not ulysses); RoPE positions restart per document
       "liger": "auto",                  # liger-kernel RMSNorm/RoPE/SwiGLU and loss on CUDA where installed
       "dense_backend": "auto",          # dense and ulysses: sdpa | fa4 (FlashAttention-4) | auto (by GPU)
+      "stall_timeout_s": 600,           # a rank without progress this long stops the job, named; 0: off
+      "max_nonfinite_steps": 0,         # non-finite steps in a row let pass before the run stops
       "memory": {                       # ds_mtraining.training.memory; the defaults aim at the longest length
         "tiled_mlp": "auto",            # the MLP over token chunks (auto: where a rank holds >= 2 chunks)
         "mlp_chunk_tokens": 16384,
@@ -62,9 +64,12 @@ consolidated from the ZeRO partitions) with ``save_pretrained``, at the end of t
 with ``--resume`` from a checkpoint at ``--steps``. ``--data DIR`` reads a folder of
 json/jsonl/parquet/arrow/csv files or a saved dataset.
 
-Stopping: ``kill -- -PGID`` (the launcher's process group) or Ctrl-C. A rank that dies, a killed
-launcher, SIGTERM or Ctrl-C end every rank within seconds with one line naming the cause and the
-last checkpoint (:mod:`ds_mtraining.training.watchdog`). Ranks other than 0 print errors only.
+Stopping: Ctrl-C. A rank that dies, a killed launcher or Ctrl-C end every rank within seconds
+with one line naming the cause and the last checkpoint (:mod:`ds_mtraining.training.watchdog`);
+SIGTERM or SIGUSR1 (preemption) finish the step in flight and save it first; a rank that makes no
+progress for ``mtraining.stall_timeout_s`` stops the job, named (:mod:`ds_mtraining.training.heartbeat`);
+a non-finite loss stops it with no later checkpoint (:mod:`ds_mtraining.training.step_checks`).
+Ranks other than 0 print errors only.
 """
 from __future__ import annotations
 
