@@ -1,15 +1,16 @@
 """A long run's faults, met through the real entry point (``ds_mtraining.train.main``: the
 watchdog, its signals, its one line and exit) on 2 gloo ranks forked from the session's
-forkserver, so that no launcher start-up is paid: a stuck rank, SIGTERM (preemption), a NaN loss;
+forkserver, so that no launcher start-up is paid: a stuck rank (its run waits out its stall
+timeout beside the other tests), SIGTERM (preemption), a NaN loss; every process group's timeout;
 and, in one process, a crafted checkpoint refused without running. test_launcher.py has those that
 go through the ``deepspeed`` launcher: SIGKILL, a truncated latest checkpoint, a user's files
-beside a run. Every multi-process run has a deadline: a hang fails the test."""
+beside a run; test_launcher_guard.py a preempted rank whose launcher the signal took. Every
+multi-process run has a deadline: a hang fails the test."""
 import csv
 import json
 import os
 import pickle
 import signal
-import sys
 import threading
 import time
 from pathlib import Path
@@ -114,28 +115,17 @@ def tags(save_dir: Path) -> list[str]:
 STALL_S = 8
 
 
-@pytest.mark.usefixtures("built_ops")
-def test_a_stuck_rank_stops_the_job_with_one_line_naming_it(tmp_path):
-    """Rank 1 stops making progress in step 3 (its data read never returns) while rank 0 waits for
-    it in a collective: within stall_timeout_s + 30 s both ranks exit 1, with one line naming rank
-    1, its host and pid, the step, the phase and the frame, and rank 1's Python stack in its log."""
-    config = write_config(tmp_path, stall_timeout_s=STALL_S)
-    run = Ranks(tmp_path, train_argv(config, tmp_path / "run", 6), hang_at=2)
-    hung = tmp_path / "rankhung.log"
-    codes = run.wait()
-    assert hung.exists(), "rank 1 never reached the hanging read:\n" + run.logs()
-    seconds = time.time() - float(hung.read_text())
-    assert codes == [1, 1], run.logs()
-    assert seconds < STALL_S + 30, seconds
-    [line] = run.lines()
-    assert line.startswith(f"ds_mtraining.train: rank 1 (host {os.uname().nodename}, pid {run.pids[1]}) made no "
-                           f"progress for "), run.logs()
-    assert " s at step 3 (loading data; tests/test_faults.py:" in line and " in hang) while the other ranks " \
-           "waited for it (its Python stack is in the log); the job stops; no checkpoint in " in line, line
-    stack = run.log(1)
-    assert "ds_mtraining: rank 1's Python stack, where it made no progress for " in stack, stack
-    assert 'test_faults.py", line ' in stack and " in hang" in stack, stack
-    print(f"stuck rank: the ranks exited {seconds:.1f} s after rank 1 hung (stall_timeout_s {STALL_S})")
+@pytest.fixture(scope="module")
+def stuck(tmp_path_factory, built_ops):
+    """Rank 1 of a run with stall_timeout_s = STALL_S hangs reading the data of step 3. Started by
+    the module's first training run, so that its wait for the stall overlaps the other tests (its
+    ranks are idle then); the test at the end of the module checks how it ended."""
+    folder = tmp_path_factory.mktemp("stuck")
+    run = Ranks(folder, train_argv(write_config(folder, stall_timeout_s=STALL_S), folder / "run", 6), hang_at=2)
+    yield run
+    for process in run.context.processes:
+        if process.is_alive():
+            process.kill()
 
 
 # ----------------------------------------------------------------------------- SIGTERM
@@ -143,7 +133,7 @@ STEPS = 6
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory, built_ops):
+def uninterrupted(tmp_path_factory, stuck):
     """STEPS uninterrupted steps: [(step, loss)]."""
     folder = tmp_path_factory.mktemp("uninterrupted")
     run = Ranks(folder, train_argv(write_config(folder), folder / "run", STEPS, "--no_checkpoint"))
@@ -177,7 +167,7 @@ def test_sigterm_saves_the_step_in_flight_and_resume_continues_it(tmp_path, unin
 
 
 # ----------------------------------------------------------------------------- non-finite losses
-@pytest.mark.usefixtures("built_ops")
+@pytest.mark.usefixtures("stuck")
 def test_a_nan_loss_stops_the_run_and_no_later_checkpoint_is_written(tmp_path):
     """SGD at lr 1e30 sends the weights to ~1e28 in step 1, so step 2's loss is not finite (the
     uninterrupted run would go on to the end, every later step skipped): both ranks exit 1 at step
@@ -260,3 +250,27 @@ def test_every_process_group_of_a_run_times_out_after_the_stall_timeout(backend,
     from ds_mtraining.training.heartbeat import COLLECTIVE_GRACE_S
     results = run_on_ranks(_group_timeouts, world, backend, free_port(), 42.0, backend=backend, timeout=DEADLINE_S)
     assert results == [[42.0 + COLLECTIVE_GRACE_S] * 7] * world
+
+
+# ----------------------------------------------------------------------------- a stuck rank (started by `stuck`)
+def test_a_stuck_rank_stops_the_job_with_one_line_naming_it(stuck):
+    """Rank 1 stops making progress in step 3 (its data read never returns) while rank 0 waits for
+    it in a collective: within stall_timeout_s + 30 s both ranks exit 1, with one line naming rank
+    1, its host and pid, the step, the phase and the frame, and rank 1's Python stack in its log."""
+    run = stuck
+    hung = run.folder / "rankhung.log"
+    codes = run.wait()
+    assert hung.exists(), "rank 1 never reached the hanging read:\n" + run.logs()
+    # from the hang to the line (the logs' last write; the ranks exit right after it)
+    seconds = max((run.folder / f"rank{r}.log").stat().st_mtime for r in range(RANKS)) - float(hung.read_text())
+    assert codes == [1, 1], run.logs()
+    assert seconds < STALL_S + 30, seconds
+    [line] = run.lines()
+    assert line.startswith(f"ds_mtraining.train: rank 1 (host {os.uname().nodename}, pid {run.pids[1]}) made no "
+                           f"progress for "), run.logs()
+    assert " s at step 3 (loading data; tests/test_faults.py:" in line and " in hang) while the other ranks " \
+           "waited for it (its Python stack is in the log); the job stops; no checkpoint in " in line, line
+    stack = run.log(1)
+    assert "ds_mtraining: rank 1's Python stack, where it made no progress for " in stack, stack
+    assert 'test_faults.py", line ' in stack and " in hang" in stack, stack
+    print(f"stuck rank: the line came {seconds:.1f} s after rank 1 hung (stall_timeout_s {STALL_S})")
