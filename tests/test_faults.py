@@ -220,6 +220,31 @@ def test_a_crafted_checkpoint_is_refused_without_running_it(tmp_path):
     assert marker.exists()
 
 
+def test_resume_passes_over_damaged_tags_to_the_newest_intact_one(tmp_path):
+    """From the tag ``latest`` names back: one cut short before its manifest, one with a file
+    truncated, then an intact one, which is chosen, each passed-over tag named with its reason; a
+    newer intact tag than ``latest``'s is not considered. A ``latest`` naming no tag: the newest
+    intact tag of the folder."""
+    from ds_mtraining.training.checkpoint import MANIFEST, pick_tag
+    for step in (5, 10, 15, 20):
+        folder = tmp_path / f"step{step}"
+        folder.mkdir()
+        torch.save({"module": {"weight": torch.full((64,), float(step))}}, folder / "mp_rank_00_model_states.pt")
+        if step != 15:  # step15's save never completed
+            (folder / MANIFEST).write_text(json.dumps({"files": {"mp_rank_00_model_states.pt": (
+                folder / "mp_rank_00_model_states.pt").stat().st_size}}))
+    truncated = tmp_path / "step10" / "mp_rank_00_model_states.pt"
+    size = truncated.stat().st_size
+    truncated.write_bytes(truncated.read_bytes()[:100])
+    (tmp_path / "latest").write_text("step15")
+    assert pick_tag(str(tmp_path)) == ("step5", [f"{tmp_path / 'step15'} has no {MANIFEST} (its save did not "
+                                                 f"complete)", f"{truncated} is 100 bytes, {size} when saved "
+                                                 f"(truncated or overwritten)"])
+    (tmp_path / "latest").write_text("\x00garbage")
+    assert pick_tag(str(tmp_path)) == ("step20", [f"{tmp_path / 'latest'} names '\\x00garbage', no checkpoint of "
+                                                  f"this folder"])
+
+
 # ----------------------------------------------------------------------------- process groups' timeouts
 def _group_timeouts(rank: int, world: int, backend: str, port: int, stall_s: float) -> list[float]:
     """The world group as ds_mtraining.train makes it (DeepSpeed's init_distributed), then the run's

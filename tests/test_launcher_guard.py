@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -26,6 +27,45 @@ def start_launcher_and_rank(rank_code: str):
     chain = launcher_guard.launcher_processes(rank_pid)
     assert chain and chain[0][0] == launcher.pid, chain
     return launcher, rank_pid, chain
+
+
+@pytest.fixture(scope="module", autouse=True)
+def preempted(tmp_path_factory):
+    """A rank in its training loop, under a fake launcher, both sent SIGTERM once it watches
+    (:func:`test_a_preempted_rank_saves_though_the_signal_took_its_launcher` checks the rest).
+    Started with the module, by a thread, so that the rank's stay past the guard's grace overlaps
+    the other tests, which mostly wait too."""
+    folder = tmp_path_factory.mktemp("preempted")
+    code = textwrap.dedent(f"""
+        import time
+        from ds_mtraining.training.watchdog import Watchdog
+        watchdog = Watchdog({str(folder / "run")!r}, rank=0).start()
+        watchdog.preemptible = True  # in the training loop, checkpoints on
+        print("watching", flush=True)
+        while not watchdog.preempt:
+            time.sleep(0.05)
+        time.sleep({launcher_guard.GRACE_S + 1.5})  # the step in flight, then its save
+        open({str(folder / "saved")!r}, "w").write("saved")
+        watchdog.preempted(watchdog.preempt, 1.0)
+    """)
+    with (folder / "err.txt").open("w") as stderr:
+        launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, code, "deepspeed"], stdout=subprocess.PIPE,
+                                    stderr=stderr, text=True, env=environment())
+    rank_pid = int(launcher.stdout.readline())
+    outcome = {"folder": folder, "launcher": launcher, "rank": rank_pid}
+
+    def signal_both():
+        outcome["watching"] = launcher.stdout.readline() == "watching\n"
+        launcher.send_signal(signal.SIGTERM)
+        subprocess.run(["kill", "-TERM", str(rank_pid)])
+        outcome["signalled"] = time.monotonic()
+    outcome["thread"] = thread = threading.Thread(target=signal_both, daemon=True)
+    thread.start()
+    yield outcome
+    thread.join(60)
+    subprocess.run(["kill", "-9", str(rank_pid)], capture_output=True)
+    launcher.kill()
+    launcher.wait()
 
 
 def run_guard(rank_pid, rank, save_dir, chain):
@@ -74,10 +114,12 @@ def test_guard_leaves_a_rank_that_stops_by_itself_and_exits_with_it(tmp_path):
     assert guard.returncode == 0 and err == ""
 
 
-def test_a_signalled_rank_marks_its_run_folder(tmp_path):
-    """A rank's watchdog on SIGTERM: one line, exit 128 + 15, and a stop marker for its peers in
-    SAVE_DIR (created if the run had saved nothing yet), nothing in the temporary folder. The next
-    run's watchdog clears the marks of processes that are gone, not those of live ones."""
+@pytest.mark.parametrize("signum, said", [(signal.SIGTERM, "SIGTERM"), (signal.SIGINT, "Ctrl-C (SIGINT)")])
+def test_a_signalled_rank_marks_its_run_folder(tmp_path, signum, said):
+    """A rank's watchdog on SIGTERM before training (nothing to save) or on Ctrl-C: one line naming
+    it, exit 128 + the signal, and a stop marker for its peers in SAVE_DIR (created if the run had
+    saved nothing yet), nothing in the temporary folder. The next run's watchdog clears the marks
+    of processes that are gone, not those of live ones."""
     save_dir, temp = tmp_path / "run", tmp_path / "tmp"
     temp.mkdir()
     code = textwrap.dedent(f"""
@@ -90,10 +132,10 @@ def test_a_signalled_rank_marks_its_run_folder(tmp_path):
     rank = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=environment(TMPDIR=str(temp)))
     assert rank.stdout.readline() == "watching\n"
-    rank.send_signal(signal.SIGTERM)
+    rank.send_signal(signum)
     _, err = rank.communicate(timeout=30)
-    assert rank.returncode == 128 + signal.SIGTERM
-    assert err.splitlines() == [f"ds_mtraining.train: stopped by SIGTERM at step 0; no checkpoint in "
+    assert rank.returncode == 128 + signum
+    assert err.splitlines() == [f"ds_mtraining.train: stopped by {said} at step 0; no checkpoint in "
                                 f"{save_dir.resolve()} yet"]
     marker = launcher_guard.stop_marker(save_dir, rank.pid)
     assert list(save_dir.iterdir()) == [marker] and not any(temp.iterdir())
@@ -108,39 +150,40 @@ def test_a_signalled_rank_marks_its_run_folder(tmp_path):
         alive.wait()
 
 
-def test_a_preempted_rank_saves_though_the_signal_took_its_launcher(tmp_path):
+
+def test_a_preempted_rank_saves_though_the_signal_took_its_launcher(preempted):
     """SIGTERM to the launcher and its rank at once, as a scheduler sends it (DeepSpeed's
     single-node runner dies of it at once): the rank's watchdog, in the training loop, lets it
     finish its step and save instead of stopping for the gone launcher, and its guard does not
     kill it meanwhile: the rank says it saved and exits 128 + 15 by itself after the guard's grace."""
-    saved, err = tmp_path / "saved", tmp_path / "err.txt"
-    code = textwrap.dedent(f"""
-        import time
-        from ds_mtraining.training.watchdog import Watchdog
-        watchdog = Watchdog({str(tmp_path / "run")!r}, rank=0).start()
-        watchdog.preemptible = True  # in the training loop, checkpoints on
-        print("watching", flush=True)
-        while not watchdog.preempt:
-            time.sleep(0.05)
-        time.sleep({launcher_guard.GRACE_S + 1.5})  # the step in flight, then its save
-        open({str(saved)!r}, "w").write(str(time.monotonic()))
-        watchdog.preempted(watchdog.preempt, 1.0)
-    """)
-    with err.open("w") as stderr:
-        launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, code, "deepspeed"], stdout=subprocess.PIPE,
-                                    stderr=stderr, text=True, env=environment())
-    rank_pid = int(launcher.stdout.readline())
+    preempted["thread"].join(60)
+    launcher, rank_pid, folder = preempted["launcher"], preempted["rank"], preempted["folder"]
+    assert preempted.get("watching") and launcher.wait(timeout=10) == -signal.SIGTERM
+    while launcher_guard.process_stat(rank_pid) is not None and \
+            time.monotonic() < preempted["signalled"] + launcher_guard.GRACE_S + 30:
+        time.sleep(0.1)
+    err = (folder / "err.txt").read_text()
+    assert launcher_guard.process_stat(rank_pid) is None, "the preempted rank never stopped"
+    assert (folder / "saved").exists(), err  # neither its watchdog nor its guard stopped it first
+    assert err.splitlines() == [f"ds_mtraining.train: stopped by SIGTERM after finishing step 0: saved it in 1.00 s; "
+                                f"no checkpoint in {(folder / 'run').resolve()} yet"]
+
+
+def test_the_ranks_of_a_launcher_are_known_from_their_environment():
+    """Before any process group exists, a rank knows its peers on the node: the launcher's
+    children, by the rank variable in each one's environment (DeepSpeed's launch.py sets RANK)."""
+    launcher = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+        import os, subprocess, sys, time
+        ranks = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                                  env=dict(os.environ, RANK=str(r))) for r in (0, 1)]
+        print(*(p.pid for p in ranks), flush=True)
+        time.sleep(60)
+    """)], stdout=subprocess.PIPE, text=True)
     try:
-        assert launcher.stdout.readline() == "watching\n"
-        launcher.send_signal(signal.SIGTERM)
-        subprocess.run(["kill", "-TERM", str(rank_pid)], check=True)
-        assert launcher.wait(timeout=10) == -signal.SIGTERM
-        deadline = time.monotonic() + launcher_guard.GRACE_S + 30
-        while launcher_guard.process_stat(rank_pid) is not None and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert launcher_guard.process_stat(rank_pid) is None, "the preempted rank never stopped"
+        pids = [int(pid) for pid in launcher.stdout.readline().split()]
+        assert launcher_guard.sibling_ranks(launcher.pid) == {0: pids[0], 1: pids[1]}
     finally:
-        subprocess.run(["kill", "-9", str(rank_pid)], capture_output=True)
-    assert saved.exists(), err.read_text()  # neither its watchdog nor its guard stopped it first
-    assert err.read_text().splitlines() == [f"ds_mtraining.train: stopped by SIGTERM after finishing step 0: saved it "
-                                            f"in 1.00 s; no checkpoint in {(tmp_path / 'run').resolve()} yet"]
+        for pid in pids:
+            subprocess.run(["kill", "-9", str(pid)], capture_output=True)
+        launcher.kill()
+        launcher.wait()
