@@ -228,7 +228,7 @@ def save_checkpoint(engine, save_dir: str, step: int, data_position: int, run: R
             write_atomically(root / "latest", tag)
             record_files(save_dir, [tag, "latest", *(s for s in DEEPSPEED_SCRIPTS if (root / s).exists())])
     except Exception as error:
-        free = shutil.disk_usage(save_dir).free
+        free = shutil.disk_usage(root).free if root.is_dir() else FULL_BYTES
         if getattr(error, "errno", None) != errno.ENOSPC and free >= FULL_BYTES:
             raise
         shutil.rmtree(root / tag, ignore_errors=True)
