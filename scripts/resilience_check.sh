@@ -12,30 +12,36 @@
 #              launched A B A B: the heartbeat's cost, within the noise between launches
 # The signal goes to the rank alone, as a scheduler signals every process of a job: DeepSpeed's
 # launch.py, signalled too, would kill the rank 30 s later, before a save of this size is done.
-# Checkpoints go to a scratch folder (SCRATCH, default a temporary one; one checkpoint is ~16 GB at
-# 12 layers) and are removed at the end. $OUT (default ./resilience_out) gets resilience_check.log
-# (every stage's output), each run's loss and tokens/s CSVs, and summary.txt (printed last).
+# The runs go to SCRATCH (default $TMPDIR/resilience_check, kept between calls); preempt's
+# checkpoint (~16 GB at 12 layers) is removed by the resume stage. $OUT (default ./resilience_out)
+# gets resilience_check.log (every stage's output, appended), each run's loss and tokens/s CSVs,
+# notes.txt and summary.txt (printed last).
 #
 #   GPU run (offline wheels in .whl/):  bash scripts/resilience_check.sh
-#   SEQ_LEN (131072), LAYERS (12), STEPS (8)
+#   SEQ_LEN (131072), LAYERS (12), STEPS (8); ONLY="preempt resume": only these stages (and the
+#   build), e.g. one call each for "timeouts", "reference", "preempt resume", "heartbeat" where a
+#   call may last 10 minutes (resume needs preempt's checkpoint; resume, the reference's losses)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/resilience_out}
 mkdir -p "$OUT"
 LOG=$OUT/resilience_check.log
-SCRATCH=${SCRATCH:-$(mktemp -d)}
+SCRATCH=${SCRATCH:-${TMPDIR:-/tmp}/resilience_check}
+mkdir -p "$SCRATCH"
 SEQ_LEN=${SEQ_LEN:-131072} LAYERS=${LAYERS:-12} STEPS=${STEPS:-8}
 source scripts/device_env.sh
 gpus=$(python3 -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
 [ "$gpus" -ge 1 ] || { echo "resilience_check: no CUDA device visible" | tee "$OUT/summary.txt"; exit 1; }
-trap 'rm -rf "$SCRATCH"' EXIT
 
+run_stage() {  # run_stage NAME LIMIT_S LOG COMMAND...: `stage` (device_env.sh) unless ONLY leaves NAME out
+  if [ -n "${ONLY:-}" ] && [ "$1" != build ] && [[ " $ONLY " != *" ${1%%_*} "* ]]; then return 1; fi
+  stage "$@"
+}
 finish() {
   { echo "=== resilience_check ($(date -u +%FT%TZ), $gpus GPU(s), seq_len $SEQ_LEN, $LAYERS layers)"
     printf '%s\n' "${summary[@]}"; cat "$OUT/notes.txt" 2>/dev/null; } | tee "$OUT/summary.txt"
 }
 note() { echo "$*" >>"$OUT/notes.txt"; }
-rm -f "$OUT/notes.txt"
 
 # the runs' JSONs: bench.e2e's measurement of MTraining on one GPU, with the stall timeout given
 python3 - "$SCRATCH" "$SEQ_LEN" "$LAYERS" <<'EOF' || { echo "resilience_check: cannot write the configs"; exit 1; }
@@ -62,7 +68,7 @@ train() {  # train NAME CONFIG ARGS...: one launch on GPU 0, its metrics copied 
 }
 preempt() {  # the run, SIGTERM to its rank once step 2 is logged (step 3 runs): exit 143, that step saved
   local run=$SCRATCH/preempt log=$OUT/preempt.log
-  setsid bash -c "train preempt $SCRATCH/stall600.json" >"$log" 2>&1 &
+  bash -c "train preempt $SCRATCH/stall600.json" >"$log" 2>&1 &
   local launcher=$!
   until grep -q "^step 2/$STEPS" "$log"; do
     kill -0 $launcher 2>/dev/null || { echo "the run ended before step 2"; tail -20 "$log"; return 1; }
@@ -94,22 +100,22 @@ tokens_per_s() {  # tokens_per_s RUN: the mean over the steps after the first tw
 print(f'{sum(v) / len(v):.0f}')" "$OUT/$1/Train_mtraining_tokens_per_s.csv"
 }
 
-# (device_env.sh's stage: NAME LIMIT_S LOG COMMAND...)
-stage build 300 "$LOG" python3 -c "from ds_mtraining import ops; ops.op_module('cuda')" || { tail -30 "$LOG"; finish; exit 1; }
-stage timeouts 300 "$LOG" python3 -m pytest tests/test_faults.py -k process_group -q -rA --tb=short -p no:cacheprovider
+run_stage build 300 "$LOG" python3 -c "from ds_mtraining import ops; ops.op_module('cuda')" \
+  || { tail -30 "$LOG"; finish; exit 1; }
+run_stage timeouts 300 "$LOG" python3 -m pytest tests/test_faults.py -k process_group -q -rA --tb=short -p no:cacheprovider
 export -f train preempt compare note
-stage reference 900 "$LOG" bash -c "train reference $SCRATCH/stall600.json --no_checkpoint"
-stage preempt 900 "$LOG" bash -c preempt
-stage resume 900 "$LOG" bash -c "train preempt $SCRATCH/stall600.json --resume --no_checkpoint && compare preempt" \
-  && note "resume: $(grep 'largest relative difference' "$LOG" | tail -1)"
-for lane in A B; do
-  for stall in 600 0; do
-    stage "heartbeat_${stall}_$lane" 900 "$LOG" bash -c "train heartbeat_${stall}_$lane $SCRATCH/stall$stall.json --no_checkpoint"
-  done
-done
+run_stage reference 600 "$LOG" bash -c "train reference $SCRATCH/stall600.json --no_checkpoint"
+run_stage preempt 600 "$LOG" bash -c preempt
+if run_stage resume 600 "$LOG" bash -c "train preempt $SCRATCH/stall600.json --resume --no_checkpoint && compare preempt"
+then note "resume: $(grep 'largest relative difference' "$LOG" | tail -1)"; fi
+[[ " ${ONLY:-resume} " == *" resume "* ]] && rm -rf "$SCRATCH/preempt"  # its checkpoint, done with
 lanes=""
 for lane in A B; do
+  for stall in 600 0; do
+    run_stage "heartbeat_${stall}_$lane" 300 "$LOG" bash -c "train heartbeat_${stall}_$lane $SCRATCH/stall$stall.json \
+      --no_checkpoint" || continue 2
+  done
   lanes+=" lane $lane $(tokens_per_s "heartbeat_600_$lane") / $(tokens_per_s "heartbeat_0_$lane");"
 done
-note "heartbeat: tokens/s with stall_timeout_s 600 / 0:$lanes"
+[ -n "$lanes" ] && note "heartbeat: tokens/s with stall_timeout_s 600 / 0:$lanes"
 finish
