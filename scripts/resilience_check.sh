@@ -12,10 +12,10 @@
 #              launched A B A B: the heartbeat's cost, within the noise between launches
 # The signal goes to the rank alone, as a scheduler signals every process of a job: DeepSpeed's
 # launch.py, signalled too, would kill the rank 30 s later, before a save of this size is done.
-# The runs go to SCRATCH (default $TMPDIR/resilience_check, kept between calls); preempt's
-# checkpoint (~16 GB at 12 layers) is removed by the resume stage. $OUT (default ./resilience_out)
-# gets resilience_check.log (every stage's output, appended), each run's loss and tokens/s CSVs,
-# notes.txt and summary.txt (printed last).
+# The runs go to SCRATCH (default $TMPDIR/resilience_check, kept between calls: a later call reads
+# the reference's losses there); preempt's checkpoint (~16 GB at 12 layers) is removed by the
+# resume stage. $OUT (default ./resilience_out) gets resilience_check.log (every stage's output,
+# appended), each run's loss and tokens/s CSVs, notes.txt and summary.txt (printed last).
 #
 #   GPU run (offline wheels in .whl/):  bash scripts/resilience_check.sh
 #   SEQ_LEN (131072), LAYERS (12), STEPS (8); ONLY="preempt resume": only these stages (and the
@@ -85,8 +85,8 @@ preempt() {  # the run, SIGTERM to its rank once step 2 is logged (step 3 runs):
   step=${step%%:*}  # 3, unless step 3 ended before the signal was seen
   [ $code -eq 143 ] && [ "$(cat "$run/latest")" = "step$step" ] && [ "$step" -ge 3 ]
 }
-compare() {  # compare RUN: the run's losses against the reference's, step by step
-  python3 - "$OUT/reference/Train_mtraining_loss.csv" "$OUT/$1/Train_mtraining_loss.csv" <<'EOF'
+compare() {  # compare RUN: the run's losses against the reference's, step by step (SCRATCH: from any call)
+  python3 - "$SCRATCH"/{reference,$1}/metrics/mtraining/Train_mtraining_loss.csv <<'EOF'
 import csv, sys
 rows = [{int(r[0]): float(r[1]) for r in csv.reader(open(p)) if r and r[0] != "step"} for p in sys.argv[1:]]
 reference, run = rows
@@ -97,7 +97,7 @@ EOF
 }
 tokens_per_s() {  # tokens_per_s RUN: the mean over the steps after the first two
   python3 -c "import csv, sys; v = [float(r[1]) for r in csv.reader(open(sys.argv[1])) if r and r[0] != 'step'][2:]; \
-print(f'{sum(v) / len(v):.0f}')" "$OUT/$1/Train_mtraining_tokens_per_s.csv"
+print(f'{sum(v) / len(v):.0f}')" "$SCRATCH/$1/metrics/mtraining/Train_mtraining_tokens_per_s.csv"
 }
 
 run_stage build 300 "$LOG" python3 -c "from ds_mtraining import ops; ops.op_module('cuda')" \
