@@ -20,6 +20,9 @@ if ! python3 -c "import ds_mtraining_op_builder" >/dev/null 2>&1; then
   export PYTHONPATH=/tmp/ds_mtraining_site:$PYTHONPATH
 fi
 summary=()
+stage_wanted() {  # stage_wanted NAME: whether ONLY (stage names; unset: every stage) runs NAME; the build always runs
+  [ -z "${ONLY:-}" ] || [ "$1" = build ] || [[ " $ONLY " == *" $1 "* ]]
+}
 stage() {  # stage NAME TIMEOUT_S LOG COMMAND...: runs (appending to LOG), records status and seconds
   local name=$1 limit=$2 log=$3; shift 3
   local start=$SECONDS

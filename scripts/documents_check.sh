@@ -28,7 +28,7 @@ device=$(python3 -c "import torch; print(torch.cuda.get_device_name(0).split()[-
 summary=()
 stage() {  # stage NAME LIMIT_S COMMAND...: runs under timeout, appends to $LOG, records the outcome
   local name=$1 limit=$2; shift 2
-  if [ -n "${ONLY:-}" ] && [ "$name" != build ] && [[ " $ONLY " != *" $name "* ]]; then return 0; fi
+  stage_wanted "$name" || return 0
   local start=$SECONDS
   echo "=== $name ($(date -u +%T), limit ${limit}s): $*" >>"$LOG"
   timeout -k 15 "$limit" "$@" >>"$LOG" 2>&1

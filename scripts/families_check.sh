@@ -22,7 +22,7 @@ gpus=$(python3 -c "import torch; print(torch.cuda.device_count())" 2>/dev/null |
 export LAUNCHER="python3 -m deepspeed.launcher.runner"  # no deepspeed script where the wheel went to --target
 
 run_stage() {  # run_stage NAME LIMIT_S LOG COMMAND...: `stage` (device_env.sh) unless ONLY leaves it out
-  if [ -n "${ONLY:-}" ] && [ "$1" != build ] && [[ " $ONLY " != *" $1 "* ]]; then return 0; fi
+  stage_wanted "$1" || return 0
   stage "$@"
 }
 examples() {  # every documented command; the first failure's code, after running them all

@@ -68,7 +68,7 @@ failed=0
 # appending to $LOG, and records PASS / FAIL:<code> / TIMEOUT / SKIP with the seconds taken.
 stage() {
   local name=$1 limit=$2; shift 2
-  if [ -n "${ONLY:-}" ] && [ "$name" != build ] && [[ " $ONLY " != *" $name "* ]]; then return 0; fi
+  stage_wanted "$name" || return 0
   local left=$((BUDGET_S - SECONDS - 10))
   if [ "$left" -lt 30 ]; then
     summary+=("$(printf '%-15s %-8s %4s   %s' "$name" SKIP - "(no time left in BUDGET_S=$BUDGET_S)")")

@@ -34,7 +34,7 @@ gpus=$(python3 -c "import torch; print(torch.cuda.device_count())" 2>/dev/null |
 [ "$gpus" -ge 1 ] || { echo "resilience_check: no CUDA device visible" | tee "$OUT/summary.txt"; exit 1; }
 
 run_stage() {  # run_stage NAME LIMIT_S LOG COMMAND...: `stage` (device_env.sh) unless ONLY leaves NAME out
-  if [ -n "${ONLY:-}" ] && [ "$1" != build ] && [[ " $ONLY " != *" ${1%%_*} "* ]]; then return 1; fi
+  stage_wanted "${1%%_*}" || return 1  # heartbeat_600_a: a stage of heartbeat
   stage "$@"
 }
 finish() {

@@ -457,9 +457,10 @@ def gpu_breakdown(config, ds_config: dict, plan: MemoryPlan, dtype_bytes: int, r
     else:  # fp32 master weights and Adam's states partitioned over the ranks (ZeRO-1/2)
         gradients = p * dtype_bytes
         optimizer = p * 12 // (world_size if zero.get("stage", 0) >= 1 else 1)
+    from ..hf import config_head_dim
     s, hidden = plan.tokens_per_rank, config.hidden_size
     heads, kv = config.num_attention_heads, config.num_key_value_heads
-    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    head_dim = config_head_dim(config)
     layer = s * hidden * dtype_bytes
     on_gpu = plan.num_layers - plan.offload_layers if run.gradient_checkpointing else plan.num_layers
     mlp_tokens = min(s, plan.mlp_chunk_tokens) if plan.tiled_mlp else s
