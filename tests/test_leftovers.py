@@ -14,7 +14,7 @@ from ds_mtraining_op_builder import extension_root
 
 SLICE = ["tests/test_data.py::test_local_files_and_saved_dataset_give_the_same_stream",
          "tests/test_attention.py::test_running_accumulators_are_checked",
-         "tests/test_launcher_guard.py::test_a_signalled_rank_marks_its_run_folder"]
+         "tests/test_launcher_guard.py::test_a_signalled_rank_marks_its_run_folder[15-SIGTERM]"]
 
 
 def test_a_slice_of_the_suite_leaves_no_file_behind(tmp_path):
