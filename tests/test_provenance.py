@@ -1,5 +1,5 @@
 """Every benchmark's JSON names the code it measured: ``commit`` and ``dirty`` from
-``bench.provenance`` (this checkout's git state, or DS_MTRAINING_COMMIT for a copied tree)."""
+``record.provenance`` (this checkout's git state, or DS_MTRAINING_COMMIT for a copied tree)."""
 import json
 import re
 import subprocess
@@ -8,9 +8,9 @@ import pytest
 
 from helpers import REPO
 
-from ds_mtraining.bench import provenance as module
+from ds_mtraining import record as module
 from ds_mtraining.bench.comm import main as comm_main
-from ds_mtraining.bench.provenance import COMMIT_VARIABLE, provenance
+from ds_mtraining.record import COMMIT_VARIABLE, provenance
 
 
 def git(*args: str, cwd=REPO) -> str:
