@@ -16,7 +16,6 @@ line; the exit status is 0 when every rank is within tolerance.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from pathlib import Path
 
@@ -24,12 +23,12 @@ import torch
 import torch.distributed as dist
 
 from ..attention import sparse_attention
-from ..bench.provenance import provenance
 from ..config import SparseConfig
 from ..distributed import shutdown
 from ..distributed.topology import Topology, create_hierarchical_groups
 from ..index import SparseIndex
 from ..layout import StripedLayout
+from ..record import provenance, write_json
 from ..reference import outputs_and_grads
 from ..ring import ring_sparse_attention
 
@@ -106,8 +105,7 @@ def main(argv=None):
                   rel_error_flat_vs_one_device=flat_vs_single,
                   bit_identical_to_flat=all(torch.equal(a, b) for a, b in zip(hier, flat)),
                   ok=error <= tolerance and error_single <= tolerance)
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    Path(args.out, f"rank{rank}.json").write_text(json.dumps(report))
+    write_json(Path(args.out, f"rank{rank}.json"), report)
     print(f"rank {rank}: {topology.nodes}x{topology.per_node} inner={report['inner']} "
           f"outer={report['outer']} {device.type} {str(dtype).removeprefix('torch.')}: hierarchical vs flat "
           f"rel. error {error:.1e}{' (bit-identical)' if report['bit_identical_to_flat'] else ''}, "

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..record import write_json
 from . import MTRAINING_KEY, ConfigError
 from .run_config import RunConfig
 
@@ -118,7 +119,8 @@ def pick_tag(save_dir: str) -> tuple[str | None, list[str]]:
 
 
 def write_atomically(path: Path, text: str):
-    """``path`` holds ``text`` or what it held before, never part of it."""
+    """``path`` holds ``text`` or what it held before, never part of it (the ``latest`` file's tag;
+    JSON files go through :func:`ds_mtraining.record.write_json`)."""
     temporary = path.with_name(path.name + ".tmp")
     temporary.write_text(text)
     os.replace(temporary, path)
@@ -131,7 +133,7 @@ def record_files(save_dir: str, paths):
     names = sorted(set(listed) | {os.path.relpath(os.path.join(save_dir, p), save_dir) for p in paths})
     if names != sorted(listed):
         Path(save_dir).mkdir(parents=True, exist_ok=True)
-        write_atomically(Path(save_dir) / RUN_FILES, json.dumps({"files": names}, indent=1))
+        write_json(Path(save_dir) / RUN_FILES, {"files": names})
 
 
 def _listed_names(save_dir: str) -> list[str] | None:
@@ -193,7 +195,7 @@ def claim_save_dir(save_dir: str, metrics_dir: str | None, resume: bool, overwri
                 shutil.rmtree(path, ignore_errors=True)
             else:
                 path.unlink(missing_ok=True)
-        write_atomically(Path(save_dir) / RUN_FILES, json.dumps({"files": []}))  # a run's folder, emptied
+        write_json(Path(save_dir) / RUN_FILES, {"files": []})  # a run's folder, emptied
 
 
 def rng_states() -> dict:
@@ -224,7 +226,7 @@ def save_checkpoint(engine, save_dir: str, step: int, data_position: int, run: R
             folder = root / tag
             files = {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*"))
                      if p.is_file() and p.name != MANIFEST}
-            write_atomically(folder / MANIFEST, json.dumps({"files": files}, indent=1))
+            write_json(folder / MANIFEST, {"files": files})
             write_atomically(root / "latest", tag)
             record_files(save_dir, [tag, "latest", *(s for s in DEEPSPEED_SCRIPTS if (root / s).exists())])
     except Exception as error:

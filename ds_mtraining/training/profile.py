@@ -20,10 +20,11 @@ time (what the device ran, in the step); on CPU the CPU operators' self time. Ki
 from __future__ import annotations
 
 import contextlib
-import json
 from pathlib import Path
 
 import torch
+
+from ..record import write_json
 
 KINDS = (  # (kind, name fragments, lower case), first match wins
     ("estimator", ("mtr::est::",)),
@@ -100,9 +101,7 @@ def profile_path(save_dir: str, step: int, rank: int) -> Path:
 
 def write_summary(summary: dict, save_dir: str) -> Path:
     path = profile_path(save_dir, summary["step"], summary["rank"])
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(summary, indent=2))
-    return path
+    return write_json(path, summary)
 
 
 def describe(summary: dict) -> str:
