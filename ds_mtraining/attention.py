@@ -25,6 +25,17 @@ def resolve_softmax_scale(head_dim: int, softmax_scale: float | None = None) -> 
     return softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
 
 
+def op_softcap(softcap: float | None) -> float:
+    """The ops' ``softcap`` argument (0.0: none) of a user's logit soft-capping value (None: none;
+    Gemma-2's ``attn_logit_softcapping``): logits become ``softcap * tanh(logit / softcap)``."""
+    if softcap is None:
+        return 0.0
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not math.isfinite(softcap) \
+            or softcap <= 0:
+        raise ValueError(f"softcap must be a positive number (the logit cap) or None, got {softcap!r}")
+    return float(softcap)
+
+
 def check_attention_inputs(q, k, v, index: SparseIndex | None = None, local_index_len: int | None = None):
     """One clear error for each way q/k/v/index can be wrong."""
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -82,21 +93,24 @@ def padded_to_kernel_head_dim(q, k, v, kept=None) -> tuple:
 
 class SparseAttentionFunction(torch.autograd.Function):
     """Causal vertical-slash sparse attention, within the documents of ``doc_start`` when given,
-    with attention ``sinks`` [H] when given (:mod:`ds_mtraining.sinks`); returns (out in q's
+    with attention ``sinks`` [H] when given (:mod:`ds_mtraining.sinks`), logits soft-capped at
+    ``softcap`` (:func:`op_softcap`; 0: none); returns (out in q's
     dtype, lse fp32 [B, H, S]). ``kept``: the (out, lse) this call returned before (a forward
     recomputed under activation checkpointing): returned again with the backward attached,
     without running the kernel."""
 
     @staticmethod
-    def forward(ctx, q, k, v, index: SparseIndex, scale: float, doc_start=None, kept=None, sinks=None):
+    def forward(ctx, q, k, v, index: SparseIndex, scale: float, doc_start=None, kept=None, sinks=None,
+                softcap: float = 0.0):
         if kept is not None:
             out, lse = kept
         else:  # out (and dq) in q's dtype straight from the kernels: no float32 copy to convert
-            out, lse = ops.attention_forward(q, k, v, index, scale, Stripe(), doc_start=doc_start, input_dtype=True)
+            out, lse = ops.attention_forward(q, k, v, index, scale, Stripe(), doc_start=doc_start, input_dtype=True,
+                                             softcap=softcap)
             if sinks is not None:
                 out, lse = with_sinks(out, lse, sinks)
         ctx.save_for_backward(q, k, v, out, lse, sinks)
-        ctx.index, ctx.scale, ctx.doc_start = index, scale, doc_start
+        ctx.index, ctx.scale, ctx.doc_start, ctx.softcap = index, scale, doc_start, softcap
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -106,18 +120,20 @@ class SparseAttentionFunction(torch.autograd.Function):
         dout = dout.contiguous()
         delta = ops.attention_delta(dout, out)
         dq, dk, dv = ops.attention_backward(dout, q, k, v, out, lse, ctx.index, ctx.scale, Stripe(),
-                                            doc_start=ctx.doc_start, delta=delta, input_dtype=True)
+                                            doc_start=ctx.doc_start, delta=delta, input_dtype=True,
+                                            softcap=ctx.softcap)
         dsinks = sink_gradient(delta, lse, sinks) if sinks is not None and ctx.needs_input_grad[7] else None
-        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, dsinks
+        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, dsinks, None
 
 
 def sparse_attention_with_lse(q, k, v, index: SparseIndex, softmax_scale: float | None = None, *,
                               doc_start: torch.Tensor | None = None, window: int | None = None,
-                              sinks: torch.Tensor | None = None, kept=None):
+                              sinks: torch.Tensor | None = None, softcap: float | None = None, kept=None):
     """Sparse causal attention of q [B, S, H, D] over k, v [B, S, Hkv, D] on ``index``; with
     ``doc_start`` [B, S] (ds_mtraining.documents) each query sees only its own document; with
     ``window`` only the last ``window`` keys up to itself (:mod:`ds_mtraining.window`); with
-    ``sinks`` [H] a learned logit per head joins each row's softmax (:mod:`ds_mtraining.sinks`).
+    ``sinks`` [H] a learned logit per head joins each row's softmax (:mod:`ds_mtraining.sinks`);
+    with ``softcap`` the logits are ``softcap * tanh(logit / softcap)`` (Gemma-2).
     ``kept``: (out, lse) that this call returned before, for the same inputs (activation
     checkpointing's recompute): returned with the backward attached, no kernel runs.
 
@@ -132,14 +148,15 @@ def sparse_attention_with_lse(q, k, v, index: SparseIndex, softmax_scale: float 
     scale = resolve_softmax_scale(head_dim, softmax_scale)
     if sinks is not None:
         sinks = check_sinks(sinks, q.shape[2])
+    softcap = op_softcap(softcap)
     q, k, v, kept = padded_to_kernel_head_dim(q, k, v, kept)
-    out, lse = SparseAttentionFunction.apply(q, k, v, index, scale, doc_start, kept, sinks)
+    out, lse = SparseAttentionFunction.apply(q, k, v, index, scale, doc_start, kept, sinks, softcap)
     return out[..., :head_dim], lse
 
 
 def sparse_attention(q, k, v, index: SparseIndex, softmax_scale: float | None = None, *,
                      doc_start: torch.Tensor | None = None, window: int | None = None,
-                     sinks: torch.Tensor | None = None):
+                     sinks: torch.Tensor | None = None, softcap: float | None = None):
     """Like :func:`sparse_attention_with_lse`, returning only the output."""
     return sparse_attention_with_lse(q, k, v, index, softmax_scale, doc_start=doc_start, window=window,
-                                     sinks=sinks)[0]
+                                     sinks=sinks, softcap=softcap)[0]

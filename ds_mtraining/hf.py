@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from transformers import AttentionInterface, PreTrainedModel
 
-from .attention import kernel_head_dim, resolve_softmax_scale
+from .attention import kernel_head_dim, op_softcap, resolve_softmax_scale
 from .dense_backend import dense_causal_attention
 from .layer import IndexCache, MTrainingAttentionSettings, striped_sparse_attention
 
@@ -37,14 +37,13 @@ INDEX_CACHE_ATTRIBUTE = "mtraining_index_cache"  # the module's IndexCache (one 
 # Every keyword transformers passes to an attention function, and what MTraining does with it
 # (tests/test_hf_keywords.py walks the installed transformers' model sources against these).
 # Honoured: applied as the model means it (the function's own parameters).
-HONOURED_KEYWORDS = ("scaling", "dropout", "sliding_window", "position_ids", "is_causal", "s_aux", "doc_start")
+HONOURED_KEYWORDS = ("scaling", "dropout", "sliding_window", "position_ids", "is_causal", "s_aux", "softcap",
+                     "doc_start")
 # Carried along by the model's forward with no bearing on attention's result.
 INERT_KEYWORDS = ("use_cache", "output_hidden_states", "output_router_logits", "num_items_in_batch",
                   "deterministic", "max_length_q", "max_length_k")
 # Refused when set (not None or False): each names the feature and what to do instead.
 REFUSED_KEYWORDS = {
-    "softcap": "attention logit soft-capping (the config's attn_logit_softcapping) is not in MTraining's "
-               "kernels yet",
     "sinks": "attention sinks passed as sinks= (MTraining takes gpt-oss's s_aux: one logit per query head, "
              "unscaled) are not known to mean the same",
     "position_bias": "an additive position bias (T5-style) is not supported by MTraining's kernels",
@@ -78,12 +77,13 @@ def _shown(value) -> str:
 def mtraining_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                                 value: torch.Tensor, attention_mask, scaling: float | None = None,
                                 dropout: float = 0.0, sliding_window: int | None = None, position_ids=None,
-                                is_causal: bool | None = None, s_aux: torch.Tensor | None = None, doc_start=None,
-                                **kwargs):
+                                is_causal: bool | None = None, s_aux: torch.Tensor | None = None,
+                                softcap: float | None = None, doc_start=None, **kwargs):
     """transformers attention function: (out [B, S/W, H, D], None). ``doc_start`` (document
     masking, :mod:`ds_mtraining.documents`) arrives as a keyword of the model's forward; a layer's
     ``sliding_window`` runs its band exactly (:mod:`ds_mtraining.window`), ``s_aux`` (gpt-oss's
-    attention sinks) joins each row's softmax (:mod:`ds_mtraining.sinks`); any other keyword is
+    attention sinks) joins each row's softmax (:mod:`ds_mtraining.sinks`), ``softcap`` (Gemma-2's
+    logit soft-capping) caps the logits in the kernels; any other keyword is
     honoured or refused (:data:`REFUSED_KEYWORDS`), never dropped."""
     settings = getattr(module, SETTINGS_ATTRIBUTE, None)
     if settings is None:
@@ -105,7 +105,7 @@ def mtraining_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
         setattr(module, INDEX_CACHE_ATTRIBUTE, cache)
     out = striped_sparse_attention(q.contiguous(), k.contiguous(), v.contiguous(), settings,
                                    softmax_scale=scaling, position_ids=position_ids, cache=cache,
-                                   doc_start=doc_start, window=sliding_window, sinks=s_aux)
+                                   doc_start=doc_start, window=sliding_window, sinks=s_aux, softcap=softcap)
     return out, None
 
 
@@ -132,11 +132,12 @@ def check_model_config(config, key: str = "mtraining.model", device_type: str | 
     if getattr(config, "head_dim", None) is None and config.hidden_size % heads != 0:
         raise ValueError(f"{key}: hidden_size={config.hidden_size} is not divisible by "
                          f"num_attention_heads={heads}; choose a divisor or set head_dim")
-    for field, feature in (("attn_logit_softcapping", "attention logit soft-capping"),
-                           ("final_logit_softcapping", "soft-capping of the LM head's logits")):
-        if getattr(config, field, None):
-            raise ValueError(f"{key}: {field}={getattr(config, field)}: {feature} is not in MTraining yet "
-                             f"(refused rather than trained without it, which would be another model)")
+    for field in ("attn_logit_softcapping", "final_logit_softcapping"):  # honoured: the kernels and the loss cap
+        try:
+            op_softcap(getattr(config, field, None))
+        except ValueError:
+            raise ValueError(f"{key}: {field}={getattr(config, field)!r} must be a positive number (the cap) or "
+                             f"null (no soft-capping)") from None
     if getattr(config, "attention_dropout", 0.0):
         raise ValueError(f"{key}: attention_dropout={config.attention_dropout} is not supported; set it to 0")
     if getattr(config, "is_causal", True) is False:
@@ -160,17 +161,18 @@ def check_attention_modules(modules: list) -> None:
             raise ValueError(f"{type(module).__name__}.is_causal is False; MTraining attention is causal only")
 
 
-def output_head_inputs(model: PreTrainedModel, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(hidden states, LM head weight) whose product is the model's own logits, for the losses
+def output_head_inputs(model: PreTrainedModel, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float | None]:
+    """(hidden states, LM head weight, softcap) that give the model's own logits, for the losses
     that compute ``hidden @ weight.T`` chunk by chunk: the hidden states take the factor the
     model puts on its logits (Granite divides them by ``logits_scaling``, Cohere multiplies them
-    by ``logit_scale``). A head with a bias is refused (the chunked and fused losses take none);
-    soft-capped logits by :func:`check_model_config`."""
+    by ``logit_scale``); ``softcap`` (Gemma-2's ``final_logit_softcapping``, else None) caps them
+    at ``softcap * tanh(logits / softcap)``. A head with a bias is refused (the chunked and fused
+    losses take none)."""
     head = model.get_output_embeddings()
     if getattr(head, "bias", None) is not None:
         raise ValueError(f"{type(model).__name__}'s LM head has a bias; MTraining's loss takes an LM head without one")
     factor = getattr(model.config, "logit_scale", 1.0) / getattr(model.config, "logits_scaling", 1.0)
-    return (hidden if factor == 1.0 else hidden * factor), head.weight
+    return (hidden if factor == 1.0 else hidden * factor), head.weight, getattr(model.config, "final_logit_softcapping", None)
 
 
 def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:

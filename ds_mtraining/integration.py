@@ -121,15 +121,17 @@ def resolve_settings(config=None, world_size: int = 1, **given) -> IntegrationSe
 
 # ----------------------------------------------------------------------------- the loss
 def sequence_parallel_loss(hidden: torch.Tensor, weight: torch.Tensor, shift_labels: torch.Tensor, group=None,
-                           num_items=None, chunk_tokens: int = 1024, fused: bool = False) -> torch.Tensor:
+                           num_items=None, chunk_tokens: int = 1024, fused: bool = False,
+                           softcap: float | None = None) -> torch.Tensor:
     """The causal-LM loss of a striped shard: the group's summed token cross-entropy over
     ``num_items`` (the valid labels of the whole sequences, e.g. the adapter's
     ``num_valid_tokens``; None: counted over the group here). Its value is the same on every rank
     of ``group``; its gradient is this rank's share (DeepSpeed sums a sequence-parallel group's
-    gradients), so ranks holding different numbers of valid tokens weigh every token alike."""
+    gradients), so ranks holding different numbers of valid tokens weigh every token alike. ``softcap``:
+    the LM head's logit soft-capping (:func:`ds_mtraining.hf.output_head_inputs`)."""
     if num_items is None:
-        return sequence_parallel_cross_entropy(hidden, weight, shift_labels, group, chunk_tokens, fused)
-    local_sum = token_cross_entropy_sum(hidden, weight, shift_labels, chunk_tokens, fused)
+        return sequence_parallel_cross_entropy(hidden, weight, shift_labels, group, chunk_tokens, fused, softcap)
+    local_sum = token_cross_entropy_sum(hidden, weight, shift_labels, chunk_tokens, fused, softcap)
     total = local_sum.detach().clone()
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(total, group=group)
@@ -323,9 +325,9 @@ class MTraining:
     def loss(self, hidden: torch.Tensor, shift_labels: torch.Tensor, num_items=None) -> torch.Tensor:
         """:func:`sequence_parallel_loss` of final hidden states [B, S/W, D] against the LM head."""
         from .hf import output_head_inputs
-        hidden, weight = output_head_inputs(self.model, hidden)
+        hidden, weight, softcap = output_head_inputs(self.model, hidden)
         return sequence_parallel_loss(hidden, weight, shift_labels, self.groups.sequence_group, num_items,
-                                      self.settings.loss_chunk_tokens, self.fused_loss)
+                                      self.settings.loss_chunk_tokens, self.fused_loss, softcap)
 
     def adapt_trainer(self, trainer):
         """Makes a ``transformers.Trainer`` train on striped shards: its train dataloader (sharded

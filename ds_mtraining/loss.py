@@ -24,10 +24,11 @@ IGNORE_INDEX = -100
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
-    """Sum of token cross-entropies of ``hidden @ weight.T`` against ``labels``, chunked."""
+    """Sum of token cross-entropies of ``hidden @ weight.T`` (soft-capped: ``softcap *
+    tanh(logits / softcap)``, when given) against ``labels``, chunked."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, chunk_tokens: int):
+    def forward(ctx, hidden, weight, labels, chunk_tokens: int, softcap: float | None = None):
         flat_hidden = hidden.reshape(-1, hidden.shape[-1])
         flat_labels = labels.reshape(-1)
         needs_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
@@ -39,6 +40,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             target = flat_labels[start:start + chunk_tokens]
             valid = target != IGNORE_INDEX
             logits = (rows @ weight.T).float()
+            if softcap:
+                capped = torch.tanh(logits / softcap)
+                logits = softcap * capped
             lse = torch.logsumexp(logits, dim=-1)
             safe_target = torch.where(valid, target, 0)
             picked = logits.gather(-1, safe_target[:, None]).squeeze(-1)
@@ -48,6 +52,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 grad_logits = torch.exp(logits - lse[:, None])
                 grad_logits[torch.arange(len(target), device=target.device), safe_target] -= 1.0
                 grad_logits *= valid[:, None]
+                if softcap:  # d(softcap tanh(x / softcap))/dx
+                    grad_logits *= 1.0 - capped.square()
                 grad_logits = grad_logits.to(weight.dtype)
                 grad_hidden[start:start + chunk_tokens] = grad_logits @ weight
                 grad_weight += (grad_logits.T @ rows).float()
@@ -60,14 +66,17 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_total):
         grad_hidden, grad_weight = ctx.saved_tensors
         return (grad_hidden * grad_total.to(grad_hidden.dtype),
-                (grad_weight * grad_total).to(ctx.weight_dtype), None, None)
+                (grad_weight * grad_total).to(ctx.weight_dtype), None, None, None)
 
 
 def token_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                            chunk_tokens: int = 1024, fused: bool = False) -> torch.Tensor:
+                            chunk_tokens: int = 1024, fused: bool = False,
+                            softcap: float | None = None) -> torch.Tensor:
     """Sum over the valid labels (``!= -100``) of ``cross_entropy(hidden @ weight.T, labels)``,
     computed ``chunk_tokens`` rows at a time, or by liger-kernel's fused linear cross-entropy with
-    ``fused`` (CUDA tensors; it picks its own chunks); hidden [..., D], weight [V, D], labels [...]."""
+    ``fused`` (CUDA tensors; it picks its own chunks); hidden [..., D], weight [V, D], labels [...].
+    ``softcap``: the logits are ``softcap * tanh(logits / softcap)`` (Gemma-2's
+    ``final_logit_softcapping``)."""
     if hidden.shape[:-1] != labels.shape:
         raise ValueError(f"hidden {tuple(hidden.shape)} and labels {tuple(labels.shape)} must share "
                          f"their leading dimensions")
@@ -84,13 +93,14 @@ def token_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: 
         # fp32 weight-gradient accumulation, as the chunked loss: liger's default (the weight's
         # dtype) sums a bf16 gradient over a long sequence's hundreds of chunks
         return liger_fused_linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1),
-                                                ignore_index=IGNORE_INDEX, reduction="sum",
+                                                ignore_index=IGNORE_INDEX, reduction="sum", softcap=softcap,
                                                 accum_dtype=torch.float32)
-    return _ChunkedLinearCrossEntropy.apply(hidden, weight, labels, chunk_tokens)
+    return _ChunkedLinearCrossEntropy.apply(hidden, weight, labels, chunk_tokens, softcap)
 
 
 def sequence_parallel_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                                    group=None, chunk_tokens: int = 1024, fused: bool = False) -> torch.Tensor:
+                                    group=None, chunk_tokens: int = 1024, fused: bool = False,
+                                    softcap: float | None = None) -> torch.Tensor:
     """Mean token cross-entropy over the sequence(s) striped across ``group``.
 
     Args:
@@ -98,12 +108,12 @@ def sequence_parallel_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, 
         weight: [V, D] output projection (the LM head).
         labels: [B, S/W] this rank's labels, shifted on the global sequence; -100 = ignored.
         group: the sequence-parallel group (None: not distributed).
-        chunk_tokens, fused: how this rank's sum is computed (:func:`token_cross_entropy_sum`).
+        chunk_tokens, fused, softcap: how this rank's sum is computed (:func:`token_cross_entropy_sum`).
     Returns:
         A scalar whose value is the group's mean loss on every rank and whose gradient is this
         rank's share of it (sum the gradients over the group, as DeepSpeed does, to get the full one).
     """
-    local_sum = token_cross_entropy_sum(hidden, weight, labels, chunk_tokens, fused)
+    local_sum = token_cross_entropy_sum(hidden, weight, labels, chunk_tokens, fused, softcap)
     counts = torch.stack([(labels != IGNORE_INDEX).sum().to(torch.float32), local_sum.detach()])
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(counts, group=group)

@@ -60,9 +60,10 @@ def _call_index(q: torch.Tensor, index: SparseIndex, stripe: Stripe, doc_start) 
 
 def attention_forward(q, k, v, index: SparseIndex, scale: float, stripe: Stripe = Stripe(), *,
                       doc_start: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                      lse: torch.Tensor | None = None, input_dtype: bool = False):
+                      lse: torch.Tensor | None = None, input_dtype: bool = False, softcap: float = 0.0):
     """Sparse attention of ``stripe.q_rank``'s queries over ``stripe.k_rank``'s keys, within the
-    documents of ``doc_start`` when given.
+    documents of ``doc_start`` when given; the logits are ``scale * q.k``, or with ``softcap`` > 0
+    (attention logit soft-capping) ``softcap * tanh(scale * q.k / softcap)``.
 
     Returns (out float32 [B, Sq, H, D], lse float32 [B, H, Sq]); rows that see no key in this
     call get out 0 and lse -inf. Given ``out`` and ``lse``, the running result of earlier calls
@@ -74,15 +75,15 @@ def attention_forward(q, k, v, index: SparseIndex, scale: float, stripe: Stripe 
     module = op_module(q.device.type)
     with record_function("mtraining::forward"):
         return tuple(module.forward(q, k, v, _call_index(q, index, stripe, doc_start), float(scale), out=out,
-                                    lse=lse, input_dtype=input_dtype))
+                                    lse=lse, input_dtype=input_dtype, softcap=float(softcap)))
 
 
 def attention_backward(dout, q, k, v, out, lse, index: SparseIndex, scale: float,
                        stripe: Stripe = Stripe(), *, doc_start: torch.Tensor | None = None,
                        dq: torch.Tensor | None = None, delta: torch.Tensor | None = None,
-                       input_dtype: bool = False):
+                       input_dtype: bool = False, softcap: float = 0.0):
     """Gradients (dq, dk, dv) of one call given the final output ``out`` (float32, or q's
-    dtype), its ``lse`` and ``dout`` (``doc_start`` as in the forward); float32. Given ``dq``
+    dtype), its ``lse`` and ``dout`` (``doc_start`` and ``softcap`` as in the forward); float32. Given ``dq``
     (float32, a running sum over earlier calls), the call adds its dq into it in place and
     returns it. Given ``delta`` (:func:`attention_delta` of this ``dout`` and ``out``), the call
     does not compute it again. ``input_dtype``: dq in q's dtype; with a running ``dq``, the sum
@@ -90,7 +91,8 @@ def attention_backward(dout, q, k, v, out, lse, index: SparseIndex, scale: float
     module = op_module(q.device.type)
     with record_function("mtraining::backward"):
         return tuple(module.backward(dout, q, k, v, out, lse, _call_index(q, index, stripe, doc_start),
-                                     float(scale), dq=dq, delta=delta, input_dtype=input_dtype))
+                                     float(scale), dq=dq, delta=delta, input_dtype=input_dtype,
+                                     softcap=float(softcap)))
 
 
 def attention_delta(dout, out) -> torch.Tensor:

@@ -15,9 +15,10 @@ from .layout import StripedLayout
 MAX_DENSE_ELEMENTS = 1 << 28
 
 
-def dense_attention_with_lse(q, k, v, mask, softmax_scale=None):
+def dense_attention_with_lse(q, k, v, mask, softmax_scale=None, softcap=None):
     """Attention of q [B, Sq, H, D] over k, v [B, Sk, Hkv, D] restricted to ``mask``
-    [B, H, Sq, Sk] (bool), computed in float64 with K/V expanded for GQA.
+    [B, H, Sq, Sk] (bool), computed in float64 with K/V expanded for GQA; with ``softcap`` the
+    logits are ``softcap * tanh(logit / softcap)``.
 
     Returns (out [B, Sq, H, D], lse [B, H, Sq]); rows with no visible key give out 0, lse -inf.
     """
@@ -26,15 +27,18 @@ def dense_attention_with_lse(q, k, v, mask, softmax_scale=None):
     qd, kd, vd = (t.double().transpose(1, 2) for t in (q, k, v))
     kd = kd.repeat_interleave(h // hkv, dim=1)
     vd = vd.repeat_interleave(h // hkv, dim=1)
-    logits = (qd @ kd.transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))
+    logits = qd @ kd.transpose(-1, -2) * scale
+    if softcap:
+        logits = softcap * torch.tanh(logits / softcap)
+    logits = logits.masked_fill(~mask, float("-inf"))
     lse = torch.logsumexp(logits, dim=-1)
     probs = torch.exp(logits - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
     out = (probs @ vd).transpose(1, 2)
     return out, lse
 
 
-def dense_attention(q, k, v, mask, softmax_scale=None):
-    return dense_attention_with_lse(q, k, v, mask, softmax_scale)[0]
+def dense_attention(q, k, v, mask, softmax_scale=None, softcap=None):
+    return dense_attention_with_lse(q, k, v, mask, softmax_scale, softcap)[0]
 
 
 def outputs_and_grads(attention, q, k, v, dout):

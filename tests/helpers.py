@@ -79,6 +79,20 @@ def ring_inputs(seq_len: int, block: int, seed: int = 0):
     return q, k, v, dout, index
 
 
+def visible_mask(index: SparseIndex, doc_start=None, window: int | None = None) -> torch.Tensor:
+    """Bool [B, H, S, S]: the entries of ``index`` a query sees within its document (``doc_start``)
+    and the last ``window`` keys up to itself: what the kernels compute with those arguments."""
+    from ds_mtraining.documents import document_causal_mask
+    from ds_mtraining.reference import dense_mask
+    mask = dense_mask(index)
+    if doc_start is not None:
+        mask = mask & document_causal_mask(doc_start)[:, None]
+    if window is not None:
+        i = torch.arange(index.seq_len)
+        mask = mask & (i[None] > i[:, None] - window)
+    return mask
+
+
 def every_entry_config(seq_len: int, block: int) -> SparseConfig:
     """p = 1 and caps >= S: an estimate under this config selects every causal entry."""
     return SparseConfig(block_size=block, last_q=64, p_vertical=1.0, p_slash=1.0, max_vertical=seq_len,

@@ -43,10 +43,10 @@ def random_qkv(batch, seq, heads, kv_heads, dim, dtype, generator, q_gain=1.0):
     return tuple(t.to(dtype).requires_grad_() for t in (q, k, v))
 
 
-def dense_reference(q, k, v, mask, dout, scale=None):
+def dense_reference(q, k, v, mask, dout, scale=None, softcap=None):
     """Float64 out, lse and gradients of dense attention restricted to ``mask``."""
     leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    out, lse = dense_attention_with_lse(*leaves, mask, scale)
+    out, lse = dense_attention_with_lse(*leaves, mask, scale, softcap)
     grads = torch.autograd.grad(out, leaves, dout.double())
     return out.detach(), lse, grads
 
@@ -115,12 +115,13 @@ def test_striped_pairs_match_dense(cpu_op, random_index, world):
     assert empty_rows > 0 and visible_rows > 0, "the pairs must include rows with and without keys"
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_running_out_lse_and_dq_accumulate_over_key_ranks(cpu_op, random_index, world):
+@pytest.mark.parametrize("world,softcap", [(2, None), (3, None), (2, 1.5)])
+def test_running_out_lse_and_dq_accumulate_over_key_ranks(cpu_op, random_index, world, softcap):
     """One rank's queries over every key rank, as the ring calls them: the first call's (out,
     lse) passed to the next calls as the running ones, merged in place, equal float64 dense
     attention over the union of the calls' masks; each call's dq, from the delta computed once,
-    added into the running dq equals the dense dq (fp32: rel 1e-5)."""
+    added into the running dq equals the dense dq (fp32: rel 1e-5). With logit soft-capping
+    each call's lse is over the capped logits: the merge is the same."""
     block, local_blocks, heads, kv_heads, dim = 64, 3, 4, 2, 64
     local = local_blocks * block
     index = random_index(2, heads, local * world, block, n_vertical=12, n_slash=4, seed=10 + world)
@@ -135,7 +136,8 @@ def test_running_out_lse_and_dq_accumulate_over_key_ranks(cpu_op, random_index, 
     for k_rank in order:
         k, v = keys[k_rank]
         running = out
-        out, lse = ops.attention_forward(q, k, v, index, scale, Stripe(world, q_rank, k_rank), out=out, lse=lse)
+        out, lse = ops.attention_forward(q, k, v, index, scale, Stripe(world, q_rank, k_rank), out=out, lse=lse,
+                                         softcap=softcap or 0.0)
         assert running is None or out is running, "the running out is merged in place"
     delta = ops.attention_delta(dout, out)  # once for every call, as the ring does
     assert_matches(delta, (dout.double() * out.double()).sum(-1).transpose(1, 2), 1e-6, "delta")
@@ -144,12 +146,12 @@ def test_running_out_lse_and_dq_accumulate_over_key_ranks(cpu_op, random_index, 
         k, v = keys[k_rank]
         running = dq
         dq, _, _ = ops.attention_backward(dout, q, k, v, out, lse, index, scale, Stripe(world, q_rank, k_rank),
-                                          dq=dq, delta=delta)
+                                          dq=dq, delta=delta, softcap=softcap or 0.0)
         assert running is None or dq is running, "the running dq is added into in place"
 
     k_all, v_all = (torch.cat([pair[i] for pair in keys], dim=1) for i in (0, 1))
     mask = torch.cat([dense_mask(index, Stripe(world, q_rank, k_rank)) for k_rank in range(world)], dim=-1)
-    ref_out, ref_lse, (ref_dq, _, _) = dense_reference(q, k_all, v_all, mask, dout, scale)
+    ref_out, ref_lse, (ref_dq, _, _) = dense_reference(q, k_all, v_all, mask, dout, scale, softcap)
     assert (~dense_mask(index, Stripe(world, q_rank, order[0])).any(-1)).any()
     assert_matches(lse, ref_lse, 1e-5, "merged lse")
     assert_matches(out, ref_out, 1e-5, "merged out")

@@ -1,8 +1,9 @@
 """GPU tests of bringing one's own model: sliding windows through the CUDA kernels against float64
 dense attention (bf16 and fp16, head_dim 64 and 128, GQA, packed documents, a partial last block,
 on both kernel blocks), head dims the kernels lack (32, 80, 96) zero-padded, float32 inputs in
-bfloat16 with one warning, and families of the matrix (ds_mtraining.families) in bf16 against the
-same model with SDPA. Skipped without CUDA."""
+bfloat16 with one warning, logit soft-capping against float64, and families of the matrix
+(ds_mtraining.families) in bf16 against the same model with SDPA (eager where SDPA lacks the
+feature). Skipped without CUDA."""
 from __future__ import annotations
 
 import warnings
@@ -106,6 +107,59 @@ def test_sinks_through_the_cuda_kernels_equal_float64(dtype):
         assert relative_error(a.grad, b.grad) < TOLERANCE, name
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [64, 96, 128])
+@pytest.mark.parametrize("block", [64, 128])
+@pytest.mark.parametrize("documents", [False, True], ids=["one-document", "documents"])
+def test_softcap_through_the_cuda_kernels_equals_float64(dtype, head_dim, block, documents):
+    """Logit soft-capping (softmax.cuh's Logits) forward and backward, GQA, a partial last block,
+    against float64 dense attention over the capped logits; a cap of 2 against logits of a few
+    units bends most of them (the test checks that it changes the output)."""
+    check_softcap(dtype, head_dim, block, documents)
+
+
+@pytest.mark.parametrize("override", ["MMA=warp", "QUERY=plain", "TMA=0"])
+def test_softcap_on_every_kernel_path(override, monkeypatch):
+    """The same on the kernel paths the device does not pick by default (mma.sync, the plain
+    query kernel, cp.async copies: DS_MTRAINING_CUDA_* overrides, reloaded around the test)."""
+    from ds_mtraining import ops
+    module = ops.op_module("cuda")
+    name, value = override.split("=")
+    monkeypatch.setenv(f"DS_MTRAINING_CUDA_{name}", value)
+    module.reload_kernel_options()
+    try:
+        check_softcap(torch.bfloat16, 128, 128, True)
+    finally:
+        monkeypatch.undo()
+        module.reload_kernel_options()
+
+
+def check_softcap(dtype, head_dim, block, documents):
+    from ds_mtraining.index import SparseIndex
+    from ds_mtraining.reference import dense_mask
+    seq, cap = 2048 + 37, 2.0
+    g = torch.Generator().manual_seed(head_dim + block)
+    q = torch.randn(1, seq, 8, head_dim, generator=g) * 2
+    k, v = torch.randn(2, 1, seq, 2, head_dim, generator=g)
+    dout = torch.randn(1, seq, 8, head_dim, generator=g)
+    index = SparseIndex.from_blocks(torch.randint(1, seq // block, (1, 8, 4), generator=g),
+                                    torch.randint(0, seq, (1, 8, 16), generator=g), seq, block)
+    doc_start = doc_start_from_cu_seqlens(torch.tensor([0, 300, 301, 1500, seq]), seq) if documents else None
+    cuda_doc_start = None if doc_start is None else doc_start.cuda()
+    inputs = [t.to("cuda", dtype) for t in (q, k, v, dout)]
+    got = outputs_and_grads(lambda a, b, c: sparse_attention(a, b, c, index.to("cuda"), doc_start=cuda_doc_start,
+                                                             softcap=cap), *inputs)
+    uncapped = sparse_attention(*inputs[:3], index.to("cuda"), doc_start=cuda_doc_start)
+    mask = dense_mask(index)
+    if documents:
+        mask = mask & document_causal_mask(doc_start)[:, None]
+    want = outputs_and_grads(lambda a, b, c: dense_attention(a, b, c, mask.cuda(), softcap=cap),
+                             *(t.to("cuda", torch.float64) for t in (q, k, v, dout)))
+    assert relative_error(uncapped, want[0]) > 10 * TOLERANCE  # the cap changes the result
+    for name, mine, reference in zip(("out", "dq", "dk", "dv"), got, want):
+        assert relative_error(mine, reference) < TOLERANCE, name
+
+
 def test_float32_inputs_run_in_bfloat16_with_one_warning():
     from ds_mtraining.config import SparseConfig
     from ds_mtraining.layer import MTrainingAttentionSettings, attention as layer_attention
@@ -128,7 +182,8 @@ def test_float32_inputs_run_in_bfloat16_with_one_warning():
 
 
 @pytest.mark.parametrize("name,head_dim", [("Llama", 64), ("Mistral", 64), ("Gemma-3 (text)", 64), ("Granite", 64),
-                                           ("Qwen2 (sliding window)", 64), ("Phi-3", 96), ("gpt-oss", 64)])
+                                           ("Qwen2 (sliding window)", 64), ("Phi-3", 96), ("gpt-oss", 64),
+                                           ("Gemma-2", 128)])
 def test_family_in_bf16_with_a_full_index_matches_sdpa(name, head_dim):
     from transformers import AutoModelForCausalLM
     from ds_mtraining.config import SparseConfig
@@ -144,7 +199,8 @@ def test_family_in_bf16_with_a_full_index_matches_sdpa(name, head_dim):
     def build(attention):
         torch.manual_seed(0)
         return AutoModelForCausalLM.from_config(config, attn_implementation=attention).to("cuda", torch.bfloat16)
-    reference = build("eager" if name == "gpt-oss" else "sdpa")  # transformers' SDPA takes no sinks
+    # transformers' SDPA takes no sinks and no soft-capping
+    reference = build("eager" if name in ("gpt-oss", "Gemma-2") else "sdpa")
     want = torch.nn.functional.cross_entropy(reference(input_ids=ids[:, :-1]).logits[0].float(), ids[0, 1:])
     model = build("eager")
     pattern = StaticPattern(window_tokens=seq, sink_tokens=0)  # every causal entry, through MTraining's kernels

@@ -80,15 +80,20 @@ def test_an_unknown_keyword_is_refused_and_inert_ones_pass():
     refuse_keywords(module, {name: True for name in INERT_KEYWORDS})
 
 
-def test_softcap_reaches_the_attention_function_as_a_refusal():
-    """A model whose config hides soft-capping still cannot run it: the call refuses it."""
-    from helpers import tiny_model
+def test_softcap_reaches_the_kernels():
+    """A softcap passed to the attention function caps the logits (float64 dense reference)."""
+    from helpers import every_entry_config, tiny_model
     from ds_mtraining.hf import mtraining_attention_forward
     from ds_mtraining.layer import MTrainingAttentionSettings
+    from ds_mtraining.reference import dense_attention
     model = tiny_model("qwen2")
     module = model.model.layers[0].self_attn
-    module.mtraining_settings = MTrainingAttentionSettings()
-    q = torch.zeros(1, 4, 64, 16)
-    with pytest.raises(ValueError, match="Qwen2Attention passes softcap=50.0 to its attention: attention logit "
-                                         "soft-capping"):
-        mtraining_attention_forward(module, q, q[:, :2], q[:, :2], None, softcap=50.0)
+    module.mtraining_settings = MTrainingAttentionSettings(every_entry_config(128, 64))
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, heads, 128, 16, generator=g) * 3 for heads in (4, 2, 2))  # [B, H, S, D]
+    out, _ = mtraining_attention_forward(module, q, k, v, None, softcap=1.0)
+    causal = torch.ones(128, 128, dtype=torch.bool).tril()
+    want = dense_attention(*(t.transpose(1, 2).double() for t in (q, k, v)), causal, softcap=1.0)
+    uncapped = dense_attention(*(t.transpose(1, 2).double() for t in (q, k, v)), causal)
+    assert (want - uncapped).abs().max() > 0.1
+    torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=1e-4)

@@ -6,21 +6,23 @@ import pytest
 import torch
 
 from ds_mtraining import sparse_attention
-from ds_mtraining.documents import doc_start_from_cu_seqlens, document_causal_mask
-from ds_mtraining.reference import dense_mask
-from helpers import ring_inputs
+from ds_mtraining.documents import doc_start_from_cu_seqlens
+from helpers import ring_inputs, visible_mask
 
 SEQ, BLOCK = 300, 64
 TOL = dict(atol=2e-5, rtol=1e-4)  # fp32 kernels against float64
 
 
-def sink_attention(q, k, v, mask, sinks, scale=None):
+def sink_attention(q, k, v, mask, sinks, scale=None, softcap=None):
     """float64 reference: softmax over [scores | sink] per row, the sink column dropped; q [B, S, H, D],
-    k/v [B, S, Hkv, D], mask [S, S] or [B, 1 or H, S, S] bool, sinks [H]."""
+    k/v [B, S, Hkv, D], mask [S, S] or [B, 1 or H, S, S] bool, sinks [H]; scores soft-capped at
+    ``softcap`` when given."""
     heads, kv_heads = q.shape[2], k.shape[2]
     k, v = (t.repeat_interleave(heads // kv_heads, dim=2) for t in (k, v))
     scale = scale or q.shape[-1] ** -0.5
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
     scores = scores.masked_fill(~mask, float("-inf"))
     column = sinks[None, :, None, None].expand(*scores.shape[:3], 1)
     probs = torch.softmax(torch.cat([scores, column], -1), -1)[..., :-1]
@@ -33,12 +35,7 @@ def test_sinks_equal_float64(cpu_op, case):
     sinks = torch.tensor([1.0, -2.0, 0.3, 3.0])
     doc_start = doc_start_from_cu_seqlens(torch.tensor([0, 90, 91, SEQ]), SEQ) if case == "documents" else None
     window = 70 if case == "window" else None
-    mask = dense_mask(index)
-    if doc_start is not None:
-        mask = mask & document_causal_mask(doc_start)[:, None]
-    if window is not None:
-        i = torch.arange(SEQ)
-        mask = mask & (i[None] > i[:, None] - window)
+    mask = visible_mask(index, doc_start, window)
     inputs = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
     out = sparse_attention(*inputs[:3], index, doc_start=doc_start, window=window, sinks=inputs[3])
     out.backward(dout)

@@ -297,6 +297,13 @@ inline float max_scaled(const float* x, int64_t n, float scale) {
     return result;
 }
 
+// Logit soft-capping of raw scores x[e] = q.k, e < n: x[e] = cap * tanh(scale x[e] / cap), the
+// logits themselves (the softmax then takes them with scale 1).
+inline void soft_cap(float* x, int64_t n, float scale, float cap) {
+    const float to_tanh = scale / cap;
+    for (int64_t e = 0; e < n; ++e) x[e] = cap * std::tanh(x[e] * to_tanh);
+}
+
 // Read-only view of one call's fp32 inputs in layout [batch, seq, heads, head_dim].
 struct Inputs {
     const float* q;
@@ -309,7 +316,11 @@ struct Inputs {
     const int32_t* doc_start;  // [batch][global positions] (document masking), or nullptr: none
     int64_t batch, heads, kv_heads, head_dim, slash_width, vertical_width;
     float scale;
+    float softcap;  // > 0: the logits are softcap * tanh(scale q.k / softcap) (soft_cap)
     Geometry geo;
+
+    // The factor exp_shifted and max_scaled take: scale on raw q.k, 1 on soft-capped logits.
+    float exponent_scale() const { return softcap > 0.f ? 1.f : scale; }
 
     int64_t group() const { return heads / kv_heads; }
     int64_t q_offset(int64_t b, int64_t t, int64_t h) const {
@@ -466,7 +477,8 @@ void forward_tile(const Inputs& in, int64_t b, int64_t h, int64_t i, const int32
         std::fill(row, row + seen.begin, 0.f);  // P of the keys this row may not see
         std::fill(row + seen.end, row + n, 0.f);
         if (seen.begin == seen.end) continue;
-        const float tile_max = max_scaled(row + seen.begin, seen.end - seen.begin, in.scale);
+        if (in.softcap > 0.f) soft_cap(row + seen.begin, seen.end - seen.begin, in.scale, in.softcap);
+        const float tile_max = max_scaled(row + seen.begin, seen.end - seen.begin, in.exponent_scale());
         float& running_max = scratch.running_max[r];
         float& running_sum = scratch.running_sum[r];
         const float new_max = std::max(running_max, tile_max);
@@ -475,7 +487,7 @@ void forward_tile(const Inputs& in, int64_t b, int64_t h, int64_t i, const int32
             scale_in_place(scratch.query_out_rows[r], correction, dim);
             running_sum *= correction;
         }
-        running_sum += exp_shifted(row + seen.begin, seen.end - seen.begin, in.scale, new_max);
+        running_sum += exp_shifted(row + seen.begin, seen.end - seen.begin, in.exponent_scale(), new_max);
         running_max = new_max;
     }
     tile_accumulate(scratch.query_out_rows.data(), rows, scores, n_pad, 1, scratch.v_rows.data(), n,
@@ -532,9 +544,10 @@ struct GradInputs {
 
 // For the rows of query block i (loaded by load_query_rows with dout, document limits by
 // load_key_limits) and a key tile loaded by
-// load_key_tile with values: scratch.scores = P = exp(scale q.k - lse) and scratch.dscores =
-// dS = scale * P * (dout.v - delta), [row][padded keys], zero where a row may not see a key and
-// on rows with lse = -inf (they saw no key in the forward and take no part in the backward).
+// load_key_tile with values: scratch.scores = P = exp(logit - lse) and scratch.dscores = dS =
+// d logit / d(q.k) * P * (dout.v - delta), [row][padded keys], zero where a row may not see a key
+// and on rows with lse = -inf (they saw no key in the forward and take no part in the backward).
+// d logit / d(q.k) is scale, or with soft-capping scale * (1 - tanh^2).
 void probabilities_and_dscores(const Inputs& in, const GradInputs& grad, int64_t b, int64_t h,
                                int64_t i, const int32_t* keys, int64_t n, bool causal,
                                Scratch& scratch) {
@@ -559,8 +572,20 @@ void probabilities_and_dscores(const Inputs& in, const GradInputs& grad, int64_t
             std::fill(row + seen.end, row + n, 0.f);
         }
         if (seen.begin == seen.end) continue;
-        exp_shifted(p_row + seen.begin, seen.end - seen.begin, scale, lse);
         const float delta = grad.delta[in.lse_offset(b, h, t)];
+        if (in.softcap > 0.f) {  // the logits in p_row, the chain rule's (dP - delta) * slope in ds_row
+            const float cap = in.softcap, to_tanh = scale / cap;
+            for (int64_t e = seen.begin; e < seen.end; ++e) {
+                const float tanh_value = std::tanh(p_row[e] * to_tanh);
+                p_row[e] = cap * tanh_value;
+                ds_row[e] = scale * (1.f - tanh_value * tanh_value) * (ds_row[e] - delta);
+            }
+            exp_shifted(p_row + seen.begin, seen.end - seen.begin, 1.f, lse);
+#pragma omp simd
+            for (int64_t e = seen.begin; e < seen.end; ++e) ds_row[e] *= p_row[e];
+            continue;
+        }
+        exp_shifted(p_row + seen.begin, seen.end - seen.begin, scale, lse);
 #pragma omp simd
         for (int64_t e = seen.begin; e < seen.end; ++e) ds_row[e] = scale * p_row[e] * (ds_row[e] - delta);
     }
@@ -671,8 +696,8 @@ struct Prepared {
 };
 
 Prepared prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const OpIndex& index,
-                 double scale) {
-    const Geometry geo = check_call(q, k, v, index, scale, c10::DeviceType::CPU, kOpName);
+                 double scale, double softcap) {
+    const Geometry geo = check_call(q, k, v, index, scale, softcap, c10::DeviceType::CPU, kOpName);
     Prepared p;
     p.index = index.contiguous();
     check_list_contents(geo, p.index, kOpName);
@@ -695,6 +720,7 @@ Prepared prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
     in.slash_width = index.slash.size(2);
     in.vertical_width = index.vertical.size(2);
     in.scale = static_cast<float>(scale);
+    in.softcap = static_cast<float>(softcap);
     in.geo = geo;
     return p;
 }
@@ -727,9 +753,10 @@ void merge_into_running(const at::Tensor& out, const at::Tensor& lse, at::Tensor
 }
 
 std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                const OpIndex& index, double scale, const std::optional<at::Tensor>& running_out,
+                                const OpIndex& index, double scale, double softcap,
+                                const std::optional<at::Tensor>& running_out,
                                 const std::optional<at::Tensor>& running_lse, bool input_dtype) {
-    const Prepared p = prepare(q, k, v, index, scale);
+    const Prepared p = prepare(q, k, v, index, scale, softcap);
     const bool merge = check_running_output(q, running_out, running_lse, kOpName);
     auto out = at::zeros(q.sizes(), q.options().dtype(at::kFloat));
     auto lse = at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(at::kFloat));
@@ -754,9 +781,10 @@ at::Tensor row_delta(const at::Tensor& dout, const at::Tensor& out) {
 
 std::vector<at::Tensor> backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
                                  const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
-                                 const OpIndex& index, double scale, const std::optional<at::Tensor>& running_dq,
+                                 const OpIndex& index, double scale, double softcap,
+                                 const std::optional<at::Tensor>& running_dq,
                                  const std::optional<at::Tensor>& given_delta, bool input_dtype) {
-    const Prepared p = prepare(q, k, v, index, scale);
+    const Prepared p = prepare(q, k, v, index, scale, softcap);
     check_backward_tensors(q, dout, out, lse, kOpName);
     if (running_dq.has_value()) check_accumulator(q, *running_dq, q.sizes(), "the running dq", kOpName);
     if (given_delta.has_value()) check_accumulator(q, *given_delta, lse.sizes(), "delta", kOpName);

@@ -150,11 +150,11 @@ struct Call {
 
 // Checks a call (shared with the CPU op), then the CUDA-only limits, and fills the params.
 Call prepare_call(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const OpIndex& index,
-                  double scale) {
+                  double scale, double softcap) {
     Call call{contiguous_aligned(q_in), contiguous_aligned(k_in), contiguous_aligned(v_in), index.contiguous(),
               {}, {}, {}};
     const at::Tensor &q = call.q, &k = call.k, &v = call.v;
-    const Geometry geo = check_call(q, k, v, call.index, scale, c10::DeviceType::CUDA, kOpName);
+    const Geometry geo = check_call(q, k, v, call.index, scale, softcap, c10::DeviceType::CUDA, kOpName);
     const int64_t block = index.block_size;
     TORCH_CHECK_TYPE(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf, kOpName,
                      ": the CUDA kernels take bfloat16 or float16 q/k/v, got ", text(q.scalar_type()),
@@ -181,6 +181,7 @@ Call prepare_call(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tens
     p.seq_k = static_cast<int>(k.size(1));
     p.head_dim = static_cast<int>(q.size(3));
     p.scale = static_cast<float>(scale);
+    p.softcap = static_cast<float>(softcap);
     call.paths = kernel_paths_for(q.get_device());
     p.warpgroup_mma = call.paths.warpgroup_mma;
     p.specialized_query = call.paths.query == "specialized";
@@ -235,10 +236,10 @@ at::Tensor set_final_output(mtr::AttentionParams& p, const at::Tensor& out_in, a
 }
 
 std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const OpIndex& index,
-                                double scale, const std::optional<at::Tensor>& running_out,
+                                double scale, double softcap, const std::optional<at::Tensor>& running_out,
                                 const std::optional<at::Tensor>& running_lse, bool input_dtype) {
     const c10::cuda::OptionalCUDAGuard guard(q.device());
-    Call call = prepare_call(q, k, v, index, scale);
+    Call call = prepare_call(q, k, v, index, scale, softcap);
     call.p.merge_out = check_running_output(q, running_out, running_lse, kOpName);
     const auto float_options = call.q.options().dtype(at::kFloat);
     at::Tensor out = call.p.merge_out && !input_dtype
@@ -257,10 +258,11 @@ std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const 
 
 std::vector<at::Tensor> backward(const at::Tensor& dout_in, const at::Tensor& q, const at::Tensor& k,
                                  const at::Tensor& v, const at::Tensor& out_in, const at::Tensor& lse_in,
-                                 const OpIndex& index, double scale, const std::optional<at::Tensor>& running_dq,
+                                 const OpIndex& index, double scale, double softcap,
+                                 const std::optional<at::Tensor>& running_dq,
                                  const std::optional<at::Tensor>& given_delta, bool input_dtype) {
     const c10::cuda::OptionalCUDAGuard guard(q.device());
-    Call call = prepare_call(q, k, v, index, scale);
+    Call call = prepare_call(q, k, v, index, scale, softcap);
     check_backward_tensors(call.q, dout_in, out_in, lse_in, kOpName);
     if (running_dq.has_value()) check_accumulator(q, *running_dq, q.sizes(), "the running dq", kOpName);
     if (given_delta.has_value()) check_accumulator(q, *given_delta, lse_in.sizes(), "delta", kOpName);

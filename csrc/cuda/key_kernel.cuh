@@ -243,6 +243,7 @@ __global__ void __launch_bounds__(KeyKernelConfig<Arch, T, D, BS, kVertical>::kT
 
     const bool query_rank_after = p.q_rank > p.k_rank;
     const TransposedSoftmax softmax{exponent_scale(p.scale)};
+    const Logits logits(p.scale, p.softcap);
     float dk[1][D / 8][4];
     float dv[1][D / 8][4];
     zero_fill(dk);
@@ -260,9 +261,9 @@ __global__ void __launch_bounds__(KeyKernelConfig<Arch, T, D, BS, kVertical>::kT
         float dp[1][8][4];
         // S^T = K Q^T and dP^T = V dO^T
         Arch::template scores_pair<1, D>(s, key_tile, query_tile, dp, value_tile, dout_tile, row0);
-        orient_scores(s, p.scale < 0.f);
+        logits.prepare(s);
         mask.apply(s, step, key_first, row0, p.seq_q, straddles(step) ? step_start_tiles + buffer * kQueryStep : nullptr);
-        softmax.dscores(s, dp, lse, delta);
+        softmax.dscores(s, dp, lse, delta, logits);
         Arch::template accumulate_pair<1, D>(dv, s, dout_tile, dk, dp, query_tile);  // dV += P^T dO, dK += dS^T Q
     };
 

@@ -68,6 +68,7 @@ struct AttentionParams {
     int batch = 0, heads = 0, kv_heads = 0, seq_q = 0, seq_k = 0, head_dim = 0, block_size = 0;
     int slash_len = 0, vertical_len = 0;
     float scale = 0.f;
+    float softcap = 0.f;  // > 0: logits softcap * tanh(scale q.k / softcap) (softmax.cuh's Logits)
     int world = 1, q_rank = 0, k_rank = 0;
     // The query-side kernels (forward, dQ) at block 128 on the wgmma path: warp-specialised
     // (specialized_query_kernel.cuh, the default there) or one warpgroup per CTA (query_kernel.cuh;

@@ -36,20 +36,20 @@ struct QueryKernelConfig {
     }
 };
 
-// A key tile's scores S (and dP) -> the running result: masked, then the forward's online
+// A key tile's scores S (and dP) -> the running result: logits, masked, then the forward's online
 // softmax and O += P V, or dQ's dS = P (dP - delta) and dQ += dS K.
 template <typename Arch, int MA, int D, bool kBackward, typename T, typename Softmax, typename Mask>
 __device__ __forceinline__ void finish_tile(float (&s)[MA][8][4], const float (&dp)[kBackward ? MA : 1][8][4],
                                             float (&acc)[MA][D / 8][4], Softmax& softmax, const Mask& mask,
-                                            const KeyTile& tile, const int* gathered_keys, float scale,
+                                            const KeyTile& tile, const int* gathered_keys, const Logits& logits,
                                             const T* key_tile, const T* value_tile) {
-    orient_scores(s, scale < 0.f);
+    logits.prepare(s);
     mask.apply(s, tile, gathered_keys);
     if constexpr (!kBackward) {
         softmax.template update<D>(s, acc);
         Arch::template accumulate<MA, D>(acc, s, value_tile);
     } else {
-        softmax.dscores(s, dp);
+        softmax.dscores(s, dp, logits);
         Arch::template accumulate<MA, D>(acc, s, key_tile);
     }
 }
@@ -133,6 +133,7 @@ __global__ void __launch_bounds__(QueryKernelConfig<Arch, T, D, BS, MA, kBackwar
     };
 
     const float scale_log2 = exponent_scale(p.scale);
+    const Logits logits(p.scale, p.softcap);
     float acc[MA][D / 8][4];  // forward: unnormalised out; backward: dQ / scale
     zero_fill(acc);
     const size_t lse_row = static_cast<size_t>(bh) * p.seq_q;  // this head's row of lse and delta
@@ -159,7 +160,7 @@ __global__ void __launch_bounds__(QueryKernelConfig<Arch, T, D, BS, MA, kBackwar
         } else {
             Arch::template scores<MA, D>(s, q_tile, row0, key_tile);
         }
-        finish_tile<Arch, MA, D, kBackward>(s, dp, acc, softmax, mask, tile, gathered_keys + buffer * kKeyTile, p.scale,
+        finish_tile<Arch, MA, D, kBackward>(s, dp, acc, softmax, mask, tile, gathered_keys + buffer * kKeyTile, logits,
                                             key_tile, value_tile);
     };
 

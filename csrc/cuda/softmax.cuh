@@ -2,7 +2,9 @@
 // fragment_row(0) and fragment_row(2), half = 0 and 1, of each 16-row slice ma; a row's 64
 // columns are spread over the 4 threads of a quad).
 //
-// Scores arrive unscaled and oriented (orient_scores): |scale| log2(e) is folded into exp2.
+// Scores arrive as raw q.k and become logits (Logits::prepare), still unscaled: |scale| log2(e) is
+// folded into exp2.
+//  * Logits: orientation by the sign of the scale, and logit soft-capping.
 //  * OnlineSoftmax (forward): running max and sum per row, P in place of S, acc rescaled.
 //  * SavedSoftmax (dQ): P and dS from the forward's lse and delta = rowsum(dO * O) per row.
 //  * TransposedSoftmax (dK/dV): P^T and dS^T from the lse and delta of the step's queries.
@@ -13,6 +15,50 @@
 #include "warp_mma.cuh"
 
 namespace mtr {
+
+// The logit of a score x = q.k is scale x, or with soft-capping (softcap > 0, Gemma-2)
+// softcap tanh(scale x / softcap). The kernels keep it in units of |scale| (the softmax multiplies
+// by |scale| log2 e): l = sign(scale) x, or (softcap / |scale|) tanh(|scale| sign(scale) x / softcap);
+// lse is then the same code's. The backward's dS / scale gains d logit / d(scale x) = 1 - tanh^2,
+// with tanh = |scale| l / softcap read back from the capped score.
+struct Logits {
+    bool negate;      // scale < 0
+    float to_tanh;    // |scale| / softcap; 0: no soft-capping (or scale 0, where every logit is 0 anyway)
+    float from_tanh;  // softcap / |scale|
+
+    __device__ __forceinline__ Logits(float scale, float softcap)
+        : negate(scale < 0.f),
+          to_tanh(softcap > 0.f ? fabsf(scale) / softcap : 0.f),
+          from_tanh(softcap > 0.f && scale != 0.f ? softcap / fabsf(scale) : 0.f) {}
+
+    __device__ __forceinline__ bool capped() const { return to_tanh != 0.f; }
+
+    // tanh to about 1e-7 absolute (ex2 and a fast reciprocal; tanh.approx's 2^-11 relative error
+    // would move a logit near a cap of 50 by 0.02); +-1 beyond |x| ~ 9, -1 for x = -inf.
+    static __device__ __forceinline__ float tanh(float x) {
+        return 1.f - __fdividef(2.f, exp2f(x * (2.f * kLog2e)) + 1.f);
+    }
+
+    // Raw scores -> logits (before masking, so that a masked score stays -inf).
+    template <int MA>
+    __device__ __forceinline__ void prepare(float (&s)[MA][8][4]) const {
+        orient_scores(s, negate);
+        if (!capped()) return;  // uniform
+#pragma unroll
+        for (int ma = 0; ma < MA; ++ma)
+#pragma unroll
+            for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+                for (int c = 0; c < 4; ++c) s[ma][nt][c] = from_tanh * tanh(s[ma][nt][c] * to_tanh);
+    }
+
+    // d logit / d(scale x) at a prepared logit l: 1 without capping; 0 at a masked one (-inf).
+    __device__ __forceinline__ float slope(float logit) const {
+        if (!capped()) return 1.f;
+        const float t = fminf(fmaxf(logit * to_tanh, -1.f), 1.f);
+        return 1.f - t * t;
+    }
+};
 
 template <int MA>
 struct OnlineSoftmax {
@@ -94,8 +140,9 @@ struct SavedSoftmax {
             }
     }
 
-    // s: scores -> dS / scale = P * (dP - delta), with dp = dO V^T.
-    __device__ __forceinline__ void dscores(float (&s)[MA][8][4], const float (&dp)[MA][8][4]) const {
+    // s: logits -> dS / scale = P * (dP - delta) * logits.slope, with dp = dO V^T.
+    __device__ __forceinline__ void dscores(float (&s)[MA][8][4], const float (&dp)[MA][8][4],
+                                            const Logits& logits) const {
 #pragma unroll
         for (int ma = 0; ma < MA; ++ma)
 #pragma unroll
@@ -103,8 +150,9 @@ struct SavedSoftmax {
 #pragma unroll
                 for (int c = 0; c < 4; ++c) {
                     const int half = c >> 1;
-                    const float prob = exp2f(fmaf(s[ma][nt][c], scale_log2, -row_lse[ma][half]));
-                    s[ma][nt][c] = prob * (dp[ma][nt][c] - row_delta[ma][half]);
+                    const float logit = s[ma][nt][c];
+                    const float prob = exp2f(fmaf(logit, scale_log2, -row_lse[ma][half]));
+                    s[ma][nt][c] = prob * (dp[ma][nt][c] - row_delta[ma][half]) * logits.slope(logit);
                 }
     }
 };
@@ -112,10 +160,10 @@ struct SavedSoftmax {
 struct TransposedSoftmax {
     float scale_log2;  // exponent_scale(scale)
 
-    // S^T -> P^T and dP^T -> dS^T / scale for one 64-query step: lse and delta are the step's 64
-    // values in shared memory (a thread's columns col0 and col0 + 1 per nt).
+    // Logits S^T -> P^T and dP^T -> dS^T / scale for one 64-query step: lse and delta are the step's
+    // 64 values in shared memory (a thread's columns col0 and col0 + 1 per nt).
     __device__ __forceinline__ void dscores(float (&s)[1][8][4], float (&dp)[1][8][4], const float* lse,
-                                            const float* delta) const {
+                                            const float* delta, const Logits& logits) const {
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt) {
             const int col0 = fragment_col(nt, 0);
@@ -127,9 +175,10 @@ struct TransposedSoftmax {
             const float delta_col[2] = {delta_pair.x, delta_pair.y};
 #pragma unroll
             for (int c = 0; c < 4; ++c) {
-                const float prob = exp2f(fmaf(s[0][nt][c], scale_log2, -lse_log2[c & 1]));
-                s[0][nt][c] = prob;                                        // P^T
-                dp[0][nt][c] = prob * (dp[0][nt][c] - delta_col[c & 1]);  // dS^T / scale
+                const float logit = s[0][nt][c];
+                const float prob = exp2f(fmaf(logit, scale_log2, -lse_log2[c & 1]));
+                s[0][nt][c] = prob;                                                                  // P^T
+                dp[0][nt][c] = prob * (dp[0][nt][c] - delta_col[c & 1]) * logits.slope(logit);  // dS^T / scale
             }
         }
     }

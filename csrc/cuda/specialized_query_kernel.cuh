@@ -188,6 +188,7 @@ __global__ void __launch_bounds__(SpecializedQueryConfig<T, D, kBackward>::kThre
     const T* dout_rows = dout_tile + consumer * 64 * D;
 
     const float scale_log2 = exponent_scale(p.scale);
+    const Logits logits(p.scale, p.softcap);
     float acc[1][D / 8][4];  // forward: unnormalised out; backward: dQ / scale
     zero_fill(acc);
     const size_t lse_row = static_cast<size_t>(bh) * p.seq_q;
@@ -229,7 +230,7 @@ __global__ void __launch_bounds__(SpecializedQueryConfig<T, D, kBackward>::kThre
             Arch::template start_scores<1, D>(s, q_rows, key_tile(stage));
         }
         Arch::template finish<0>(s, dp);
-        finish_tile<Arch, 1, D, kBackward>(s, dp, acc, softmax, mask, tile, gathered_keys + stage * kKeyTile, p.scale,
+        finish_tile<Arch, 1, D, kBackward>(s, dp, acc, softmax, mask, tile, gathered_keys + stage * kKeyTile, logits,
                                            key_tile(stage), value_tile(stage));
         release(stage);
         advance(stage, phase);

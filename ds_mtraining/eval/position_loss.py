@@ -25,10 +25,12 @@ def bucket_edges(length: int, buckets: int) -> list[int]:
 def token_losses(model, input_ids: torch.Tensor, labels: torch.Tensor, chunk_tokens: int = 2048) -> torch.Tensor:
     """Float32 [B, L] cross-entropy per position, from the decoder's hidden states through the
     output head ``chunk_tokens`` positions at a time (never [L, vocab] logits of a long sequence)."""
-    hidden, weight = output_head_inputs(model, model.base_model(input_ids=input_ids).last_hidden_state)
+    hidden, weight, softcap = output_head_inputs(model, model.base_model(input_ids=input_ids).last_hidden_state)
     losses = []
     for start in range(0, hidden.shape[1], chunk_tokens):
         logits = (hidden[:, start:start + chunk_tokens] @ weight.T).float()
+        if softcap:
+            logits = softcap * torch.tanh(logits / softcap)
         target = labels[:, start:start + chunk_tokens]
         losses.append(F.cross_entropy(logits.transpose(1, 2), target, reduction="none"))
     return torch.cat(losses, 1)

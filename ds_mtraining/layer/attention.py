@@ -224,7 +224,8 @@ def striped_sparse_attention(q, k, v, settings: MTrainingAttentionSettings,
                              cache: IndexCache | None = None,
                              doc_start: torch.Tensor | None = None,
                              window: int | None = None,
-                             sinks: torch.Tensor | None = None) -> torch.Tensor:
+                             sinks: torch.Tensor | None = None,
+                             softcap: float | None = None) -> torch.Tensor:
     """Causal dynamic sparse attention of this rank's striped shard over the whole sequence, or,
     with ``window``, exact sliding-window attention through the same kernels and ring.
 
@@ -244,6 +245,8 @@ def striped_sparse_attention(q, k, v, settings: MTrainingAttentionSettings,
             exactly; nothing is estimated and the statistics leave it out.
         sinks: attention sinks [H], a learned logit per query head in every row's softmax
             (:mod:`ds_mtraining.sinks`, gpt-oss's ``s_aux``).
+        softcap: attention logit soft-capping (Gemma-2's ``attn_logit_softcapping``): logits
+            ``softcap * tanh(logit / softcap)``, in the kernels' forward and backward.
     Returns:
         [B, S/W, H, D], this rank's output, in q's dtype.
 
@@ -279,11 +282,11 @@ def striped_sparse_attention(q, k, v, settings: MTrainingAttentionSettings,
     if settings.stats is not None and settings.stats.enabled and not recompute and window is None:
         settings.stats.record(index, settings.world, doc_start)
     if (getattr(settings.pattern, "dense", False) and settings.world == 1 and q.is_cuda and doc_start is None
-            and window is None and sinks is None):
+            and window is None and sinks is None and softcap is None):
         return dense_causal_attention(q, k, v, scale, settings.dense_backend)[..., :head_dim].to(input_dtype)
     out, lse = ring_sparse_attention_with_lse(q, k, v, settings.sparse, settings.group, softmax_scale=scale,
                                               index=index, hierarchy=settings.hierarchy, doc_start=doc_start,
-                                              window=window, sinks=sinks, kept=kept)
+                                              window=window, sinks=sinks, softcap=softcap, kept=kept)
     if cache is not None and not recompute:
         cache.store(key, (index, (out.detach(), lse.detach()) if settings.keep_output else None))
     return out[..., :head_dim].to(input_dtype)

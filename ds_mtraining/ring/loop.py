@@ -39,15 +39,18 @@ GRAD_STREAM_ENV = "DS_MTRAINING_RING_GRAD_STREAM"
 _grad_streams: dict = {}
 
 
-def ring_forward(schedule: RingSchedule, q, k, v, index: SparseIndex, scale: float, doc_start=None):
+def ring_forward(schedule: RingSchedule, q, k, v, index: SparseIndex, scale: float, doc_start=None,
+                 softcap: float = 0.0):
     """(out in q's dtype [B, S/W, H, D], lse float32 [B, H, S/W], (k, v) held at the last step)
     of this rank's queries over all keys (within their documents when ``doc_start`` [B, S] is
-    given)."""
+    given; logits soft-capped at ``softcap`` > 0: each step's lse is over the capped logits, so the
+    merge is unchanged)."""
     out = lse = None
     held = (k, v)
     for step, (_, _, stripe, step_k, step_v) in enumerate(schedule.kv_steps(k, v)):
         out, lse = ops.attention_forward(q, step_k, step_v, index, scale, stripe, doc_start=doc_start,
-                                         out=out, lse=lse, input_dtype=step == schedule.world - 1)
+                                         out=out, lse=lse, input_dtype=step == schedule.world - 1,
+                                         softcap=softcap)
         held = (step_k, step_v)
     return out, lse, held
 
@@ -93,7 +96,7 @@ def _accumulate_and_pass(comm: RingComm | None, in_flight, dk, dv, stream) -> Pe
 
 
 def ring_backward(schedule: RingSchedule, dout, q, k, v, out, lse, index: SparseIndex, scale: float,
-                  held_k=None, held_v=None, doc_start=None, delta=None):
+                  held_k=None, held_v=None, doc_start=None, delta=None, softcap: float = 0.0):
     """(dq in q's dtype, dk and dv float32) for this rank's shards; ``out``/``lse`` are the merged
     forward ones (``out`` in q's dtype or float32), ``held_k``/``held_v`` the K/V this rank held
     at the forward's last step (:func:`ring_forward`; None: fetched here, one exposed transfer),
@@ -110,7 +113,8 @@ def ring_backward(schedule: RingSchedule, dout, q, k, v, out, lse, index: Sparse
     for step, (outer_step, inner_step, stripe, step_k, step_v) in enumerate(steps):
         dq, dk_step, dv_step = ops.attention_backward(dout, q, step_k, step_v, out, lse, index, scale, stripe,
                                                       doc_start=doc_start, dq=dq, delta=delta,
-                                                      input_dtype=step == schedule.world - 1)
+                                                      input_dtype=step == schedule.world - 1,
+                                                      softcap=softcap)
         node_done = inner_step == 0  # the inner ring's local step: the node's share is complete
         inner_grads = _accumulate_and_pass(None if node_done else inner_comm, inner_grads,
                                            dk_step, dv_step, stream)
@@ -143,15 +147,15 @@ class RingSparseAttentionFunction(torch.autograd.Function):
     ``kept``: the (out, lse) this call returned before (a forward recomputed under activation
     checkpointing): returned again with the backward attached; no ring step runs, only one hop
     back for the K/V of the forward's last step, where the backward starts. ``sinks`` [H]: join
-    after the last step's merge (:mod:`ds_mtraining.sinks`)."""
+    after the last step's merge (:mod:`ds_mtraining.sinks`); ``softcap``: the ops' logit cap (0: none)."""
 
     @staticmethod
     def forward(ctx, q, k, v, index: SparseIndex, scale: float, schedule: RingSchedule, doc_start=None,
-                kept=None, sinks=None):
+                kept=None, sinks=None, softcap: float = 0.0):
         if kept is None:
             # out: the merged fp32 out rounded once, by the last step's kernel; returned, and
             # saved for the backward's delta
-            out, lse, (held_k, held_v) = ring_forward(schedule, q, k, v, index, scale, doc_start)
+            out, lse, (held_k, held_v) = ring_forward(schedule, q, k, v, index, scale, doc_start, softcap)
             if sinks is not None:
                 out, lse = with_sinks(out, lse, sinks)
         else:  # the tensors the forward saved, alike (non-reentrant checkpointing's backward pairs
@@ -159,7 +163,7 @@ class RingSparseAttentionFunction(torch.autograd.Function):
             out, lse = kept
             held_k, held_v = _fetch_last_step_kv(schedule, k, v)
         ctx.save_for_backward(q, k, v, out, lse, held_k, held_v, sinks)
-        ctx.index, ctx.scale, ctx.schedule, ctx.doc_start = index, scale, schedule, doc_start
+        ctx.index, ctx.scale, ctx.schedule, ctx.doc_start, ctx.softcap = index, scale, schedule, doc_start, softcap
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -169,6 +173,6 @@ class RingSparseAttentionFunction(torch.autograd.Function):
         dout = dout.contiguous()
         delta = ops.attention_delta(dout, out)
         dq, dk, dv = ring_backward(ctx.schedule, dout, q, k, v, out, lse, ctx.index, ctx.scale, held_k, held_v,
-                                   ctx.doc_start, delta)
+                                   ctx.doc_start, delta, ctx.softcap)
         dsinks = sink_gradient(delta, lse, sinks) if sinks is not None and ctx.needs_input_grad[8] else None
-        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, dsinks
+        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, dsinks, None

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ..attention import (check_attention_inputs, padded_to_kernel_head_dim, resolve_softmax_scale,
+from ..attention import (check_attention_inputs, op_softcap, padded_to_kernel_head_dim, resolve_softmax_scale,
                          sparse_attention_with_lse)
 from ..config import SparseConfig
 from ..documents import check_doc_start
@@ -25,20 +25,21 @@ from .schedule import ring_schedule
 
 
 def _single_device(q, k, v, config: SparseConfig, softmax_scale, index: SparseIndex | None, doc_start, window,
-                   sinks, kept):
+                   sinks, softcap, kept):
     check_attention_inputs(q, k, v, index)
     scale = resolve_softmax_scale(q.shape[-1], softmax_scale)
     if index is None:  # the estimator and the attention each check doc_start
         index = estimate_index(q, k, config, None, scale, doc_start)
     return sparse_attention_with_lse(q, k, v, index, scale, doc_start=doc_start, window=window, sinks=sinks,
-                                     kept=kept)
+                                     softcap=softcap, kept=kept)
 
 
 def ring_sparse_attention_with_lse(q, k, v, config: SparseConfig, group=None,
                                    softmax_scale: float | None = None,
                                    index: SparseIndex | None = None,
                                    hierarchy: HierarchicalGroups | None = None,
-                                   doc_start=None, window: int | None = None, sinks=None, kept=None):
+                                   doc_start=None, window: int | None = None, sinks=None,
+                                   softcap: float | None = None, kept=None):
     """Causal vertical-slash sparse attention over a sequence striped across ``group``.
 
     Args:
@@ -62,6 +63,8 @@ def ring_sparse_attention_with_lse(q, k, v, config: SparseConfig, group=None,
             ``window`` keys up to itself, within the index (and its document).
         sinks: attention sinks, a logit per query head [H] in every row's softmax
             (:mod:`ds_mtraining.sinks`); its gradient is this rank's rows' share.
+        softcap: attention logit soft-capping (Gemma-2): logits ``softcap * tanh(logit / softcap)``.
+            The estimate reads the uncapped logits (capping keeps their order within a row).
         kept: (out, lse) that this call returned before, for the same inputs and ``index`` (the
             forward recomputed under activation checkpointing, ``keep_output`` of
             :class:`~ds_mtraining.layer.MTrainingAttentionSettings`): returned again with the
@@ -78,7 +81,7 @@ def ring_sparse_attention_with_lse(q, k, v, config: SparseConfig, group=None,
         raise TypeError(f"config must be a SparseConfig, got {type(config).__name__}")
     comm = ring_comm(group)
     if comm is None:
-        return _single_device(q, k, v, config, softmax_scale, index, doc_start, window, sinks, kept)
+        return _single_device(q, k, v, config, softmax_scale, index, doc_start, window, sinks, softcap, kept)
     check_key = ranks_check_key(comm)
     checking = check_due(check_key)
     if checking:
@@ -112,14 +115,14 @@ def ring_sparse_attention_with_lse(q, k, v, config: SparseConfig, group=None,
     if sinks is not None:
         sinks = check_sinks(sinks, q.shape[2])
     out, lse = RingSparseAttentionFunction.apply(q, k, v, index, scale, ring_schedule(comm, hierarchy), key_start,
-                                                 kept, sinks)
+                                                 kept, sinks, op_softcap(softcap))
     return out[..., :head_dim], lse
 
 
 def ring_sparse_attention(q, k, v, config: SparseConfig, group=None,
                           softmax_scale: float | None = None, index: SparseIndex | None = None,
                           hierarchy: HierarchicalGroups | None = None, doc_start=None, window: int | None = None,
-                          sinks=None):
+                          sinks=None, softcap: float | None = None):
     """Like :func:`ring_sparse_attention_with_lse`, returning only this rank's output."""
     return ring_sparse_attention_with_lse(q, k, v, config, group, softmax_scale, index, hierarchy,
-                                          doc_start, window, sinks)[0]
+                                          doc_start, window, sinks, softcap)[0]

@@ -119,9 +119,9 @@ class MTrainingCausalLM(torch.nn.Module):
         # (and holds the copies to the end of the forward) unless activation checkpointing is on
         hidden = self.model.base_model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
                                        **documents).last_hidden_state
-        hidden, weight = output_head_inputs(self.model, hidden)
+        hidden, weight, softcap = output_head_inputs(self.model, hidden)
         return sequence_parallel_cross_entropy(hidden, weight, labels, self.group, self.loss_chunk_tokens,
-                                               self.fused_loss)
+                                               self.fused_loss, softcap)
 
 
 def build_model(spec: dict, init_device=None):

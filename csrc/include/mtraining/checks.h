@@ -131,7 +131,7 @@ inline void check_doc_start(const at::Tensor& doc_start, int64_t batch, int64_t 
 // Validates a forward call and returns its geometry. Backward calls it too, then
 // check_backward_tensors for the extra tensors.
 inline Geometry check_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                           const OpIndex& index, double scale, c10::DeviceType device_type,
+                           const OpIndex& index, double scale, double softcap, c10::DeviceType device_type,
                            const char* op_name) {
     check_bshd(q, "q", device_type, op_name);
     check_bshd(k, "k", device_type, op_name);
@@ -152,6 +152,8 @@ inline Geometry check_call(const at::Tensor& q, const at::Tensor& k, const at::T
                       ") for GQA");
     TORCH_CHECK_VALUE(q.size(3) >= 1, op_name, ": head_dim must be >= 1");
     TORCH_CHECK_VALUE(std::isfinite(scale), op_name, ": scale must be finite, got ", text(scale));
+    TORCH_CHECK_VALUE(std::isfinite(softcap) && softcap >= 0.0, op_name,
+                      ": softcap must be finite and >= 0 (0: no logit soft-capping), got ", text(softcap));
     check_index(index, q.size(0), q.size(2), q.device(), op_name);
     const int64_t block = index.block_size, world = index.world;
     TORCH_CHECK_VALUE(q.size(1) == k.size(1), op_name, ": q has ", text(q.size(1)),

@@ -1,9 +1,13 @@
 // The signature of the compiled op, defined once for the CPU and CUDA modules
 // (docs/KERNEL_CONTRACT.md):
 //
-//   forward(q, k, v, index, scale, out=None, lse=None, input_dtype=False) -> [out, lse]
-//   backward(dout, q, k, v, out, lse, index, scale, dq=None, delta=None, input_dtype=False) -> [dq, dk, dv]
+//   forward(q, k, v, index, scale, out=None, lse=None, input_dtype=False, softcap=0.0) -> [out, lse]
+//   backward(dout, q, k, v, out, lse, index, scale, dq=None, delta=None, input_dtype=False, softcap=0.0)
+//       -> [dq, dk, dv]
 //   delta(dout, out) -> delta
+//
+// The logit of query i and key j is scale * q_i.k_j, or with softcap > 0 (attention logit
+// soft-capping, Gemma-2) softcap * tanh(scale * q_i.k_j / softcap); lse is over these logits.
 //
 // Given a running out and lse (forward) or dq (backward), float32, a call adds its own result into
 // them in place (the ring's steps: one accumulation, no separate merge pass) and returns them.
@@ -92,9 +96,9 @@ inline OpIndex op_index_from_python(const py::dict& fields, const char* op_name)
 }
 
 // Defines `forward`, `backward` and `delta` in module m with the signature above. The first two
-// read their index from Python, then run forward(q, k, v, OpIndex, scale, running out, running
-// lse, input_dtype) / backward(dout, q, k, v, out, lse, OpIndex, scale, running dq, delta,
-// input_dtype) without the GIL (the optional tensors std::nullopt when not given); delta runs
+// read their index from Python, then run forward(q, k, v, OpIndex, scale, softcap, running out,
+// running lse, input_dtype) / backward(dout, q, k, v, out, lse, OpIndex, scale, softcap, running dq,
+// delta, input_dtype) without the GIL (the optional tensors std::nullopt when not given); delta runs
 // delta(dout, out). input_dtype: out (forward) or dq (backward) in q's dtype instead of float32
 // (see the top of this file).
 template <typename Forward, typename Backward, typename Delta>
@@ -103,29 +107,30 @@ void define_attention_ops(py::module_& m, const char* op_name, Forward forward, 
         "forward",
         [op_name, forward](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const py::dict& index,
                            double scale, const std::optional<at::Tensor>& out, const std::optional<at::Tensor>& lse,
-                           bool input_dtype) {
+                           bool input_dtype, double softcap) {
             const OpIndex call_index = op_index_from_python(index, op_name);
             const py::gil_scoped_release no_gil;
-            return forward(q, k, v, call_index, scale, out, lse, input_dtype);
+            return forward(q, k, v, call_index, scale, softcap, out, lse, input_dtype);
         },
         "sparse attention forward -> (out fp32, or q's dtype with input_dtype; lse fp32), merged into the "
         "running out/lse when given",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("index"), py::arg("scale"), py::arg("out") = py::none(),
-        py::arg("lse") = py::none(), py::arg("input_dtype") = false);
+        py::arg("lse") = py::none(), py::arg("input_dtype") = false, py::arg("softcap") = 0.0);
     m.def(
         "backward",
         [op_name, backward](const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const at::Tensor& out, const at::Tensor& lse, const py::dict& index, double scale,
                             const std::optional<at::Tensor>& dq, const std::optional<at::Tensor>& delta,
-                            bool input_dtype) {
+                            bool input_dtype, double softcap) {
             const OpIndex call_index = op_index_from_python(index, op_name);
             const py::gil_scoped_release no_gil;
-            return backward(dout, q, k, v, out, lse, call_index, scale, dq, delta, input_dtype);
+            return backward(dout, q, k, v, out, lse, call_index, scale, softcap, dq, delta, input_dtype);
         },
         "sparse attention backward -> (dq, dk, dv) fp32 (dq in q's dtype with input_dtype), dq added into the "
         "running dq when given",
         py::arg("dout"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("index"),
-        py::arg("scale"), py::arg("dq") = py::none(), py::arg("delta") = py::none(), py::arg("input_dtype") = false);
+        py::arg("scale"), py::arg("dq") = py::none(), py::arg("delta") = py::none(), py::arg("input_dtype") = false,
+        py::arg("softcap") = 0.0);
     m.def(
         "delta",
         [delta](const at::Tensor& dout, const at::Tensor& out) {
