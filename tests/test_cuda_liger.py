@@ -53,14 +53,16 @@ def test_liger_kernels_match_the_eager_model_on_gpu(kind, monkeypatch):
     assert layouts and all(layouts)
 
 
+@pytest.mark.parametrize("softcap", [None, 1.5], ids=["no-cap", "softcap"])
 @pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 1e-2)])
-def test_gpu_loss_matches_float64(dtype, tol, fused):
+def test_gpu_loss_matches_float64(dtype, tol, fused, softcap):
     """token_cross_entropy_sum on CUDA, fused (liger's fused linear cross-entropy) and chunked,
     against float64 full-logit cross-entropy of the same (rounded) inputs: the sum and both
     gradients under a non-unit upstream gradient, with ignored labels; relative error <= 1e-4 in
     fp32 and <= 1e-2 in bf16 (norm for gradients; the fused loss's bf16 weight gradient was 1.1%
-    off until it accumulated in fp32)."""
+    off until it accumulated in fp32). With ``softcap`` the logits are soft-capped (Gemma-2's
+    final_logit_softcapping) on both sides."""
     pytest.importorskip("liger_kernel")
     from ds_mtraining.loss import IGNORE_INDEX, token_cross_entropy_sum
     generator = torch.Generator().manual_seed(0)
@@ -71,11 +73,12 @@ def test_gpu_loss_matches_float64(dtype, tol, fused):
     labels[0, :11] = IGNORE_INDEX
     hidden, weight = hidden.to(dtype), weight.to(dtype)  # the reference sees the same rounded inputs
     h64, w64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
-    expected = torch.nn.functional.cross_entropy((h64 @ w64.T).reshape(-1, vocab), labels.reshape(-1),
+    logits = h64 @ w64.T if softcap is None else softcap * torch.tanh(h64 @ w64.T / softcap)
+    expected = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), labels.reshape(-1),
                                                  ignore_index=IGNORE_INDEX, reduction="sum")
     (expected * 0.5).backward()
     h, w = hidden.cuda().requires_grad_(), weight.cuda().requires_grad_()
-    total = token_cross_entropy_sum(h, w, labels.cuda(), chunk_tokens=1024, fused=fused)
+    total = token_cross_entropy_sum(h, w, labels.cuda(), chunk_tokens=1024, fused=fused, softcap=softcap)
     (total * 0.5).backward()
     assert abs(total.item() - expected.item()) <= tol * abs(expected.item())
     for name, got, want in (("hidden", h.grad, h64.grad), ("weight", w.grad, w64.grad)):
