@@ -69,11 +69,11 @@ def test_model_against_measured_scaling_by_hand(tmp_path):
     path = tmp_path / "multi_gpu_x2.json"
     path.write_text(json.dumps(scaling_record(35.0, 20.0, "1 node x 2", "flat")))
     (row,) = main(["--against-scaling", str(path), "--intra-gbps", "300", "--inter-gbps", "300",
-                   "--out", str(tmp_path / "vs.json")])["against_scaling"]
+                   "--out", str(tmp_path / "vs.json")])["rows"]
     assert row["model_ring_ms"] == pytest.approx(17.5) and row["bound"] == "compute"
     assert row["model_over_measured"] == pytest.approx(17.5 / 20.0)
     (slow,) = main(["--against-scaling", str(path), "--intra-gbps", "0.01", "--inter-gbps", "0.01",
-                    "--out", str(tmp_path / "slow.json")])["against_scaling"]
+                    "--out", str(tmp_path / "slow.json")])["rows"]
     kv_ms = 2 * 65536 * 2 * 128 * 2 / 0.01e9 * 1e3
     assert slow["model_ring_ms"] == pytest.approx(2 * kv_ms + 2 * 3 * kv_ms) and slow["bound"] == "transfer"
     path.write_text(json.dumps(scaling_record(35.0, 20.0, "somewhere", "flat")))

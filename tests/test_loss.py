@@ -104,7 +104,7 @@ def test_loss_benchmark_runs_on_cpu(tmp_path):
     result = bench_loss.main(["--device", "cpu", "--tokens", "300", "--vocab", "211", "--hidden", "32",
                               "--check-tokens", "300", "--chunk-tokens", "64", "1000", "--repeats", "1",
                               "--dtype", "float32", "--out", str(tmp_path / "loss.json")])
-    (case,) = result["cases"]
+    (case,) = result["rows"]
     assert set(case["results"]) == {"chunked_64", "chunked_1000"} and case["fastest"] in case["results"]
     for row in case["results"].values():
         assert max(row["errors_vs_float64"].values()) < 1e-5

@@ -1,7 +1,9 @@
 """Benchmarks: kernel speed (GPU and CPU), ring balance, ring communication model."""
 from __future__ import annotations
 
+import argparse
 import datetime
+import shlex
 import statistics
 import time
 from pathlib import Path
@@ -25,6 +27,25 @@ def fresh_output_dir(name: str) -> Path:
         path = RESULTS_ROOT / f"{name}-{stamp}-{n}"
     path.mkdir(parents=True)
     return path
+
+
+def params_of(args: argparse.Namespace) -> dict:
+    """A benchmark's arguments as its result file's ``params`` (:func:`ds_mtraining.record.result_record`):
+    paths as strings, so that the record is JSON."""
+    def plain(value):
+        if isinstance(value, Path):
+            return str(value)
+        if isinstance(value, (list, tuple)):
+            return [plain(v) for v in value]
+        return value
+    return {name: plain(value) for name, value in vars(args).items()}
+
+
+def command_of(module: str, argv: list[str] | None) -> str | None:
+    """The command line of a benchmark's ``main(argv)``: ``python -m <module> <argv>`` where a caller
+    passed argv (a test, another benchmark), None where it came from this process's own command
+    line (the record's default then names it)."""
+    return None if argv is None else shlex.join(["python", "-m", module, *map(str, argv)])
 
 
 def index_for_density(build: Callable[[int], SparseIndex], most: int, target: float) -> SparseIndex:

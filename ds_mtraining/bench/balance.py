@@ -25,8 +25,6 @@ tokens packed, random lengths: what the kernels compute inside documents), for t
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import math
 import platform
 import sys
@@ -40,9 +38,9 @@ from ..config import SparseConfig
 from ..estimator.rule import estimate_vertical_slash
 from ..index import PAD, SparseIndex, Stripe
 from ..layout import StripedLayout, ZigzagLayout
+from ..record import result_record, write_json
 from ..ring.work import imbalance, pair_work, step_work
-from . import fresh_output_dir
-from .provenance import provenance
+from . import command_of, fresh_output_dir, params_of
 
 LAYOUTS = {"striped": StripedLayout, "zigzag": ZigzagLayout}
 MASS_SHARES = {"local": 0.30, "slash": 0.60, "columns": 0.08}  # background: the rest (2%)
@@ -306,21 +304,18 @@ def main(argv=None) -> int:
     goals = _goals(rows)
     for line in goals["lines"]:
         print(line)
-    result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **provenance(),
-              "device": (torch.cuda.get_device_name() if measure else
-                         f"CPU ({platform.processor() or platform.machine()}); work from the index"),
-              "command": " ".join(["python -m ds_mtraining.bench.balance",
-                                   *(sys.argv[1:] if argv is None else argv)]),
-              "torch": torch.__version__,
-              "synthetic_pattern": {"mass_shares": MASS_SHARES, "local_blocks": LOCAL_BLOCKS,
-                                    "columns": NUM_COLUMNS, "sinks": NUM_SINKS,
-                                    "heads": args.heads, "block_size": args.block_size,
-                                    "max_vertical": args.max_vertical, "max_slash_diagonals": "seq_len",
-                                    "p_vertical": 0.9, "p_slash": 0.9, "last_q": 64},
-              "goals": {k: v for k, v in goals.items() if k != "lines"},
-              "rows": rows, "seconds": round(time.time() - started, 1)}
-    json_path = args.out / f"{args.name}.json"
-    json_path.write_text(json.dumps(result, indent=1))
+    result = result_record(
+        args.name, params_of(args), rows,
+        device=(torch.cuda.get_device_name() if measure else
+                f"CPU ({platform.processor() or platform.machine()}); work from the index"),
+        command=command_of("ds_mtraining.bench.balance", sys.argv[1:] if argv is None else argv),
+        torch=torch.__version__,
+        synthetic_pattern={"mass_shares": MASS_SHARES, "local_blocks": LOCAL_BLOCKS, "columns": NUM_COLUMNS,
+                           "sinks": NUM_SINKS, "heads": args.heads, "block_size": args.block_size,
+                           "max_vertical": args.max_vertical, "max_slash_diagonals": "seq_len",
+                           "p_vertical": 0.9, "p_slash": 0.9, "last_q": 64},
+        goals={k: v for k, v in goals.items() if k != "lines"}, seconds=round(time.time() - started, 1))
+    json_path = write_json(args.out / f"{args.name}.json", result)
     png_path = args.out / f"{args.name}.png"
     plot_heatmaps(panels, png_path)
     print(f"wrote {json_path} and {png_path}")

@@ -24,21 +24,20 @@ on one machine share its links: give ``--inter-gbps`` as the intra-node rate the
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import re
-import sys
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
-from . import fresh_output_dir
-from .provenance import provenance
+from ..record import result_record, write_json
+from . import command_of, fresh_output_dir, params_of
 
 # FlexAttention fwd+bwd at 128K on one H200 (DESIGN.md section 4), used when no kernel JSON is given.
 FLEX_ANCHORS_128K_MS = {0.034: 46.6, 0.055: 54.9, 0.096: 72.5}
 FWD_SHARE = 1 / 3.5  # forward = fwd+bwd / 3.5 under the FLOP convention
+MODULE = "ds_mtraining.bench.comm"
 PAPER_MS = {"flat": 34.10, "hierarchical": 19.53}
 
 
@@ -76,10 +75,11 @@ def modelled_ring_ms(one_device_ms: float, seq_len: int, nodes: int, per_node: i
 
 
 def against_scaling(path: str, intra_gbps: float, inter_gbps: float) -> list[dict]:
-    """Model vs measurement for every case of a ``bench.scaling`` JSON."""
+    """Model vs measurement for every case of a ``bench.scaling`` JSON (its ``rows``; ``cases`` in
+    files written before ``ds_mtraining.record``)."""
     record = json.loads(Path(path).read_text())
     shape, rows = record["shape"], []
-    for case in record["cases"]:
+    for case in record["rows"] if "rows" in record else record["cases"]:
         found = re.match(r"(\d+) nodes? x (\d+)", case["launch"])
         if found is None:
             raise SystemExit(f"{path}: launch {case['launch']!r} does not say 'N node(s) x P'")
@@ -159,7 +159,7 @@ def main(argv=None):
     console = Console(width=max(Console().width, 120))
     console.print(table)
     console.print(f"paper (A100s, forward): flat {PAPER_MS['flat']} ms, hierarchical {PAPER_MS['hierarchical']} ms")
-    write_result(args, argv, console, compute_source=source, rows=rows, paper_ms=PAPER_MS)
+    save(args, argv, console, "comm_model", rows, compute_source=source, paper_ms=PAPER_MS)
 
 
 def main_against_scaling(args, argv):
@@ -176,15 +176,14 @@ def main_against_scaling(args, argv):
                       "-" if wait is None else f"{wait:.3f}")
     console = Console(width=max(Console().width, 120))
     console.print(table)
-    return write_result(args, argv, console, against_scaling=rows)
+    return save(args, argv, console, "comm_vs_ring", rows)
 
 
-def write_result(args, argv, console, **fields) -> dict:
-    """``args.out``: the date, the code measured, the command and its arguments, then ``fields``."""
-    result = dict(date=datetime.date.today().isoformat(), **provenance(), command="python -m ds_mtraining.bench.comm "
-                  + " ".join(argv if argv is not None else sys.argv[1:]), args=vars(args), **fields)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
+def save(args, argv, console, name: str, rows: list, **fields) -> dict:
+    """``args.out``: the result record (:func:`ds_mtraining.record.result_record`) of ``rows``, with
+    ``fields``."""
+    result = result_record(name, params_of(args), rows, command=command_of(MODULE, argv), **fields)
+    write_json(args.out, result)
     console.print(f"wrote {args.out}")
     return result
 

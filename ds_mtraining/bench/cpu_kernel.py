@@ -18,15 +18,13 @@ table and writes JSON (date, CPU model, command, torch version, threads).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import sys
 from pathlib import Path
 
 import torch
 
-from . import fresh_output_dir, index_for_density, wall_time_ms
-from .provenance import provenance
+from ..record import result_record, write_json
+from . import fresh_output_dir, index_for_density, params_of, wall_time_ms
 
 FWD_BWD_FLOP_FACTOR = 3.5
 SINK_TOKENS = 64
@@ -104,21 +102,16 @@ def run(args):
     threads = args.threads or torch.get_num_threads()
     torch.set_num_threads(threads)
     rows = []
-    result = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **provenance(),
-                  device=cpu_model(), threads=threads, torch=torch.__version__,
-                  command="python -m ds_mtraining.bench.cpu_kernel " + " ".join(sys.argv[1:]),
-                  dtype="fp32", repeats=args.repeats,
-                  flop_convention="effective = computed entries x 4 x D per forward, x3.5 for fwd+bwd",
-                  rows=rows)
-    out_path = Path(args.out)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
+    result = result_record("cpu_kernel", params_of(args), rows, device=cpu_model(), threads=threads,
+                           torch=torch.__version__, dtype="fp32", repeats=args.repeats,
+                           flop_convention="effective = computed entries x 4 x D per forward, x3.5 for fwd+bwd")
     for seq in args.seq_lens:
         for heads, kv_heads in args.head_configs:
             for dim in args.head_dims:
                 for row in measure(seq, heads, kv_heads, dim, args.block_size, args.density, args.repeats):
                     rows.append(row)
                     print(json.dumps(row), flush=True)
-                out_path.write_text(json.dumps(result, indent=1))  # a cut-off run keeps its rows
+                write_json(args.out, result)  # a cut-off run keeps its rows
 
     table = Table(title=f"CPU sparse attention vs dense SDPA, fp32, {threads} threads, {result['device']}")
     for column in ("S", "H/Hkv", "D", "impl", "density", "fwd ms", "fwd GF/s", "fwd+bwd ms", "fwd+bwd GF/s",

@@ -33,16 +33,14 @@ layer's.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import sys
 from pathlib import Path
 
 import torch
 
 from ..attention import resolve_softmax_scale
-from . import fresh_output_dir, kernel_split_ms, time_ms, wall_time_ms
-from .provenance import provenance
+from ..record import result_record, write_json
+from . import command_of, fresh_output_dir, kernel_split_ms, params_of, time_ms, wall_time_ms
 
 TARGET_MS = {131072: 1.0, 262144: 2.0}
 TARGET_SHARE = {65536: 0.05}
@@ -248,9 +246,9 @@ def main(argv=None):
         if args.document_counts:
             documents += run_documents(seq_len, args.document_counts, args, cases[-1])
             torch.cuda.empty_cache()
-    result = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), **provenance(), device=device_name,
-                  command=" ".join(sys.argv), cases=cases, documents=documents)
-    out.write_text(json.dumps(result, indent=2))
+    result = result_record("estimate", params_of(args), cases, device=device_name,
+                           command=command_of("ds_mtraining.bench.estimate", argv), documents=documents)
+    write_json(out, result)
     print()
     print_table(cases)
     print(f"\nwrote {out}")

@@ -40,18 +40,15 @@ kernel (torch.profiler; ours by pass: forward, dq, dkdv_slash, dkdv_vertical).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import sys
-from pathlib import Path
 
 import torch
 
 from ..dense_backend import (DENSE_BACKENDS, DenseBackendError, dense_causal_attention, fa4_document_attention,
                              resolve_dense_backend)
-from . import fresh_output_dir, index_for_density, kernel_split_ms, time_ms
-from .provenance import provenance
+from ..record import result_record, write_json
+from . import fresh_output_dir, index_for_density, kernel_split_ms, params_of, time_ms
 
 SINK_TOKENS = 64
 HOT_BLOCKS = 16           # key blocks holding clustered vertical columns, per head
@@ -266,19 +263,16 @@ def run(args):
         from torch.nn.attention.flex_attention import flex_attention
         flex = torch.compile(flex_attention, dynamic=False)
     rows = []
-    result = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **provenance(),
-                  device=torch.cuda.get_device_name(), torch=torch.__version__,
-                  command="python -m ds_mtraining.bench.kernel " + " ".join(sys.argv[1:]),
-                  environment={name: os.environ[name] for name in sorted(os.environ)
-                               if name.startswith("DS_MTRAINING_CUDA_")},
-                  shape=dict(batch=1, heads=heads, kv_heads=kv_heads, head_dim=dim, block_size=block, dtype="bf16"),
-                  flop_convention="effective = computed entries x 4 x D per forward, x3.5 for fwd+bwd",
-                  dense_backends=backends, rows=rows)
-    out_path = Path(args.out)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
+    result = result_record("kernel", params_of(args), rows, torch=torch.__version__,
+                           environment={name: os.environ[name] for name in sorted(os.environ)
+                                        if name.startswith("DS_MTRAINING_CUDA_")},
+                           shape=dict(batch=1, heads=heads, kv_heads=kv_heads, head_dim=dim, block_size=block,
+                                      dtype="bf16"),
+                           flop_convention="effective = computed entries x 4 x D per forward, x3.5 for fwd+bwd",
+                           dense_backends=backends)
 
     def save():  # after every row, so that a cut-off run still leaves its numbers
-        out_path.write_text(json.dumps(result, indent=1))
+        write_json(args.out, result)
 
     for seq in args.seq_lens:
         generator = torch.Generator(device=device).manual_seed(seq)

@@ -17,17 +17,14 @@ names a file or directory.
 from __future__ import annotations
 
 import argparse
-import datetime
 import importlib.util
-import json
-import sys
 from pathlib import Path
 
 import torch
 
 from ..loss import IGNORE_INDEX, token_cross_entropy_sum
-from . import fresh_output_dir, time_ms, wall_time_ms
-from .provenance import provenance
+from ..record import result_record, write_json
+from . import command_of, fresh_output_dir, params_of, time_ms, wall_time_ms
 
 
 def implementations(chunk_tokens: list[int], device: str) -> dict:
@@ -123,12 +120,10 @@ def main(argv=None):
     if out.suffix != ".json":
         out.mkdir(parents=True, exist_ok=True)
         out = out / "loss.json"
-    result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **provenance(),
-              "device": device_name, "torch": torch.__version__,
-              "command": "python -m ds_mtraining.bench.loss " + " ".join(sys.argv[1:] if argv is None else argv),
-              "shape": {"hidden": args.hidden, "vocab": args.vocab, "dtype": args.dtype},
-              "cases": cases}
-    out.write_text(json.dumps(result, indent=2))
+    result = result_record("loss", params_of(args), cases, device=device_name,
+                           command=command_of("ds_mtraining.bench.loss", argv), torch=torch.__version__,
+                           shape={"hidden": args.hidden, "vocab": args.vocab, "dtype": args.dtype})
+    write_json(out, result)
     print(f"wrote {out}")
     return result
 
