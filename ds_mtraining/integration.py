@@ -16,7 +16,7 @@
 * the attention (:func:`ds_mtraining.hf.use_mtraining_attention`) and, with ``liger``,
   liger-kernel's RMSNorm/RoPE/SwiGLU and fused loss (as ``mtraining.liger``);
 * the model's forward: each call starts a step for the once-per-step checks
-  (:func:`ds_mtraining.ring.agreement.new_step`); given ``shift_labels`` (what the adapter
+  (:func:`ds_mtraining.step.new_step`); given ``shift_labels`` (what the adapter
   yields) it returns ``CausalLMOutputWithPast(loss=...)``, the sequence-parallel cross-entropy
   (:func:`sequence_parallel_loss`) from the final hidden states, never materialising logits;
 * shutdown: ``torch.distributed.destroy_process_group`` releases the estimator's CUDA graphs
@@ -340,7 +340,7 @@ class MTraining:
 def _forward_with_loss(model, mt: MTraining):
     """The model's forward, wrapped (see the module docstring)."""
     from transformers.modeling_outputs import CausalLMOutputWithPast
-    from .ring.agreement import new_step
+    from .step import new_step
     original = model.forward
 
     # its own signature (not the model's): the HF Trainer keeps the dataset columns it names

@@ -76,10 +76,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import json
 import os
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -101,6 +101,8 @@ name_accelerator()  # before any import of DeepSpeed (training.memory imports it
 from ds_mtraining.data import DataConfigError, RankBatches, datasets_offline, load_tokenizer, training_samples
 from ds_mtraining.distributed import ParallelConfigError, initialize_groups, shutdown
 from ds_mtraining.distributed.shm import release_shm_buffer
+from ds_mtraining.record import write_json
+from ds_mtraining.step import new_step
 from ds_mtraining.training import MTRAINING_KEY, ConfigError
 from ds_mtraining.training.export import export_hf
 from ds_mtraining.training.memory import CheckpointOffload, OutOfMemory, enable_checkpointing, host_memory_now, \
@@ -197,14 +199,83 @@ def parse_args(argv=None):
     return args
 
 
-def train(args, watchdog: Watchdog | None = None) -> dict:
-    import deepspeed
-    from deepspeed.accelerator import get_accelerator
-    from ds_mtraining.hf import use_mtraining_attention, use_ulysses_attention
-    from ds_mtraining.layer import AttentionStats, MTrainingAttentionSettings
-    from ds_mtraining.static import attention_pattern
+@dataclass
+class TrainingRun:
+    """What the loop reads and advances: built once (:func:`build`), then one step at a time."""
 
+    args: argparse.Namespace
+    run: RunConfig
+    ds_config: dict
+    plan: object  # training.memory's plan (memory settings, offloaded layers)
+    groups: object  # ParallelGroups (DeepSpeed's mpu)
+    model: torch.nn.Module  # the transformers model (what --export_hf writes)
+    engine: object  # the DeepSpeed engine around MTrainingCausalLM
+    batches: RankBatches
+    stats: object  # layer.AttentionStats (off: ulysses)
+    watchdog: Watchdog | None = None
+    step: int = 0  # optimizer steps done
+    position: int = 0  # micro-batches read, over the whole run
+    history: list = field(default_factory=list)  # each step's mean loss
+    checks: StepChecks | None = None
+    progress: Progress | None = None
+    offload: object = None  # CheckpointOffload, or a null context
+
+    def at(self, phase: str):
+        """A progress mark (the watchdog's stall detection names the phase a stalled rank was in)."""
+        if self.watchdog is not None:
+            self.watchdog.at(phase)
+
+    @property
+    def ulysses(self) -> bool:
+        return self.run.attention == ULYSSES
+
+    @property
+    def tokens_per_step(self) -> int:
+        return (self.engine.train_micro_batch_size_per_gpu() * self.engine.gradient_accumulation_steps()
+                * self.groups.get_data_parallel_world_size() * self.run.seq_len)
+
+
+def train(args, watchdog: Watchdog | None = None) -> dict:
+    """``args.steps`` optimizer steps: :func:`build`, then per step :func:`run_step`, the step
+    checks, :func:`report_step` and :func:`save_step`; at the end :func:`finish`. Returns the
+    losses, the last step and the model (for in-process callers, tests)."""
+    t = build(args, watchdog)
+    while t.step < args.steps:
+        started = time.perf_counter()
+        losses, profiler, resident = run_step(t)
+        t.step += 1
+        t.at("end of step")
+        report_profile(t, profiler, started)
+        preempt = t.checks.after_step(t.step, losses)  # a signal on any rank; raises NonFinite
+        report_step(t, losses, started, resident)
+        save_step(t, preempt)
+    finish(t)
+    return {"losses": t.history, "step": t.step, "model": t.model}
+
+
+def build(args, watchdog: Watchdog | None = None) -> TrainingRun:
+    """Everything before step 1, cheapest failures first: the config, memory plan and data before
+    any process group (:func:`load_inputs`), the ranks (:func:`start_ranks`), the model
+    (:func:`build_module`), the engine (:func:`start_engine`), the starting step (:func:`start_loop`)."""
     startup = StartupClock()  # where a long start-up goes (a 3B model: minutes)
+    run, ds_config, plan, samples = load_inputs(args)
+    groups, dense = start_ranks(run, watchdog)
+    startup.done("config, data, process groups and ops")
+    if watchdog is not None:
+        watchdog.at("building the model")
+    model, module, stats = build_module(run, args.seed, plan, groups, dense, startup)
+    if watchdog is not None:
+        watchdog.at("starting the engine")
+    engine, batches = start_engine(module, run, ds_config, groups, samples, args.seed, dense, startup)
+    t = TrainingRun(args, run, ds_config, plan, groups, model, engine, batches, stats, watchdog)
+    start_loop(t, startup)
+    return t
+
+
+def load_inputs(args) -> tuple:
+    """(run config, DeepSpeed config, memory plan, this rank's samples), with the save folder
+    claimed: all before any process group, so that a bad value, a refused folder, a host that
+    cannot hold the run or an empty or unreadable corpus is one line, not a hang."""
     datasets_offline()
     world_size = int(os.environ.get("WORLD_SIZE", os.environ.get("OMPI_COMM_WORLD_SIZE", "1")))
     run, ds_config = load_run_config(args.deepspeed_config, world_size, args.model, args.data)
@@ -214,11 +285,17 @@ def train(args, watchdog: Watchdog | None = None) -> dict:
     plan = plan_memory(run, ds_config, world_size)
     if launcher_rank() == 0:
         print(plan.describe(), flush=True)
-    # the data before any process group: an empty or unreadable corpus is one line, not a hang
     tokenizer = load_tokenizer(run.tokenizer)
     samples = training_samples(run.data, run.seq_len, tokenizer, args.seed, model_config(run.model).vocab_size,
                                key=f"{MTRAINING_KEY}.data")
+    return run, ds_config, plan, samples
 
+
+def start_ranks(run: RunConfig, watchdog: Watchdog | None) -> tuple:
+    """This rank's device, torch.distributed and the parallel groups (every group with the stall
+    timeout), the attention op loaded; returns (groups, the dense baselines' backend or None)."""
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
     # this rank's GPU before any collective (the watchdog's pid exchange runs before
     # deepspeed.initialize would set it; NCCL refuses a tensor on another device)
     check_local_device(get_accelerator())
@@ -235,11 +312,18 @@ def train(args, watchdog: Watchdog | None = None) -> dict:
     groups = initialize_groups(run.sequence_parallel_size, run.ring, timeout=timeout)
     if watchdog is not None:
         watchdog.know_peers(run.stall_timeout_s)
-    at = watchdog.at if watchdog is not None else lambda phase: None  # progress marks: the stall detection's
+    return groups, dense
 
-    startup.done("config, data, process groups and ops")
-    at("building the model")
-    torch.manual_seed(args.seed)
+
+def build_module(run: RunConfig, seed: int, plan, groups, dense, startup: StartupClock) -> tuple:
+    """(the model, seeded; the loss module DeepSpeed trains around it; its attention statistics):
+    liger's kernels where on, the tiled MLP, MTraining's attention (the Ulysses baseline is
+    registered by :func:`start_engine`, once the micro-batch size is known), checkpointing."""
+    from deepspeed.accelerator import get_accelerator
+    from ds_mtraining.hf import use_mtraining_attention
+    from ds_mtraining.layer import AttentionStats, MTrainingAttentionSettings
+    from ds_mtraining.static import attention_pattern
+    torch.manual_seed(seed)
     model = build_model(run.model, random_init_device(run.model, get_accelerator().current_device_name()))
     startup.done("model")
     fused_off = use_fused_kernels(model, run.liger)
@@ -249,8 +333,7 @@ def train(args, watchdog: Watchdog | None = None) -> dict:
     if plan.tiled_mlp:  # after liger: the tiles wrap liger's SwiGLU where it was applied
         tile_mlps(model, plan.mlp_chunk_tokens)
     stats = AttentionStats(enabled=False)
-    ulysses = run.attention == ULYSSES
-    if not ulysses:  # (Ulysses is registered below, once the micro-batch size is known)
+    if run.attention != ULYSSES:
         pattern = attention_pattern(run.attention, run.static)  # None (sparse) or a fixed baseline
         use_mtraining_attention(model, MTrainingAttentionSettings.from_groups(
             run.sparse, groups, stats, pattern, run.keep_attention_output, dense.name if dense else "sdpa"))
@@ -258,118 +341,170 @@ def train(args, watchdog: Watchdog | None = None) -> dict:
         enable_checkpointing(model)
     module = MTrainingCausalLM(model, groups.sequence_group, run.loss_chunk_tokens,
                                fused_loss=fused_off is None).train()
+    return model, module, stats
 
-    at("starting the engine")
+
+def start_engine(module, run: RunConfig, ds_config: dict, groups, samples, seed: int, dense,
+                 startup: StartupClock) -> tuple:
+    """(the DeepSpeed engine, this rank's micro-batches); under ``ulysses`` the model's dense
+    attention registered with DeepSpeed-Ulysses for the engine's micro-batch size."""
+    import deepspeed
+    from ds_mtraining.hf import use_ulysses_attention
     engine, _, _, _ = deepspeed.initialize(model=module, config=ds_config, mpu=groups,
                                            model_parameters=[p for p in module.parameters() if p.requires_grad])
     startup.done("DeepSpeed engine")
     if engine.device.type == "cuda":  # the fp32 weights of a random init on the GPU, now cast: not kept cached
         torch.cuda.empty_cache()
     micro_batch = engine.train_micro_batch_size_per_gpu()
-    accumulation = engine.gradient_accumulation_steps()
+    ulysses = run.attention == ULYSSES
     if ulysses:
-        use_ulysses_attention(model, groups.sequence_ranks, micro_batch, run.seq_len, dense.name)
+        use_ulysses_attention(module.model, groups.sequence_ranks, micro_batch, run.seq_len, dense.name)
     batches = RankBatches(samples, micro_batch, groups.get_data_parallel_rank(),
                           groups.get_data_parallel_world_size(), groups.get_sequence_parallel_rank(),
-                          run.sequence_parallel_size, run.sparse.block_size, args.seed, run.document_masking,
+                          run.sequence_parallel_size, run.sparse.block_size, seed, run.document_masking,
                           "contiguous" if ulysses else "striped")
+    return engine, batches
 
-    step, position = 0, 0
+
+def start_loop(t: TrainingRun, startup: StartupClock):
+    """The starting step (0, or the latest checkpoint's with ``--resume``), the step checks, the
+    watchdog's step, the progress display, rank 0's start-up files, the checkpoint offload."""
+    args, engine = t.args, t.engine
     if args.resume:
-        at("loading the checkpoint")
-        step, position = resume_checkpoint(engine, args.save_dir, run)
-        continue_metrics(engine, args.save_dir, step)  # no second header, no step logged twice
-    checks = StepChecks(engine, run.max_nonfinite_steps, args.steps, watchdog)
-    if watchdog is not None:
-        watchdog.step = step
-        watchdog.preemptible = not args.no_checkpoint  # SIGTERM/SIGUSR1: save the step in flight, then stop
-    progress = Progress(args.steps, step, enabled=dist.get_rank() == 0 and not args.no_progress)
+        t.at("loading the checkpoint")
+        t.step, t.position = resume_checkpoint(engine, args.save_dir, t.run)
+        continue_metrics(engine, args.save_dir, t.step)  # no second header, no step logged twice
+    t.checks = StepChecks(engine, t.run.max_nonfinite_steps, args.steps, t.watchdog)
+    if t.watchdog is not None:
+        t.watchdog.step = t.step
+        t.watchdog.preemptible = not args.no_checkpoint  # SIGTERM/SIGUSR1: save the step in flight, then stop
+    t.progress = Progress(args.steps, t.step, enabled=dist.get_rank() == 0 and not args.no_progress)
     if dist.get_rank() == 0:
-        Path(args.save_dir).mkdir(parents=True, exist_ok=True)
-        (Path(args.save_dir) / "memory_plan.json").write_text(json.dumps(plan.to_dict(), indent=1))
-        (Path(args.save_dir) / "startup.json").write_text(json.dumps(startup.seconds, indent=1))
+        write_json(Path(args.save_dir) / "memory_plan.json", t.plan.to_dict())
+        write_json(Path(args.save_dir) / "startup.json", startup.seconds)
         record_files(args.save_dir, ["memory_plan.json", "startup.json"])
-    offload = (CheckpointOffload(plan.offload_layers, plan.num_layers, engine.device.type == "cuda")
-               if plan.offload_layers else contextlib.nullcontext())
-    progress.print(describe_run(run, groups) + f"; {startup.describe()}")
+    t.offload = (CheckpointOffload(t.plan.offload_layers, t.plan.num_layers, engine.device.type == "cuda")
+                 if t.plan.offload_layers else contextlib.nullcontext())
+    t.progress.print(describe_run(t.run, t.groups) + f"; {startup.describe()}")
     if args.resume:
-        progress.print(f"resumed from {args.save_dir} at step {step} (data position {position})")
-    tokens_per_step = micro_batch * accumulation * groups.get_data_parallel_world_size() * run.seq_len
-    history = []
-    while step < args.steps:
-        started = time.perf_counter()
-        stats.reset()
-        stats.enabled = (step + 1) % args.log_interval == 0
-        losses = []
-        resident = resident_memory()
-        try:
-            with profiled(args.profile_step == step + 1) as profiler:
-                for micro in range(accumulation):
-                    at("loading data")
-                    batch = batches.batch(position)
-                    position += 1
-                    with offload:  # the checkpointed inputs of the first N layers on the host
-                        at("forward")
-                        loss = engine(**{k: v.to(engine.device) for k, v in batch.items()})
-                        at("backward")
-                        engine.backward(loss)
-                    at("optimizer step")
-                    engine.step()
-                    losses.append(loss.detach().float())
-                    stats.enabled = False
-        except torch.OutOfMemoryError as error:
-            raise OutOfMemory(out_of_memory_line(error, run, plan, step + 1)) from None
-        step += 1
-        at("end of step")
-        if profiler is not None:
-            summary = summarise(profiler, step, dist.get_rank(), time.perf_counter() - started)
-            write_summary(summary, args.save_dir)
-            progress.print(describe(summary))
-            if dist.get_rank() == 0:  # every rank's file, among the run's
-                ranks = range(dist.get_world_size())
-                record_files(args.save_dir, [profile_path(args.save_dir, step, r) for r in ranks])
-        preempt = checks.after_step(step, losses)  # a signal on any rank; raises NonFinite
-        mean_loss = torch.stack(losses).mean()
-        dist.all_reduce(mean_loss, group=groups.data_group)
-        mean_loss = float(mean_loss) / groups.get_data_parallel_world_size()
-        elapsed = time.perf_counter() - started
-        history.append(mean_loss)
-        if step % args.log_interval == 0:
-            metrics = {"loss": mean_loss, "tokens_per_s": tokens_per_step / elapsed,
-                       "lr": engine.get_lr()[0], **({} if ulysses else stats.summary()), **peak_memory(),
-                       **resident, **host_memory(engine.device), **offloaded(offload)}
-            engine.monitor.write_events([(f"Train/mtraining/{k}", v, step) for k, v in metrics.items()])
-            record_metrics(engine, args.save_dir)
-            progress.update(step, metrics)
-        due = args.save_interval and step % args.save_interval == 0 or step == args.steps or preempt
-        seconds = None
-        if not args.no_checkpoint and checks.save_due(bool(due)):
-            at("checkpoint save")
-            seconds = save_checkpoint(engine, args.save_dir, step, position, run)
-        if watchdog is not None:
-            watchdog.step = step
-        if preempt:
-            watchdog.preempted(preempt, seconds)
-    if watchdog is not None:
-        watchdog.preemptible = False
-    progress.close()
+        t.progress.print(f"resumed from {args.save_dir} at step {t.step} (data position {t.position})")
+
+
+def run_step(t: TrainingRun) -> tuple:
+    """Step ``t.step + 1``: a new step for the once-per-step checks (:func:`ds_mtraining.step.new_step`),
+    the statistics reset (recorded in a logged step's first micro-batch), then :func:`train_step`,
+    profiled at ``--profile_step``; a CUDA out-of-memory error becomes one line (:class:`OutOfMemory`).
+    Returns (the micro-batches' losses, the profiler or None, the memory resident before the step)."""
+    new_step()
+    t.stats.reset()
+    t.stats.enabled = (t.step + 1) % t.args.log_interval == 0
+    resident = resident_memory()
+    try:
+        with profiled(t.args.profile_step == t.step + 1) as profiler:
+            losses, t.position = train_step(t.engine, t.batches, t.position, t.engine.gradient_accumulation_steps(),
+                                            t.stats, t.offload, t.at)
+    except torch.OutOfMemoryError as error:
+        raise OutOfMemory(out_of_memory_line(error, t.run, t.plan, t.step + 1)) from None
+    return losses, profiler, resident
+
+
+def train_step(engine, batches, position: int, accumulation: int = 1, stats=None, offload=None,
+               at=lambda phase: None) -> tuple[list, int]:
+    """One optimizer step: ``accumulation`` micro-batches of ``batches`` (``batch(position)``) from
+    ``position`` on, each forward (``engine(**batch)``: the loss), ``engine.backward`` and
+    ``engine.step()`` (DeepSpeed's engine updates the weights at the last micro-batch); ``stats``
+    (attention statistics) stop recording after the first micro-batch; ``offload`` is entered
+    around each forward and backward. Returns (each micro-batch's loss, detached float32; the next
+    position)."""
+    offload = offload if offload is not None else contextlib.nullcontext()
+    losses = []
+    for _ in range(accumulation):
+        at("loading data")
+        batch = batches.batch(position)
+        position += 1
+        with offload:  # the checkpointed inputs of the first N layers on the host
+            at("forward")
+            loss = engine(**{k: v.to(engine.device) for k, v in batch.items()})
+            at("backward")
+            engine.backward(loss)
+        at("optimizer step")
+        engine.step()
+        losses.append(loss.detach().float())
+        if stats is not None:
+            stats.enabled = False
+    return losses, position
+
+
+def report_profile(t: TrainingRun, profiler, started: float):
+    """A profiled step's summary by kind of work: written, printed, and listed among the run's files."""
+    if profiler is None:
+        return
+    summary = summarise(profiler, t.step, dist.get_rank(), time.perf_counter() - started)
+    write_summary(summary, t.args.save_dir)
+    t.progress.print(describe(summary))
+    if dist.get_rank() == 0:  # every rank's file, among the run's
+        ranks = range(dist.get_world_size())
+        record_files(t.args.save_dir, [profile_path(t.args.save_dir, t.step, r) for r in ranks])
+
+
+def report_step(t: TrainingRun, losses: list, started: float, resident: dict):
+    """The step's mean loss over the data-parallel replicas (into ``t.history``); every
+    ``--log_interval`` steps the metrics, to DeepSpeed's monitor, the metrics files and the display."""
+    mean_loss = torch.stack(losses).mean()
+    dist.all_reduce(mean_loss, group=t.groups.data_group)
+    mean_loss = float(mean_loss) / t.groups.get_data_parallel_world_size()
+    elapsed = time.perf_counter() - started
+    t.history.append(mean_loss)
+    if t.step % t.args.log_interval != 0:
+        return
+    engine = t.engine
+    metrics = {"loss": mean_loss, "tokens_per_s": t.tokens_per_step / elapsed,
+               "lr": engine.get_lr()[0], **({} if t.ulysses else t.stats.summary()), **peak_memory(),
+               **resident, **host_memory(engine.device), **offloaded(t.offload)}
+    engine.monitor.write_events([(f"Train/mtraining/{k}", v, t.step) for k, v in metrics.items()])
+    record_metrics(engine, t.args.save_dir)
+    t.progress.update(t.step, metrics)
+
+
+def save_step(t: TrainingRun, preempt):
+    """The checkpoint when due (every ``--save_interval`` steps, at the last step, on preemption;
+    never with ``--no_checkpoint``, nor where the step checks refuse it); a preempted run stops
+    here once its step is saved."""
+    args = t.args
+    due = args.save_interval and t.step % args.save_interval == 0 or t.step == args.steps or preempt
+    seconds = None
+    if not args.no_checkpoint and t.checks.save_due(bool(due)):
+        t.at("checkpoint save")
+        seconds = save_checkpoint(t.engine, args.save_dir, t.step, t.position, t.run)
+    if t.watchdog is not None:
+        t.watchdog.step = t.step
+    if preempt:
+        t.watchdog.preempted(preempt, seconds)
+
+
+def finish(t: TrainingRun):
+    """After the last step: the HF export (``--export_hf``), then where the checkpoint, the
+    metrics and the export are, and what to run next."""
+    args, step = t.args, t.step
+    if t.watchdog is not None:
+        t.watchdog.preemptible = False
+    t.progress.close()
     if args.export_hf:
-        at("export")
-        tokenizer_dir = None if run.tokenizer == "bytes" else run.tokenizer
-        exported = export_hf(model, args.export_hf, tokenizer_dir)
-        progress.print(f"exported:   {exported} (step {step}; AutoModelForCausalLM.from_pretrained)")
+        t.at("export")
+        tokenizer_dir = None if t.run.tokenizer == "bytes" else t.run.tokenizer
+        exported = export_hf(t.model, args.export_hf, tokenizer_dir)
+        t.progress.print(f"exported:   {exported} (step {step}; AutoModelForCausalLM.from_pretrained)")
     if not args.no_checkpoint:
-        progress.print(f"checkpoint: {Path(args.save_dir).resolve()} (tag step{step})")
-    where = monitor_dir(ds_config)
+        t.progress.print(f"checkpoint: {Path(args.save_dir).resolve()} (tag step{step})")
+    where = monitor_dir(t.ds_config)
     if where:
-        progress.print(f"metrics:    {Path(where).resolve()}")
+        t.progress.print(f"metrics:    {Path(where).resolve()}")
     if args.export_hf:  # the export is the step after the checkpoint: what comes next is its evaluation
-        progress.print(f"next:       evaluate it: python -m ds_mtraining.eval {args.export_hf}"
-                       + (f"; more steps: --resume --steps {2 * step}" if not args.no_checkpoint else ""))
+        t.progress.print(f"next:       evaluate it: python -m ds_mtraining.eval {args.export_hf}"
+                         + (f"; more steps: --resume --steps {2 * step}" if not args.no_checkpoint else ""))
     elif not args.no_checkpoint:
-        progress.print(f"next:       more steps: --resume --steps {2 * step}; a Hugging Face model: --resume "
-                       f"--steps {step} --export_hf DIR, then python -m ds_mtraining.eval DIR")
-    return {"losses": history, "step": step, "model": model}  # (the model: for in-process callers, tests)
+        t.progress.print(f"next:       more steps: --resume --steps {2 * step}; a Hugging Face model: --resume "
+                         f"--steps {step} --export_hf DIR, then python -m ds_mtraining.eval DIR")
 
 
 class StartupClock:

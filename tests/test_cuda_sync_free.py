@@ -26,6 +26,7 @@ from ds_mtraining.documents import doc_start_from_cu_seqlens
 from ds_mtraining.estimator.rule import estimate_vertical_slash
 from ds_mtraining.layer import AttentionStats, IndexCache, MTrainingAttentionSettings, striped_sparse_attention
 from ds_mtraining.layout import StripedLayout
+from ds_mtraining.step import new_step
 from ds_mtraining.training.memory import enable_checkpointing
 from helpers import differing_entries
 
@@ -69,6 +70,7 @@ def test_layer_forward_and_backward_do_not_synchronise(monkeypatch):
     positions = torch.arange(2048, device="cuda")[None]
     dout = torch.randn_like(q)
     cache = IndexCache()
+    new_step()
     settings.stats.reset()
     first = _step(q, k, v, settings, positions, cache, dout)  # loads the ops; the step's checks
     torch.cuda.synchronize()
@@ -116,6 +118,7 @@ def _tiny_qwen2_on_gpu(checkpointing: str | None, keep_output: bool = False):
 def test_hf_qwen2_attention_does_not_synchronise(monkeypatch, checkpointing, keep_output):
     model, settings = _tiny_qwen2_on_gpu(checkpointing, keep_output)
     ids = torch.randint(0, 512, (1, 1024), device="cuda")
+    new_step()
     settings.stats.reset()
     model(input_ids=ids, labels=ids).loss.backward()  # warm-up step: op loads, the step's checks
     torch.cuda.synchronize()
@@ -137,6 +140,7 @@ def test_hf_qwen2_keep_output_on_gpu(monkeypatch, checkpointing):
         counted = []
         monkeypatch.setattr(ops, "attention_forward", lambda *a, **kw: counted.append(1) or real(*a, **kw))
         model, settings = _tiny_qwen2_on_gpu(checkpointing, keep)
+        new_step()
         settings.stats.reset()
         model(input_ids=ids, labels=ids).loss.backward()
         grads[keep] = {n: p.grad.float() for n, p in model.named_parameters()}
@@ -161,6 +165,7 @@ def _ring_worker(rank, world):
     settings = MTrainingAttentionSettings(CONFIG, stats=AttentionStats())
     dout = torch.randn_like(shards[0])
     cache = IndexCache()
+    new_step()
     settings.stats.reset()
     first = _step(*shards, settings, positions, cache, dout)  # the step's checks run here
     torch.cuda.synchronize()

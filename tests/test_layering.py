@@ -184,3 +184,72 @@ def test_the_module_map_matches_the_tree():
                if p.is_dir() and any(f.is_file() for f in p.iterdir())}
     assert folders <= {n if n.endswith("/") else n + "/" for n in named}, \
         f"csrc folders not in the module map: {sorted(folders - named)}"
+
+
+# ---------------------------------------------------------------------- the ring and the step clock
+TRAINING = ("ds_mtraining.train", "ds_mtraining.training", "ds_mtraining.integration")
+STEP = "ds_mtraining.step"
+ADVANCING = "new_step"  # what starts a training step: defined in step.py only, called from above the ring
+
+
+def ring_problems(root: Path = ROOT) -> list[str]:
+    """What ``ring/`` may not do: import the training loop (``train``, ``training/``,
+    ``integration``), directly or through anything it imports; take the step clock's advancing
+    half (it reads ``step.current_step`` only); define or name a ``new_step`` of its own. Also:
+    ``new_step`` is defined once in the package, in ``step.py``."""
+    tree = modules(root)
+    graph = {name: imports(name, tree) for name in tree}
+    ring = sorted(n for n in tree if n == f"{PACKAGE}.ring" or n.startswith(f"{PACKAGE}.ring."))
+    problems = []
+    for name in ring:
+        reached, todo = set(), [name]
+        while todo:  # everything the ring module imports, transitively
+            for other in graph[todo.pop()] - reached:
+                reached.add(other)
+                todo.append(other)
+        problems += [f"{name} imports {other}" for other in sorted(reached)
+                     if other == TRAINING[0] or other.startswith(TRAINING[1:]) or other in TRAINING]
+        path = tree[name][0]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            named = (node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute)
+                     else node.name if isinstance(node, (ast.alias, ast.FunctionDef)) else None)
+            if named == ADVANCING:
+                problems.append(f"{name} names {ADVANCING} (line {node.lineno if hasattr(node, 'lineno') else '?'})")
+            if (isinstance(node, ast.Import) and any(a.name == STEP for a in node.names)) or \
+                    (isinstance(node, ast.ImportFrom) and any(a.name == "step" for a in node.names)):
+                problems.append(f"{name} imports the whole {STEP} module (take current_step only)")
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[-1] == "step" and \
+                    any(a.name != "current_step" for a in node.names):
+                problems.append(f"{name} imports {[a.name for a in node.names]} from {STEP} (current_step only)")
+    defined = sorted(str(path.relative_to(root)) for path, _ in tree.values()
+                     for node in ast.walk(ast.parse(path.read_text(), str(path)))
+                     if isinstance(node, ast.FunctionDef) and node.name == ADVANCING)
+    if defined != [f"{PACKAGE}/step.py"]:
+        problems.append(f"{ADVANCING} is defined in {defined}, not once in {PACKAGE}/step.py")
+    return problems
+
+
+def test_the_ring_knows_nothing_of_training():
+    assert ring_problems() == []
+
+
+@pytest.mark.parametrize("planted, expected", [
+    ("from ..train import main", "ds_mtraining.ring.loop imports ds_mtraining.train"),
+    ("from ..training.checkpoint import save_checkpoint", "ds_mtraining.ring.loop imports ds_mtraining.training"),
+    ("from .. import integration", "ds_mtraining.ring.loop imports ds_mtraining.integration"),
+    ("from ..step import new_step", "ds_mtraining.ring.loop names new_step"),
+    ("from .. import step", "ds_mtraining.ring.loop imports the whole ds_mtraining.step module"),
+    ("from ..step import current_step, new_step", "ds_mtraining.ring.loop imports ['current_step', 'new_step']"),
+])
+def test_a_planted_training_import_in_the_ring_fails(tree_copy, planted, expected):
+    loop = tree_copy / PACKAGE / "ring" / "loop.py"
+    loop.write_text(loop.read_text() + f"\n\ndef planted():\n    {planted}\n")
+    problems = ring_problems(tree_copy)
+    assert any(p.startswith(expected) for p in problems), problems
+
+
+def test_a_second_new_step_fails(tree_copy):
+    window = tree_copy / PACKAGE / "window.py"
+    window.write_text(window.read_text() + "\n\ndef new_step():\n    pass\n")
+    assert ring_problems(tree_copy) == ["new_step is defined in ['ds_mtraining/step.py', 'ds_mtraining/window.py'], "
+                                        "not once in ds_mtraining/step.py"]

@@ -17,7 +17,7 @@ from ds_mtraining.reference import dense_attention, outputs_and_grads
 from ds_mtraining.distributed.comm import RingComm
 from ds_mtraining.layout import StripedLayout
 from ds_mtraining.ring import merge_lse, merge_partial, ring_sparse_attention
-from ds_mtraining.ring.agreement import new_step
+from ds_mtraining.step import new_step
 from ds_mtraining.estimator.distributed import estimate_vertical_slash_distributed, select_top_p_across_ranks
 from ds_mtraining.estimator.rule import select_top_p
 

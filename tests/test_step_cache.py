@@ -10,6 +10,7 @@ from ds_mtraining import SparseConfig, ops
 from ds_mtraining.layer import attention as layer
 from ds_mtraining.hf import use_mtraining_attention
 from ds_mtraining.layer import AttentionStats, IndexCache, MTrainingAttentionSettings
+from ds_mtraining.step import new_step
 from ds_mtraining.training.memory import enable_checkpointing
 
 CONFIG = SparseConfig(block_size=64, last_q=64, p_vertical=0.5, p_slash=0.5, max_vertical=16,
@@ -37,7 +38,8 @@ def train_steps(monkeypatch, checkpointing: str | None, batches, micro_batches: 
     monkeypatch.setattr(layer, "estimate_index", lambda *a, **kw: counted.append(1) or real(*a, **kw))
     per_step, recorded = [], []
     for step in range(STEPS):
-        settings.stats.reset()  # the training loop's step boundary
+        new_step()  # the training loop's step boundary
+        settings.stats.reset()
         model.zero_grad()
         before, kernel_before = len(counted), len(kernel_calls)
         losses = [dense_loss(model, *batches[m]) for m in range(micro_batches)]
@@ -128,7 +130,7 @@ def test_index_cache_takes_one_match_only():
     cache.store("a", (1, None))
     cache.store("a", (2, None))
     assert cache.take("a") is None and len(cache) == 2
-    AttentionStats().reset()  # a new step drops the old entries at the next store
+    new_step()  # a new step drops the old entries at the next store
     cache.store("a", (3, None))
     assert len(cache) == 1 and cache.take("a") == (3, None)
 
@@ -136,7 +138,7 @@ def test_index_cache_takes_one_match_only():
 def test_index_cache_holds_one_kept_output():
     """A kept output releases the older entries' (forwards with no backward between them, as in
     evaluation, hold one output per module, not one per forward); their indices stay."""
-    AttentionStats().reset()
+    new_step()
     cache = IndexCache()
     cache.store("a", (1, "out a"))
     cache.store("b", (2, "out b"))

@@ -29,6 +29,7 @@ from ..config import SparseConfig
 from ..families import FAMILIES, Family, public_shape_config, refusal
 from ..ops import CUDA_HEAD_DIMS
 from ..static import StaticPattern
+from ..step import new_step
 from . import fresh_output_dir, time_ms
 from .e2e import device_name, device_tag
 from .provenance import provenance
@@ -85,6 +86,7 @@ def measure(fam: Family, args) -> dict:
         wrapper = MTrainingCausalLM(model, None, loss_chunk_tokens=4096)
         loss = lambda: wrapper(inputs, labels, positions)  # noqa: E731
         value = loss().item()
+        new_step()
         stats.reset()
         loss()
         density = stats.summary()["density"]  # the global layers' (windowed layers are not estimated)

@@ -11,6 +11,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..step import new_step
+
 TASKS = ("passkey", "loss", "recall")
 
 
@@ -152,6 +154,7 @@ def run_eval(args, console=None) -> dict:
 
         if "passkey" in args.tasks:
             advance = bar("passkey", len(args.lengths) * len(args.depths) * args.trials)
+            new_step()  # each task: a step of its own for the once-per-step checks
             if stats is not None:
                 stats.reset()
             result = passkey_grid(lambda ids, n: greedy_generate(model, ids, n), tokenizer, stream, args.lengths,
@@ -166,6 +169,7 @@ def run_eval(args, console=None) -> dict:
             meaning["passkey_accuracy"] = describe_retrieval(result)
         if "loss" in args.tasks:
             advance = bar("loss", args.loss_windows)
+            new_step()  # each task: a step of its own for the once-per-step checks
             if stats is not None:
                 stats.reset()
             windows = loss_windows(stream, args.loss_length, args.loss_windows)

@@ -25,9 +25,9 @@ from ..estimator import estimate_index
 from ..index import SparseIndex
 from ..layout import StripedLayout, check_divisible
 from ..ring import ring_sparse_attention_with_lse
-from ..ring.agreement import (check_due, check_ranks_before_collectives, current_step, in_backward,
-                              mark_checked, new_step)
+from ..ring.agreement import check_due, check_ranks_before_collectives, in_backward, mark_checked
 from ..ring.work import imbalance, pair_work, step_work
+from ..step import current_step
 from ..window import window_index
 
 class LayoutError(ValueError):
@@ -45,8 +45,7 @@ class AttentionStats:
 
     :meth:`record` only keeps the call's index (O(selected)); the numbers are computed when read
     (:meth:`summary`, ``densities``, ``imbalances``), so that recording never waits for the GPU.
-    :meth:`reset` also starts a new training step for the once-per-step checks
-    (:func:`ds_mtraining.ring.agreement.new_step`)."""
+    :meth:`reset` only clears them: a new training step is :func:`ds_mtraining.step.new_step`."""
 
     enabled: bool = True
     _recorded: list = field(default_factory=list, repr=False)
@@ -84,7 +83,6 @@ class AttentionStats:
     def reset(self):
         self._recorded.clear()
         self._values.clear()
-        new_step()
 
 
 class IndexCache:
@@ -98,7 +96,7 @@ class IndexCache:
     with none or several (e.g. two micro-batches forwarded before one backward) it estimates
     again, which gives the same index (the estimators are deterministic). Every rank of a group
     holds the same entries, so they all take the same branch (the estimation is collective).
-    Entries of earlier steps (:func:`~ds_mtraining.ring.agreement.new_step`) are dropped."""
+    Entries of earlier steps (:func:`ds_mtraining.step.new_step`) are dropped."""
 
     MAX_ENTRIES = 8
 
@@ -234,7 +232,7 @@ def striped_sparse_attention(q, k, v, settings: MTrainingAttentionSettings,
         settings: sparse budgets, groups, statistics.
         softmax_scale: defaults to 1/sqrt(D).
         position_ids: global positions of the local tokens, checked to be the striped ones (on
-            CUDA once per training step, see :func:`ds_mtraining.ring.agreement.new_step`, since
+            CUDA once per training step, see :func:`ds_mtraining.step.new_step`, since
             the check reads the device; on CPU every call).
         cache: the calling module's :class:`IndexCache`: the forward stores its index there and
             the forward recomputed under activation checkpointing reuses it (one estimation per

@@ -3,9 +3,9 @@ it runs.
 
 The check (:func:`check_ranks_agree`) all-gathers a small descriptor and reads it on the host: a
 host synchronisation. It therefore runs once per training step, not per attention call: at the
-first ring call on a process group after :func:`new_step` (which ``AttentionStats.reset()`` calls,
-and so the training loop once per step; the first call of a process counts as a step's first).
-``DS_MTRAINING_CHECK_RANKS`` chooses:
+first ring call on a process group in each step of the step clock (:mod:`ds_mtraining.step`, which
+this module only reads: whoever runs the steps advances it; the first call of a process counts as
+a step's first). ``DS_MTRAINING_CHECK_RANKS`` chooses:
 
 * ``step`` (default): that first call of each step, per process group;
 * ``every_call``: every ring call (debugging);
@@ -32,6 +32,7 @@ from ..attention import SUPPORTED_DTYPES
 from ..config import SparseConfig
 from ..index import SparseIndex
 from ..distributed.comm import RingComm
+from ..step import current_step
 
 # What each entry of a rank's descriptor holds: its call (_describe), then its index's fingerprint.
 _CALL_FIELDS = (["q.batch", "q.seq", "q.heads", "q.head_dim", "q.dtype",
@@ -43,19 +44,7 @@ _FINGERPRINT_FIELDS = ["index.slash size", "index.vertical size", "index.slash s
 
 CHECK_ENV = "DS_MTRAINING_CHECK_RANKS"
 CHECK_MODES = ("step", "every_call", "off")
-_step = {"count": 0}
-_checked: dict = {}  # key -> the step it was last checked in
-
-
-def new_step():
-    """Starts a training step: the next ring call on each process group checks the ranks agree
-    (and, on CUDA, the layer checks position ids again). ``AttentionStats.reset()`` calls it."""
-    _step["count"] += 1
-
-
-def current_step() -> int:
-    """How many times :func:`new_step` was called in this process."""
-    return _step["count"]
+_checked: dict = {}  # key -> the step (ds_mtraining.step.current_step) it was last checked in
 
 
 def check_mode() -> str:
@@ -77,13 +66,13 @@ def check_due(key) -> bool:
     mode = check_mode()
     if mode == "off" or in_backward():
         return False
-    return mode == "every_call" or _checked.get(key) != _step["count"]
+    return mode == "every_call" or _checked.get(key) != current_step()
 
 
 def mark_checked(key):
     """Records that ``key``'s check passed in this step (after the call's other checks passed, so
     that a call that raised leaves the next call checked)."""
-    _checked[key] = _step["count"]
+    _checked[key] = current_step()
 
 
 def _describe(q, k, v, config: SparseConfig, index: SparseIndex | None) -> list[int]:
