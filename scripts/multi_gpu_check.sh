@@ -144,7 +144,9 @@ wait "$cpu_build" || { echo "CPU op build failed:"; tail -20 "$WORK/cpu_build.lo
 
 for shape in $NODE_SHAPES; do
   stage "check_$shape" 120 bash -c "fake_nodes $shape ds_mtraining.tools.ring_check --out '$WORK/check_$shape'"
-  for json in "$WORK/check_$shape"/rank*.json; do [ -f "$json" ] && cat "$json" && echo; done >>"$LOG"
+  for json in "$WORK/check_$shape"/rank*.json; do  # each report on one line of the log
+    [ -f "$json" ] && python3 -c 'import json, sys; print(json.dumps(json.load(open(sys.argv[1]))))' "$json"
+  done >>"$LOG"
   grep -h "^rank .*tolerance" "$WORK"/node*.log 2>/dev/null
 done
 stage ring_vs_1gpu    90 bash -c 'pytest_case test_striped_ring_matches_one_gpu 80'
@@ -169,7 +171,7 @@ stage check_1node     80 bash -c 'pytest_case test_ring_check_one_node_two_gpus 
 import json, sys
 record = json.load(open(sys.argv[1]))
 print(f"scaling ({record['device']}): efficiency = T_1gpu / (W x T_ring)")
-for c in record["cases"]:
+for c in record["rows"]:
     m = c["imbalance"].get("measured", {})
     print(f"  {c['seq_len'] // 1024:>4}K {c['mode']:<26} {c['ring']:<12} {c['launch']:<22} "
           f"eff {c['efficiency']:.3f}  T1 {c['times']['one_gpu_ms']:8.2f} ms  ring {c['times']['ring_ms']:8.2f} ms  "

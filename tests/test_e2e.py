@@ -87,7 +87,7 @@ def test_depth_choice_and_results_file(tmp_path):
     assert long["extrapolated"] == ["single_gpu.dense", "single_gpu.mtraining", "ulysses"]
     assert ("ulysses", 2, 4096, 36, None) not in calls and ("mtraining", 1, 4096, 36, None) in calls  # CPU: no ids
     saved = json.loads((tmp_path / "e2e_t.json").read_text())
-    assert saved["rows"] == json.loads(json.dumps(record["rows"])) and {"date", "device", "command"} <= set(saved)
+    assert saved["rows"] == json.loads(json.dumps(record["rows"])) and {"utc", "device", "command"} <= set(saved)
     assert (tmp_path / "e2e_t.png").stat().st_size > 10_000  # the plot of step time against length
 
     again = e2e.Bench(e2e.parse_args(argv[:-4] + ["--seq_lens", "1024", "--parts", "single", "--single_depth", "4",
@@ -145,7 +145,7 @@ def test_smoke_end_to_end(tmp_path):
     done = subprocess.run(command, cwd=REPO, env=environment(), capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     record = json.loads((tmp_path / "e2e_smoke.json").read_text())
-    assert {"date", "device", "command", "rows"} <= set(record) and "--smoke" in record["command"]
+    assert {"utc", "device", "command", "rows"} <= set(record) and "--smoke" in record["command"]
     row, = record["rows"]
     assert (row["model"], row["seq_len"], row["world"]) == ("tiny-qwen2", 512, 2)
     for mode in ("mtraining", "ulysses"):

@@ -21,8 +21,8 @@ checkpoints on the GPU) and the analytic transients of one layer and of the loss
 named. ``--overhead_at S`` also times S with and without the memory tools (tiled MLP off,
 no offload) in the same invocation: ``overhead`` = with / without.
 
-Writes ``OUT/capacity_<tag>.json`` (``max_seq_len`` per model and mode, ``commit`` and ``dirty``:
-:mod:`ds_mtraining.bench.provenance`) after every launch, and ``OUT/capacity_<tag>.png`` (GPU and host
+Writes ``OUT/capacity_<tag>.json`` (a result record of :mod:`ds_mtraining.record`: ``max_seq_len`` per
+model and mode, ``commit`` and ``dirty``) after every launch, and ``OUT/capacity_<tag>.png`` (GPU and host
 memory against length per mode).
 
     python -m ds_mtraining.bench.capacity --models qwen2.5-3b --modes mtraining --density 0.05 \\
@@ -35,9 +35,9 @@ import json
 from pathlib import Path
 
 from ..distributed.spawn import free_port
-from . import e2e
+from ..record import result_record, write_json
+from . import e2e, params_of
 from .launch import metric_path, read_metric
-from .provenance import provenance
 
 MODES = ("mtraining", "ulysses", "dense")
 FAILURES = ("oom", "host", "timeout", "error")
@@ -197,15 +197,13 @@ class Capacity:
         for modes in self.record["models"].values():
             for entry in modes.values():
                 summarise(entry)
-        stamp = provenance()  # the file's and this invocation's: earlier invocations keep their own
-        invocation = {"date": self.args.date, "device": self.args.device, "command": self.args.command, **stamp}
-        record = {"device": self.args.device, "config": self.args.config, "steps": self.args.steps,
-                  "warmup": self.args.warmup, **stamp, "models": self.record["models"],
-                  "invocations": self.record["invocations"] + [invocation]}
-        self.out.mkdir(parents=True, exist_ok=True)
-        temporary = self.path.with_suffix(".json.tmp")
-        temporary.write_text(json.dumps(record, indent=1))
-        temporary.replace(self.path)
+        rows = [{"model": model, "mode": mode, "max_seq_len": entry["max_seq_len"], "limit": entry["limit"]}
+                for model, modes in self.record["models"].items() for mode, entry in modes.items()]
+        record = result_record("capacity", params_of(self.args), rows, device=self.args.device,
+                               command=self.args.command, config=self.args.config, steps=self.args.steps,
+                               warmup=self.args.warmup, models=self.record["models"])
+        # the file's commit and this invocation's: earlier invocations keep their own
+        write_json(self.path, e2e.with_invocations(record, self.record["invocations"]))
         return record
 
     def say(self, message: str):

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
-from . import fresh_output_dir
+from ..record import result_record, write_json
+from . import fresh_output_dir, params_of
 from .launch import launcher_env, read_metric, run_in_lanes, run_logged, training_command
-from .provenance import provenance
 
 RUNS = {"document_masking": True, "no_document_masking": False}
 
@@ -43,7 +43,7 @@ def train_both(config: dict, steps: int, lanes: list[str], out: Path, seed: int,
         folder.mkdir(parents=True, exist_ok=True)
         run_config = json.loads(json.dumps(config))
         run_config["mtraining"]["document_masking"] = RUNS[name]
-        (folder / "config.json").write_text(json.dumps(run_config, indent=2))
+        write_json(folder / "config.json", run_config)
         began = time.time()
         run_logged(training_command(folder / "config.json", steps, folder / "run", device, port + 10 * lane, seed,
                                     log_interval), folder / "train.log", launcher_env())
@@ -102,16 +102,14 @@ def main(argv=None):
         print(f"ds_mtraining.bench.documents_training: error: {error}", file=sys.stderr)
         sys.exit(2)
     import torch
-    results = {"date": time.strftime("%Y-%m-%d"), **provenance(),
-               "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-               "command": " ".join(["python -m ds_mtraining.bench.documents_training"] + sys.argv[1:]),
-               "config": config, "tail": args.tail, "runs": runs,
-               "tail_mean_loss": {name: float(np.mean(run["loss"][-args.tail:])) for name, run in runs.items()}}
-    results["tail_loss_gap"] = results["tail_mean_loss"]["document_masking"] / results["tail_mean_loss"][
-        "no_document_masking"] - 1.0
+    tail_mean = {name: float(np.mean(run["loss"][-args.tail:])) for name, run in runs.items()}
+    rows = [{"run": name, "document_masking": RUNS[name], "tail_mean_loss": tail_mean[name]} for name in runs]
+    results = result_record("documents_training", params_of(args), rows,
+                            device=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+                            config=config, tail=args.tail, runs=runs, tail_mean_loss=tail_mean,
+                            tail_loss_gap=tail_mean["document_masking"] / tail_mean["no_document_masking"] - 1.0)
     out = Path(args.results) if args.results else out
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"documents_{args.tag}.json").write_text(json.dumps(results, indent=1))
+    write_json(out / f"documents_{args.tag}.json", results)
     section = config["mtraining"]
     plot(results, out / f"documents_{args.tag}.png",
          f"{section['seq_len'] // 1024}K tokens, {section.get('attention', 'sparse')}: with / without document masking")

@@ -67,7 +67,6 @@ go to ``OUT/e2e_<tag>/``. A table is printed last.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import platform
@@ -81,9 +80,9 @@ from pathlib import Path
 from ..config import SparseConfig, slash_cap_for_blocks
 from ..training.profile import ATTENTION_KINDS
 from ..distributed.spawn import free_port
-from . import fresh_output_dir
+from ..record import result_record, write_json
+from . import fresh_output_dir, params_of
 from .launch import LaunchTimeout, launcher_env, metric_path, read_metric, run_logged, training_command
-from .provenance import provenance
 
 MODES = {"mtraining": "sparse", "ulysses": "ulysses", "dense": "dense"}
 QUADRATIC = ("ulysses", "dense")  # dense attention: step time grows with S^2 (MTraining's about with S)
@@ -230,7 +229,7 @@ def launch(config: dict, gpus: list | None, world: int, folder: Path, port: int,
     folder.mkdir(parents=True, exist_ok=True)
     monitor = {"enabled": True, "output_path": str(folder / "run" / "metrics"), "job_name": "mtraining"}
     config = {**config, "csv_monitor": monitor}  # where read_run looks, whatever --config says
-    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    write_json(folder / "config.json", config)
     devices = ",".join(f"cuda:{gpu}" for gpu in gpus) if gpus else ",".join(["cpu"] * world)
     profile = ("--profile_step", str(args.profile_step)) if args.profile_step else ()
     command = training_command(folder / "config.json", args.steps, folder / "run", devices, port, args.seed, 1,
@@ -429,19 +428,22 @@ class Bench:
         return sorted(merged.values(), key=lambda r: (r["model"], r["seq_len"], r["world"]))
 
     def save(self) -> dict:
-        invocation = {"date": self.args.date, "device": self.args.device, "command": self.args.command,
-                      **provenance()}
-        record = {**invocation, "config": self.args.config, "steps": self.args.steps, "warmup": self.args.warmup,
-                  "partial_layers": self.args.layers, "invocations": self.earlier["invocations"] + [invocation],
-                  "rows": self.rows_merged()}
-        self.out.mkdir(parents=True, exist_ok=True)
-        temporary = self.path.with_suffix(".json.tmp")
-        temporary.write_text(json.dumps(record, indent=1))
-        temporary.replace(self.path)  # a run killed while writing keeps the last whole file
+        record = result_record("e2e", params_of(self.args), self.rows_merged(), device=self.args.device,
+                               command=self.args.command, config=self.args.config, steps=self.args.steps,
+                               warmup=self.args.warmup, partial_layers=self.args.layers)
+        write_json(self.path, with_invocations(record, self.earlier["invocations"]))  # a killed run keeps the last
         return record
 
     def say(self, message: str):
         print(f"e2e: {message}", flush=True)
+
+
+def with_invocations(record: dict, earlier: list) -> dict:
+    """``record`` (:func:`ds_mtraining.record.result_record`) with ``invocations``: the results
+    file's ``earlier`` ones and this one (its utc, device, command, commit and dirty), where several
+    invocations fill one file (e2e, capacity)."""
+    record["invocations"] = earlier + [{key: record[key] for key in ("utc", "device", "command", "commit", "dirty")}]
+    return record
 
 
 def add_speedups(part: dict, baseline: str):
@@ -654,7 +656,7 @@ def parse_args(argv=None):
 def finish_launch_args(parser, args, name: str, argv):
     """What the launching benchmarks (e2e, capacity, integration) derive from their arguments:
     CPU ranks where no GPU is visible, the warm-up check, the device and its tag, a fresh output
-    folder unless ``--out``, the date and the command line."""
+    folder unless ``--out``, and the command line."""
     args.profile_step = getattr(args, "profile_step", 0)  # (what launch reads)
     if not args.cpu:
         import torch
@@ -666,7 +668,6 @@ def finish_launch_args(parser, args, name: str, argv):
         args.tag = device_tag(args.device, args.cpu, args.world)
     if args.out is None:
         args.out = str(fresh_output_dir(name))
-    args.date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     args.command = " ".join([f"python -m ds_mtraining.bench.{name}", *(argv if argv is not None else sys.argv[1:])])
     return args
 

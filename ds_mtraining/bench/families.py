@@ -18,7 +18,6 @@ exit code and its loss lines), as its ``examples`` (with their own date, command
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import sys
 from pathlib import Path
@@ -28,11 +27,11 @@ import torch
 from ..config import SparseConfig
 from ..families import FAMILIES, Family, public_shape_config, refusal
 from ..ops import CUDA_HEAD_DIMS
+from ..record import result_record, write_json
 from ..static import StaticPattern
 from ..step import new_step
-from . import fresh_output_dir, time_ms
+from . import fresh_output_dir, params_of, time_ms
 from .e2e import device_name, device_tag
-from .provenance import provenance
 
 FALLBACK_HEAD_DIM = 128
 
@@ -161,16 +160,17 @@ def main(argv=None) -> dict:
     if args.examples_log:
         runs = examples_record(Path(args.examples_log).read_text())
         path = Path(args.out) / f"families_{args.tag}.json"
-        record = json.loads(path.read_text()) if path.is_file() else {"device": args.device}
-        record["examples"] = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                              "device": args.device, "command": args.command, **provenance(), "runs": runs}
-        path.write_text(json.dumps(record, indent=1))
+        stamp = dict(device=args.device, command=args.command)
+        record = json.loads(path.read_text()) if path.is_file() else result_record("families", params_of(args), [],
+                                                                                   **stamp)
+        record["examples"] = result_record("families_examples", params_of(args), runs, **stamp)
+        write_json(path, record)
         print(f"families: {sum(r['exit_code'] == 0 for r in runs)} of {len(runs)} documented commands exited 0; {path}")
         return record
     families = [f for f in FAMILIES if args.families is None or f.name in args.families]
-    record = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "device": args.device, "command": args.command, **provenance(), "seq_len": args.seq_len,
-              "layers": args.layers, "window": args.window, "block": args.block, "dtype": "bfloat16", "rows": []}
+    record = result_record("families", params_of(args), [], device=args.device, command=args.command,
+                           seq_len=args.seq_len, layers=args.layers, window=args.window, block=args.block,
+                           dtype="bfloat16")
     path = Path(args.out) / f"families_{args.tag}.json"
     for fam in families:
         print(f"families: {fam.name} ...", flush=True)
@@ -180,7 +180,7 @@ def main(argv=None) -> dict:
             record["rows"].append({"family": fam.name, "error": f"{type(error).__name__}: {error}"[:2000]})
             print(f"families:     failed: {record['rows'][-1]['error'][:300]}", flush=True)
         torch.cuda.empty_cache()
-        path.write_text(json.dumps(record, indent=1))  # what has run so far survives a cut-off call
+        write_json(path, record)  # what has run so far survives a cut-off call
     print(table({"rows": [r for r in record["rows"] if "error" not in r]}))
     print(f"families: results in {path}", flush=True)
     return record

@@ -30,9 +30,9 @@ import time
 from pathlib import Path
 
 from ..distributed.spawn import free_port
-from . import e2e
+from ..record import result_record, write_json
+from . import e2e, params_of
 from .launch import LaunchTimeout, launcher_env, run_logged
-from .provenance import provenance
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "deepspeed_loop_mtraining.py"
@@ -59,7 +59,7 @@ def step_lines(log: str) -> list[dict]:
 def launch_example(config: dict, gpus: list | None, world: int, folder: Path, port: int, args) -> dict:
     """The own-loop example through the deepspeed launcher; its median step time after the warm-up."""
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    write_json(folder / "config.json", config)
     placement = ["--include", "localhost:" + ",".join(map(str, gpus))] if gpus else ["--num_gpus", str(world)]
     command = [sys.executable, "-m", "deepspeed.launcher.runner", *placement, "--master_port", str(port),
                str(EXAMPLE), "--deepspeed_config", str(folder / "config.json"), "--model", args.model,
@@ -111,9 +111,9 @@ def compare(args, train_launch=launch_train, example_launch=launch_example) -> d
     config = bench_config(json.loads(Path(args.config).read_text()), args)
     gpus = None if args.cpu else list(range(args.world))
     logs = Path(args.out) / f"integration_{args.tag}"
-    record = {"date": args.date, "device": args.device, "command": args.command, **provenance(), "config": args.config,
-              "model": args.model, "layers": args.layers, "seq_len": args.seq_len, "world": args.world,
-              "steps": args.steps, "warmup": args.warmup, "memory": MEMORY_TOOLS_OFF, "sides": {}}
+    record = result_record("integration", params_of(args), [], device=args.device, command=args.command,
+                           config=args.config, model=args.model, layers=args.layers, seq_len=args.seq_len,
+                           world=args.world, steps=args.steps, warmup=args.warmup, memory=MEMORY_TOOLS_OFF, sides={})
     for name, launch in (("train", train_launch), ("own_loop", example_launch)):
         print(f"integration: {name} ...", flush=True)
         port, args.port = args.port or free_port(), 0
@@ -128,8 +128,9 @@ def compare(args, train_launch=launch_train, example_launch=launch_example) -> d
             print(f"integration:     failed: {error.kind}: {str(error).splitlines()[0][:200]}", flush=True)
     train, own = (record["sides"][name].get("tokens_per_s") for name in ("train", "own_loop"))
     record["own_loop_over_train"] = own / train if train and own else None
-    path = Path(args.out) / f"integration_{args.tag}.json"
-    path.write_text(json.dumps(record, indent=1))
+    record["rows"] = [{"side": name, **{key: side.get(key) for key in ("step_s", "tokens_per_s", "failure")}}
+                      for name, side in record["sides"].items()]
+    path = write_json(Path(args.out) / f"integration_{args.tag}.json", record)
     ratio = record["own_loop_over_train"]
     print(f"integration: own loop / ds_mtraining.train tokens/s = {ratio:.3f}" if ratio is not None
           else "integration: no ratio (a side failed)")

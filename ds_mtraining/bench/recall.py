@@ -21,8 +21,6 @@ every attention layer of that model on held-out text at ``--demo-seq-lens``. Met
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import platform
 import sys
 import time
@@ -37,8 +35,8 @@ from ..config import SparseConfig
 from ..estimator.rule import estimate_vertical_slash, last_query_scores, select_top_p, sink_columns
 from ..index import SparseIndex
 from ..recall import attention_recall, oracle_recall
-from . import fresh_output_dir, index_for_density
-from .provenance import provenance
+from ..record import result_record, write_json
+from . import command_of, fresh_output_dir, index_for_density, params_of
 
 TOP_PS = (0.5, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99)
 REFERENCE_P, REFERENCE_CAP = 0.9, 4096
@@ -297,16 +295,16 @@ def main(argv=None) -> int:
             print(f"{name:<22} {method:<16} {row['density_mean']:8.4f} {row['recall_mean']:7.4f} "
                   f"{row['recall_min']:8.4f}")
         print(f"{name:<22} verdict: {result['verdict']}")
-    record = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **provenance(),
-              "device": (torch.cuda.get_device_name() if args.device.startswith("cuda")
-                         else f"CPU ({platform.processor() or platform.machine()})"),
-              "command": " ".join(["python -m ds_mtraining.bench.recall", *(sys.argv[1:] if argv is None else argv)]),
-              "torch": torch.__version__, "config": config.to_dict(), "top_ps": list(TOP_PS),
-              "reference": {"p": REFERENCE_P, "caps": REFERENCE_CAP},
-              "planted": {"heads": 8, "kv_heads": 4, "head_dim": 64, "offsets": PLANTED_OFFSETS,
-                          "columns": PLANTED_COLUMNS},
-              "results": results, "seconds": round(time.time() - started, 1)}
-    (out / f"{args.name}.json").write_text(json.dumps(record, indent=1))
+    record = result_record(
+        args.name, params_of(args), [{"input": name, **result} for name, result in results.items()],
+        device=(torch.cuda.get_device_name() if args.device.startswith("cuda")
+                else f"CPU ({platform.processor() or platform.machine()})"),
+        command=command_of("ds_mtraining.bench.recall", sys.argv[1:] if argv is None else argv),
+        torch=torch.__version__, config=config.to_dict(), top_ps=list(TOP_PS),
+        reference={"p": REFERENCE_P, "caps": REFERENCE_CAP},
+        planted={"heads": 8, "kv_heads": 4, "head_dim": 64, "offsets": PLANTED_OFFSETS, "columns": PLANTED_COLUMNS},
+        seconds=round(time.time() - started, 1))
+    write_json(out / f"{args.name}.json", record)
     plot(results, out / f"{args.name}.png")
     print(f"wrote {out / (args.name + '.json')} and {out / (args.name + '.png')}")
     return 0 if all(r["verdict"]["met"] for r in results.values()) else 1

@@ -28,8 +28,6 @@ packed recall with documents (the shipped weight) >= alone recall (token-weighte
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import platform
 import sys
 import time
@@ -44,8 +42,8 @@ from ..documents import doc_start_from_cu_seqlens
 from ..estimator.rule import (DOCUMENT_WEIGHTS, document_column_and_diagonal_mass, estimate_vertical_slash,
                         index_from_masses)
 from ..recall import attention_recall
-from . import fresh_output_dir
-from .provenance import provenance
+from ..record import result_record, write_json
+from . import command_of, fresh_output_dir, params_of
 
 CHOSEN_WEIGHT = "tokens"  # the rule estimate_vertical_slash ships
 
@@ -217,18 +215,15 @@ def main(argv=None) -> int:
               f"{'>=' if c['met'] else '<'} alone {c['alone_recall']:.4f}: {'met' if c['met'] else 'NOT met'}")
     met = all(c["met"] for c in check.values())
     args.out = args.out or fresh_output_dir("recall_documents")
-    args.out.mkdir(parents=True, exist_ok=True)
-    record = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **provenance(),
-              "command": " ".join(["python -m ds_mtraining.bench.recall_documents",
-                                   *(sys.argv[1:] if argv is None else argv)]),
-              "device": f"CPU ({platform.processor() or platform.machine()})", "torch": torch.__version__,
-              "configs": {str(p): c.to_dict() for p, c in configs.items()}, "chosen_weight": CHOSEN_WEIGHT,
-              "model": {"preset": "tiny-qwen2", "train_steps": args.train_steps, "final_loss": loss},
-              "seq_len": args.seq_len, "document_lengths": lengths,
-              "results": [{"method": m, "top_p": p, **row} for (m, p), row in rows.items()],
-              "check": {str(p): c for p, c in check.items()}, "met": met,
-              "seconds": round(time.time() - started, 1)}
-    (args.out / "recall_documents.json").write_text(json.dumps(record, indent=1))
+    record = result_record(
+        "recall_documents", params_of(args), [{"method": m, "top_p": p, **row} for (m, p), row in rows.items()],
+        command=command_of("ds_mtraining.bench.recall_documents", sys.argv[1:] if argv is None else argv),
+        device=f"CPU ({platform.processor() or platform.machine()})", torch=torch.__version__,
+        configs={str(p): c.to_dict() for p, c in configs.items()}, chosen_weight=CHOSEN_WEIGHT,
+        model={"preset": "tiny-qwen2", "train_steps": args.train_steps, "final_loss": loss},
+        seq_len=args.seq_len, document_lengths=lengths, check={str(p): c for p, c in check.items()}, met=met,
+        seconds=round(time.time() - started, 1))
+    write_json(args.out / "recall_documents.json", record)
     plot(rows, args.out / "recall_documents.png")
     print(f"wrote {args.out / 'recall_documents.json'} and {args.out / 'recall_documents.png'}")
     return 0 if met else 1

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import functools
 import json
 import os
@@ -69,9 +68,10 @@ from ..distributed.topology import Topology, create_hierarchical_groups
 from ..estimator import estimate_index, graphs as estimate_graph
 from ..estimator.distributed import estimate_vertical_slash_distributed
 from ..layout import StripedLayout
+from ..record import result_record, write_json
 from ..ring import ring_sparse_attention
 from ..ring.work import imbalance, pair_work, step_work
-from .provenance import provenance
+from . import params_of
 
 MODES = ("given_index", "per_call_estimation", "per_call_estimation_eager")
 RINGS = ("flat", "hierarchical")
@@ -495,22 +495,21 @@ def table(cases) -> str:
     return "\n".join(lines)
 
 
-def write_json(path: Path, record: dict):
-    """Writes ``record``, keeping an earlier file's cases of other (seq_len, mode, ring, launch)."""
+def save_merged(path: Path, record: dict):
+    """Writes ``record``, keeping an earlier file's cases (its ``rows``; ``cases`` in files written
+    before :mod:`ds_mtraining.record`) of other (seq_len, mode, ring, launch), and its runs."""
     def key(c):
         return (c["seq_len"], c["mode"], c["ring"], c["launch"])
     if path.exists():
         try:
             earlier = json.loads(path.read_text())
-            new = {key(c) for c in record["cases"]}
-            kept = [c for c in earlier.get("cases", []) if key(c) not in new]
-            record["cases"] = sorted(kept + record["cases"], key=lambda c: (c["seq_len"], c["mode"], c["ring"],
-                                                                            c["launch"]))
+            new = {key(c) for c in record["rows"]}
+            kept = [c for c in earlier.get("rows", earlier.get("cases", [])) if key(c) not in new]
+            record["rows"] = sorted(kept + record["rows"], key=key)
             record["runs"] = earlier.get("runs", []) + record["runs"]
         except (json.JSONDecodeError, KeyError, TypeError) as error:
             print(f"scaling: {path} is not a results file of this benchmark ({error}); overwriting")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record, indent=1))
+    write_json(path, record)
 
 
 def main(argv=None):
@@ -541,21 +540,22 @@ def main(argv=None):
                 torch.cuda.empty_cache()
         if rank == 0:
             print(table(cases))
-            stamp = provenance()  # the file's and this run's: earlier runs keep their own
-            run = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **stamp,
-                       command=" ".join([launch["launcher"], "... -m ds_mtraining.bench.scaling", *sys.argv[1:]]),
-                       launch=launch, rings=rings, modes=args.modes)
-            record = dict(device=(torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu")
-                          + f" x{world}", **stamp, torch=torch.__version__, world=world,
-                          shape=dict(heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
-                                     block_size=args.block_size, dtype=str(dtype).removeprefix("torch.")),
-                          index=("estimated once per length by the distributed estimator from random q/k "
-                                 f"(last_q 64, top-p 0.9), max_slash_diagonals calibrated to density {args.density}, "
-                                 f"max_vertical {args.max_vertical}"),
-                          efficiency="T_1gpu / (W x T_ring), T_ring = median over repeats of the slowest rank",
-                          runs=[run], cases=cases)
+            record = result_record(
+                "ring_scaling", params_of(args), cases,
+                command=" ".join([launch["launcher"], "... -m ds_mtraining.bench.scaling", *sys.argv[1:]]),
+                device=(torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu") + f" x{world}",
+                torch=torch.__version__, world=world,
+                shape=dict(heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
+                           block_size=args.block_size, dtype=str(dtype).removeprefix("torch.")),
+                index=("estimated once per length by the distributed estimator from random q/k "
+                       f"(last_q 64, top-p 0.9), max_slash_diagonals calibrated to density {args.density}, "
+                       f"max_vertical {args.max_vertical}"),
+                efficiency="T_1gpu / (W x T_ring), T_ring = median over repeats of the slowest rank")
+            # the file's commit and this run's: earlier runs keep their own
+            record["runs"] = [{**{key: record[key] for key in ("utc", "commit", "dirty", "command")},
+                               "launch": launch, "rings": rings, "modes": args.modes}]
             path = out / f"multi_gpu_{device_tag(device)}x{world}.json"
-            write_json(path, record)
+            save_merged(path, record)
             print(f"scaling: wrote {path}", flush=True)
         barrier(device)
     except BaseException:
