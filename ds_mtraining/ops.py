@@ -14,8 +14,9 @@ from torch.profiler import record_function
 
 from .index import SparseIndex, Stripe
 
-# the head dims and dtypes csrc/cuda's kernels (and its fused estimator) are instantiated for; the
-# CPU op takes any head_dim and float32 too
+# the head dims and dtypes csrc/cuda's kernels (and its fused estimator) are instantiated for
+# (csrc/cuda/generate_kernels.py; tests/test_cuda_kernel_list.py holds them equal); the CPU op
+# takes any head_dim and float32 too
 CUDA_HEAD_DIMS = (64, 128)
 CUDA_DTYPES = (torch.bfloat16, torch.float16)
 

@@ -43,8 +43,9 @@ class MTrainingCUDABuilder(MTrainingBuilderMixin, CUDAOpBuilder):
 
     NAME = "mtraining_cuda"
     DEVICE_TYPE = "cuda"
-    SOURCES_HINT = "cuda/*.cu, cuda/binding.cpp and cuda/estimator/*"
-    SOURCE_DIRS = ("", "estimator")  # under csrc/cuda: the attention kernels, the fused estimator
+    SOURCES_HINT = "cuda/binding.cpp, cuda/instantiations/*.cu and cuda/estimator/*"
+    # under csrc/cuda: the binding, the attention kernels' instantiations (generate_kernels.py), the fused estimator
+    SOURCE_DIRS = ("", "instantiations", "estimator")
     TYPICAL_BUILD = "about 45 s on a 16-core H200 machine"
     # CuTe needs relaxed constexpr; line info keeps profiles readable
     EXTRA_NVCC_FLAGS = ["--expt-relaxed-constexpr", "--expt-extended-lambda", "-lineinfo",

@@ -135,7 +135,7 @@ def kernel_env(monkeypatch):
 
 
 def test_kernel_paths_are_chosen_by_architecture(kernel_env, monkeypatch):
-    """Without overrides the paths follow the device (binding.cpp's choose_kernel_paths): on
+    """Without overrides the paths follow the device (heuristics.h's choose_kernel_paths): on
     compute capability 9.x wgmma, TMA and the warp-specialised query kernels, elsewhere mma.sync,
     cp.async and the plain ones; dQ beside dK/dV everywhere. An override changes its path only."""
     module = ops.op_module("cuda")

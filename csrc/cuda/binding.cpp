@@ -17,6 +17,8 @@
 #include "mtraining/checks.h"
 #include "estimator/estimate.h"
 #include "mtraining/op_index.h"
+#include "heuristics.h"
+#include "kernel_instances.h"
 #include "params.h"
 
 namespace mtraining {
@@ -65,40 +67,12 @@ StepLists set_index_params(mtr::AttentionParams& p, const OpIndex& index) {
     return lists;
 }
 
-// Which kernels a call runs is chosen here, in code, from the device's architecture (and, in
-// launch.cuh, the index's block size), as FlashAttention's hopper/ heuristics do:
-//  * compute capability 9.x: wgmma tensor-core MMAs (the sm_90a kernels), with TMA copying the
-//    contiguous key/value tiles, and at block 128 the warp-specialised query-side kernels
-//    (specialized_query_kernel.cuh: a producer warpgroup loads, two consumer warpgroups compute);
-//  * 8.x: mma.sync, cp.async copies, one warpgroup-sized CTA per query block (query_kernel.cuh);
-//  * everywhere: the backward's dQ kernel on a second stream, beside the dK/dV kernels.
-// Results are the same on every path (bit for bit between the query kernels and the dQ orders).
-struct KernelPaths {
-    bool warpgroup_mma;
-    bool tma;
-    bool concurrent_dq;
-    std::string query;  // "specialized" or "plain" (block 64 always takes plain)
-};
+using mtr::KernelOverrides;
+using mtr::KernelPaths;
 
-KernelPaths choose_kernel_paths(int device) {
-    const bool hopper = at::cuda::getDeviceProperties(device)->major == 9;
-    return {hopper, hopper, true, hopper ? "specialized" : "plain"};
-}
-
-// Test and debug overrides of that choice (docs/DESIGN.md, "Environment variables"), so that the
-// tests can run every path on one GPU and compare them: DS_MTRAINING_CUDA_MMA=warp (mma.sync on
-// Hopper, what Ampere runs), DS_MTRAINING_CUDA_TMA=0 (cp.async for every tile on the wgmma path),
-// DS_MTRAINING_CUDA_CONCURRENT_DQ=0 (dQ after dK/dV on the current stream),
-// DS_MTRAINING_CUDA_QUERY=plain (the one-warpgroup query kernels on Hopper). Unset, they change
-// nothing. Read at the module's first forward, backward or kernel_paths call, and again only by
-// reload_kernel_options: every call in between takes the same kernels.
-struct KernelOverrides {
-    bool warp_mma;
-    bool no_tma;
-    bool serial_dq;
-    bool plain_query;
-};
-
+// The overrides of heuristics.h's choice, read at the module's first forward, backward or
+// kernel_paths call, and again only by reload_kernel_options: every call in between takes the
+// same kernels.
 bool env_is(const char* name, const char* value) {
     const char* set = std::getenv(name);
     return set != nullptr && std::string(set) == value;
@@ -127,15 +101,20 @@ void reload_kernel_options() {
     kernel_overrides_read = read_kernel_overrides();
 }
 
-// The kernel paths of a call on `device`: choose_kernel_paths, then the overrides.
+// The kernel paths of a call on `device` (heuristics.h).
 KernelPaths kernel_paths_for(int device) {
-    KernelPaths paths = choose_kernel_paths(device);
-    const KernelOverrides overrides = kernel_overrides();
-    if (overrides.warp_mma) paths = {false, false, paths.concurrent_dq, "plain"};
-    if (overrides.no_tma) paths.tma = false;
-    if (overrides.serial_dq) paths.concurrent_dq = false;
-    if (overrides.plain_query) paths.query = "plain";
-    return paths;
+    return mtr::choose_kernel_paths(at::cuda::getDeviceProperties(device)->major, kernel_overrides());
+}
+
+// One error naming the head dims the kernels are instantiated for.
+void check_kernel_head_dim(int64_t head_dim) {
+    std::string dims;
+    for (const int dim : mtr::kKernelHeadDims) {
+        if (dim == head_dim) return;
+        dims += (dims.empty() ? "" : ", ") + std::to_string(dim);
+    }
+    TORCH_CHECK_VALUE(false, kOpName, ": the CUDA kernels take head_dim ", dims, ", got ", text(head_dim),
+                      " (ds_mtraining.attention pads a smaller one)");
 }
 
 // One call of the kernels: its inputs (contiguous, q/k/v 16-byte aligned), the per-call lists, the
@@ -159,8 +138,7 @@ Call prepare_call(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tens
     TORCH_CHECK_TYPE(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf, kOpName,
                      ": the CUDA kernels take bfloat16 or float16 q/k/v, got ", text(q.scalar_type()),
                      "; cast them (float32 runs on the CPU op)");
-    TORCH_CHECK_VALUE(q.size(3) == 64 || q.size(3) == 128, kOpName, ": head_dim must be 64 or 128, got ",
-                      text(q.size(3)));
+    check_kernel_head_dim(q.size(3));
     TORCH_CHECK_VALUE(block == 64 || block == 128, kOpName, ": block_size must be 64 or 128, got ", text(block));
     TORCH_CHECK_VALUE(q.size(1) >= 1, kOpName, ": the sequence is empty");
     TORCH_CHECK_VALUE(std::max(geo.q_blocks, geo.k_blocks) <= mtr::kMaxLocalBlocks, kOpName, ": ",
@@ -188,14 +166,18 @@ Call prepare_call(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tens
     return call;
 }
 
+// run(dtype, head_dim) as integral constants, for the instantiation of q's (kernel_instances.h);
+// the callers' checks (check_kernel_head_dim) leave no other.
 template <typename Run>
 cudaError_t dispatch(const at::Tensor& q, Run run) {
-    const bool bf16 = q.scalar_type() == at::kBFloat16;
-    const bool d64 = q.size(3) == 64;
-    if (bf16) return d64 ? run(std::integral_constant<mtr::DType, mtr::DType::kBF16>{}, std::integral_constant<int, 64>{})
-                         : run(std::integral_constant<mtr::DType, mtr::DType::kBF16>{}, std::integral_constant<int, 128>{});
-    return d64 ? run(std::integral_constant<mtr::DType, mtr::DType::kFP16>{}, std::integral_constant<int, 64>{})
-               : run(std::integral_constant<mtr::DType, mtr::DType::kFP16>{}, std::integral_constant<int, 128>{});
+    const mtr::DType dtype = q.scalar_type() == at::kBFloat16 ? mtr::DType::kBF16 : mtr::DType::kFP16;
+    const int head_dim = static_cast<int>(q.size(3));
+#define MTR_DISPATCH(DTYPE, HEAD_DIM)                                                             \
+    if (dtype == mtr::DType::DTYPE && head_dim == HEAD_DIM)                                        \
+        return run(std::integral_constant<mtr::DType, mtr::DType::DTYPE>{}, std::integral_constant<int, HEAD_DIM>{});
+    MTR_FOR_EACH_KERNEL(MTR_DISPATCH)
+#undef MTR_DISPATCH
+    return cudaErrorInvalidValue;
 }
 
 // Runs a prepared call on the current stream: the TMA tensor maps (when this device's path uses
@@ -306,8 +288,7 @@ at::Tensor row_delta(const at::Tensor& dout_in, const at::Tensor& out_in) {
     check_delta_inputs(dout_in, out_in, c10::DeviceType::CUDA, kOpName);
     TORCH_CHECK_TYPE(dout_in.scalar_type() == at::kBFloat16 || dout_in.scalar_type() == at::kHalf, kOpName,
                      ": delta takes bfloat16 or float16 dout (the kernels' dtypes), got ", text(dout_in.scalar_type()));
-    TORCH_CHECK_VALUE(dout_in.size(3) == 64 || dout_in.size(3) == 128, kOpName, ": head_dim must be 64 or 128, got ",
-                      text(dout_in.size(3)));
+    check_kernel_head_dim(dout_in.size(3));
     const c10::cuda::OptionalCUDAGuard guard(dout_in.device());
     const at::Tensor dout = contiguous_aligned(dout_in);
     at::Tensor delta = at::empty({dout.size(0), dout.size(2), dout.size(1)}, dout.options().dtype(at::kFloat));

@@ -96,7 +96,8 @@ cudaError_t build_step_index(const AttentionParams& params, cudaStream_t stream)
 // Forward: out, lse. Backward: dq, dk, dv (uses delta/vertical_dk/vertical_dv as scratch); with
 // a dq_stream (not nullptr) dQ runs there, beside dK/dV, and `stream` waits for it.
 // Both expect build_step_index to have run on the same stream with the same params.
-// Defined for DType in {kBF16, kFP16} and head_dim in {64, 128}, one instantiation file each.
+// Instantiated for the (dtype, head_dim) pairs of kernel_instances.h, one file each under
+// instantiations/ (generate_kernels.py writes them).
 template <DType dtype, int kHeadDim>
 cudaError_t run_forward(const AttentionParams& params, cudaStream_t stream);
 
