@@ -21,6 +21,11 @@ Sources (the ``mtraining.data`` section of the DeepSpeed JSON, see :func:`load_d
   random depth of the sample's own text, the question and the key at the end), chosen per sample
   index with a seeded generator, so a resumed run sees the same samples. ``"passkey_questions"``
   (default 1) asks for the key that many times per sample (more retrieval examples per step).
+  ``"task_fractions"`` (default none), e.g. ``{"multikey": 0.25, "multivalue": 0.25, "vartrack":
+  0.25}``, turns those shares of the samples into the RULER-style tasks of
+  :mod:`ds_mtraining.ruler` in the same way (their answer at the end); with ``passkey_fraction``
+  they sum to at most 1, and a sample is one task or none (one seeded draw per sample: a config
+  without ``task_fractions`` keeps its exact samples).
 
 Tokenizers: ``"bytes"`` (default), :class:`ByteTokenizer` (UTF-8 bytes 0..255 plus an end-of-
 document token 256, implemented here, nothing to download), or the path of a local tokenizer
@@ -149,7 +154,7 @@ def check_data_spec(spec: dict | None, key: str = "mtraining.data") -> dict:
     returns it with defaults filled in."""
     spec = dict(spec or {"source": "stdlib"})
     known = {"source", "files", "format", "text_field", "saved_dataset", "split", "document_chars",
-             "max_documents", "passkey_fraction", "passkey_questions", "samples", "vocab_size"}
+             "max_documents", "passkey_fraction", "passkey_questions", "task_fractions", "samples", "vocab_size"}
     unknown = sorted(set(spec) - known)
     if unknown:
         raise DataConfigError(f"unknown key(s) {unknown} in '{key}'; valid keys are {sorted(known)}")
@@ -177,6 +182,7 @@ def check_data_spec(spec: dict | None, key: str = "mtraining.data") -> dict:
     if type(questions) is not int or questions < 1:
         raise DataConfigError(f"{key}.passkey_questions={questions!r} must be a positive integer (how many "
                               f"times a passkey sample asks for its key)")
+    check_task_fractions(spec, key)
     if "files" in spec:
         files = [spec["files"]] if isinstance(spec["files"], str) else list(spec["files"])
         missing = [f for f in files if not Path(f).is_file()]
@@ -193,6 +199,26 @@ def check_data_spec(spec: dict | None, key: str = "mtraining.data") -> dict:
                               f"the directory written by Dataset.save_to_disk")
     spec.setdefault("text_field", "text")
     return spec
+
+
+def check_task_fractions(spec: dict, key: str = "mtraining.data"):
+    """``task_fractions``: {task of ds_mtraining.ruler but passkey: share in [0, 1]}, summing with
+    ``passkey_fraction`` to at most 1, on a text source."""
+    fractions = spec.get("task_fractions")
+    if fractions is None:
+        return
+    from .ruler import TASKS
+    tasks = [t for t in TASKS if t != "passkey"]
+    if not isinstance(fractions, dict) or sorted(set(fractions) - set(tasks)) or not all(
+            not isinstance(v, bool) and isinstance(v, (int, float)) and 0.0 <= v <= 1.0 for v in fractions.values()):
+        raise DataConfigError(f"{key}.task_fractions={fractions!r} must map tasks of {tasks} to shares in [0, 1] "
+                              f"(passkey has passkey_fraction)")
+    if sum(fractions.values()) + spec.get("passkey_fraction", 0.0) > 1.0 + 1e-9:
+        raise DataConfigError(f"{key}.task_fractions and passkey_fraction sum to "
+                              f"{sum(fractions.values()) + spec.get('passkey_fraction', 0.0):g}, more than 1")
+    if spec.get("source") == "random" and any(fractions.values()):
+        raise DataConfigError(f"{key}.task_fractions: random token ids have no text to hide a task in; "
+                              f"use a text source")
 
 
 def folder_spec(folder: str, key: str = "--data") -> dict:
@@ -296,14 +322,17 @@ class PackedSequences:
     ``self[i]`` is ``(input_ids [L], labels [L])`` int64, labels shifted by one on the stream.
     With ``passkey_fraction`` > 0 (and the ``tokenizer``), sample i is a passkey sample made from
     its own window with probability ``passkey_fraction``, decided by a generator seeded (seed, i),
-    asking ``passkey_questions`` times for its key."""
+    asking ``passkey_questions`` times for its key; with ``task_fractions`` the same draw makes it
+    a sample of one of :mod:`ds_mtraining.ruler`'s other tasks with those probabilities."""
 
     def __init__(self, tokenized, seq_len: int, passkey_fraction: float = 0.0, tokenizer=None,
-                 seed: int = 0, passkey_questions: int = 1):
+                 seed: int = 0, passkey_questions: int = 1, task_fractions: dict | None = None):
         self.documents = tokenized
         self.seq_len = seq_len
-        if passkey_fraction and tokenizer is None:
-            raise ValueError("passkey samples need the tokenizer (to encode the question and the key)")
+        from .ruler import TASKS  # the tasks in one fixed order: the draw's bounds do not follow the JSON's order
+        self.task_fractions = {t: float((task_fractions or {})[t]) for t in TASKS if (task_fractions or {}).get(t)}
+        if (passkey_fraction or self.task_fractions) and tokenizer is None:
+            raise ValueError("passkey and task samples need the tokenizer (to encode the question and the key)")
         self.passkey_fraction, self.tokenizer, self.seed = passkey_fraction, tokenizer, seed
         self.passkey_questions = passkey_questions
         if passkey_fraction:
@@ -313,6 +342,11 @@ class PackedSequences:
                 raise DataConfigError(f"a passkey sample's fixed text ({passkey_questions} question(s)) takes {fixed} "
                                       f"tokens, more than mtraining.seq_len={seq_len}; lower "
                                       f"mtraining.data.passkey_questions or raise seq_len")
+        for task in self.task_fractions:
+            from .ruler import task_fixed_tokens
+            if task_fixed_tokens(task, tokenizer) > seq_len:
+                raise DataConfigError(f"a {task} sample's fixed text takes {task_fixed_tokens(task, tokenizer)} tokens, "
+                                      f"more than mtraining.seq_len={seq_len}; raise seq_len")
         lengths = tokenized["length"].to_numpy().astype(np.int64)
         self.starts = np.concatenate([[0], np.cumsum(lengths)])
         self.total_tokens = int(self.starts[-1])
@@ -336,33 +370,44 @@ class PackedSequences:
             doc += 1
         return np.concatenate(pieces)
 
-    def _passkey_rng(self, i: int) -> np.random.Generator | None:
-        """The generator of sample i's passkey task, None when sample i carries none."""
-        if not self.passkey_fraction:
+    def _task(self, i: int) -> tuple[str, np.random.Generator] | None:
+        """(task, its generator) of sample i, None when sample i carries none."""
+        if not self.passkey_fraction and not self.task_fractions:
             return None
         rng = np.random.default_rng([self.seed, i, 0x9A55])
-        return rng if rng.random() < self.passkey_fraction else None
+        draw = rng.random()
+        if draw < self.passkey_fraction:
+            return "passkey", rng
+        bound = self.passkey_fraction
+        for task, fraction in self.task_fractions.items():
+            bound += fraction
+            if draw < bound:
+                return task, rng
+        return None
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         if not 0 <= i < len(self):
             raise IndexError(f"sample {i} of {len(self)}")
         tokens = self.window(i * self.seq_len, self.seq_len + 1).astype(np.int64)
-        rng = self._passkey_rng(i)
-        if rng is not None:
+        chosen = self._task(i)
+        if chosen is not None and chosen[0] == "passkey":
             from .passkey import passkey_training_sample
-            tokens = passkey_training_sample(tokens, self.tokenizer, rng, questions=self.passkey_questions)
+            tokens = passkey_training_sample(tokens, self.tokenizer, chosen[1], questions=self.passkey_questions)
+        elif chosen is not None:
+            from .ruler import task_training_sample
+            tokens = task_training_sample(chosen[0], tokens, self.tokenizer, chosen[1])
         tokens = torch.from_numpy(tokens)
         return tokens[:-1], tokens[1:]
 
     def cu_seqlens(self, i: int) -> torch.Tensor:
         """int64 [n + 1]: where the documents of sample i's input tokens begin, then L (a window
-        may start inside a document: its first piece is a document of its own). A passkey sample
-        is one document (its needle and question must see each other)."""
+        may start inside a document: its first piece is a document of its own). A passkey or task
+        sample is one document (its needle and question must see each other)."""
         if not 0 <= i < len(self):
             raise IndexError(f"sample {i} of {len(self)}")
         start, end = i * self.seq_len, (i + 1) * self.seq_len
         inside = self.starts[(self.starts > start) & (self.starts < end)] - start
-        if self._passkey_rng(i) is not None:
+        if self._task(i) is not None:
             inside = inside[:0]
         return torch.from_numpy(np.concatenate([[0], inside, [self.seq_len]]).astype(np.int64))
 
@@ -401,7 +446,7 @@ def training_samples(spec: dict, seq_len: int, tokenizer, seed: int, vocab_size:
                                spec.get("samples", DEFAULT_RANDOM_SAMPLES), seed)
     documents = load_documents(spec, key=key)
     return PackedSequences(tokenize_documents(documents, tokenizer), seq_len, spec.get("passkey_fraction", 0.0),
-                           tokenizer, seed, spec.get("passkey_questions", 1))
+                           tokenizer, seed, spec.get("passkey_questions", 1), spec.get("task_fractions"))
 
 
 # ----------------------------------------------------------------------------- per-rank batches

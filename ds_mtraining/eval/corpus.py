@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from ..data import DEFAULT_DOCUMENT_CHARS, join_files, stdlib_documents
+from ..record import write_json
 
 TEXT_SUFFIXES = (".rst", ".txt", ".md")
 
@@ -91,7 +92,7 @@ def build_corpus(out: Path, stdlib: bool, docs, exclude=(), document_chars: int 
     for name, part in (("train", train), ("heldout", held)):
         datasets.Dataset.from_list(part).to_parquet(str(out / f"{name}.parquet"))
         summary[name] = {"documents": len(part), "chars": int(sum(len(d["text"]) for d in part))}
-    (out / "corpus.json").write_text(json.dumps(summary, indent=2))
+    write_json(out / "corpus.json", summary)
     return summary
 
 

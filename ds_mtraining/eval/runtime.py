@@ -1,5 +1,6 @@
 """What every evaluation needs: the model (a local HF directory), its tokenizer, held-out text,
-the attention it runs (dense SDPA, or MTraining's sparse prefill) and greedy decoding."""
+the attention it runs (dense SDPA or FlashAttention-4's causal kernel, or MTraining's sparse
+prefill) and greedy decoding."""
 from __future__ import annotations
 
 import inspect
@@ -12,11 +13,14 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from ..config import SparseConfig
+from ..dense_backend import dense_causal_attention, resolve_dense_backend
 from ..data import ByteTokenizer, HFTokenizer, datasets_offline, folder_spec, load_documents, stdlib_documents
-from ..hf import mtraining_attention_forward, use_mtraining_attention
+from ..hf import attention_modules, mtraining_attention_forward, use_mtraining_attention
 from ..layer import AttentionStats, MTrainingAttentionSettings
 
 SPARSE_PREFILL = "mtraining_prefill"
+DENSE_PREFILL = "mtraining_dense_prefill"
+DENSE_KERNEL_ATTRIBUTE = "mtraining_dense_kernel"
 EVAL_ATTENTION = ("dense", "sparse")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -30,6 +34,20 @@ def sparse_prefill_forward(module, query, key, value, attention_mask, **kwargs):
 
 
 AttentionInterface.register(SPARSE_PREFILL, sparse_prefill_forward)
+
+
+def dense_prefill_forward(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    """A prefill's causal attention with the module's dense kernel (FA4 where set: the fastest
+    dense kernel on Hopper), SDPA for the decoding steps (one query against the cache)."""
+    kernel = getattr(module, DENSE_KERNEL_ATTRIBUTE, "sdpa")
+    if query.shape[2] == key.shape[2] and kernel != "sdpa":
+        scale = scaling if scaling is not None else module.scaling
+        out = dense_causal_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), scale, kernel)
+        return out, None
+    return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+
+
+AttentionInterface.register(DENSE_PREFILL, dense_prefill_forward)
 
 
 def resolve_device(device: str = "auto") -> torch.device:
@@ -79,19 +97,34 @@ def sparse_config(spec: str | None) -> SparseConfig:
     return SparseConfig.from_dict(values, where="--sparse_config")
 
 
-def set_attention(model, mode: str, sparse: SparseConfig | None = None) -> AttentionStats | None:
-    """``"dense"``: transformers' SDPA (as the paper evaluates). ``"sparse"``: MTraining's
-    estimated sparse attention for every prefill (single process, :func:`use_mtraining_attention`),
-    dense SDPA while decoding; returns the statistics the sparse calls record."""
+def set_attention(model, mode: str, sparse: SparseConfig | None = None, dense_kernel: str = "sdpa") -> AttentionStats | None:
+    """``"dense"``: exact causal attention (as the paper evaluates): transformers' SDPA, or with
+    ``dense_kernel`` "fa4" / "auto" (:func:`~ds_mtraining.dense_backend.resolve_dense_backend`'s
+    rule) FlashAttention-4 for each prefill. ``"sparse"``: MTraining's estimated sparse attention
+    for every prefill (single process, :func:`use_mtraining_attention`), dense SDPA while
+    decoding; returns the statistics the sparse calls record."""
     if mode not in EVAL_ATTENTION:
         raise ValueError(f"attention {mode!r} is unknown; use one of {list(EVAL_ATTENTION)}")
     if mode == "dense":
-        model.set_attn_implementation("sdpa")
+        device = next(model.parameters()).device
+        kernel = "sdpa" if dense_kernel == "sdpa" or device.type != "cuda" and dense_kernel == "auto" else \
+            resolve_dense_backend(dense_kernel, device, key="--dense_kernel").name
+        for module in attention_modules(model):
+            setattr(module, DENSE_KERNEL_ATTRIBUTE, kernel)
+        model.set_attn_implementation("sdpa" if kernel == "sdpa" else DENSE_PREFILL)
         return None
     stats = AttentionStats()
     use_mtraining_attention(model, MTrainingAttentionSettings(sparse or SparseConfig(), stats=stats))
     model.set_attn_implementation(SPARSE_PREFILL)
     return stats
+
+
+def layer_densities(densities: list, layers: int) -> list[float]:
+    """Each layer's mean index density from :class:`AttentionStats`' ``densities`` of whole
+    forwards (every forward records one call per layer, in layer order): [layers] floats."""
+    if not densities or len(densities) % layers:
+        raise ValueError(f"{len(densities)} recorded attention calls are not whole forwards of {layers} layers")
+    return np.asarray(densities, dtype=np.float64).reshape(-1, layers).mean(0).tolist()
 
 
 def _cache_keyword(model) -> str:
@@ -127,10 +160,11 @@ def data_spec(value: str) -> dict:
     return {"files": value.split(",")}
 
 
-def heldout_stream(spec: dict, tokenizer, min_tokens: int) -> np.ndarray:
+def heldout_stream(spec: dict, tokenizer, min_tokens: int, prefer_tokens: int | None = None) -> np.ndarray:
     """Token ids of the LAST documents of a data source (each followed by the end-of-document
-    token), as few as hold ``min_tokens``, in document order. The training loader reads a source
-    from its start; point ``spec`` at text the model never saw for a strict held-out set."""
+    token), as few as hold ``prefer_tokens`` (default ``min_tokens``; all of them where fewer,
+    ValueError below ``min_tokens``), in document order. The training loader reads a source from
+    its start; point ``spec`` at text the model never saw for a strict held-out set."""
     if spec.get("source") == "stdlib":  # read directly: needs no `datasets`
         documents = stdlib_documents()
     else:
@@ -141,7 +175,7 @@ def heldout_stream(spec: dict, tokenizer, min_tokens: int) -> np.ndarray:
         ids = np.append(tokenizer.encode(documents[i]["text"]), tokenizer.eos_token_id).astype(np.int64)
         pieces.append(ids)
         total += len(ids)
-        if total >= min_tokens:
+        if total >= max(min_tokens, prefer_tokens or 0):
             break
     if total < min_tokens:
         raise ValueError(f"the data holds {total} tokens, {min_tokens} are needed; give more text (--data)")

@@ -1,0 +1,222 @@
+"""RULER-style tasks (ds_mtraining.ruler, ds_mtraining.eval.ruler): each generator puts its answer
+at the requested depth of a prompt of the requested length, each scorer scores a right answer right
+and a wrong one wrong, Wilson intervals against hand computations; the training mix; and the 128K
+quality study's driver (bench.quality long) end to end on CPU at toy lengths."""
+import json
+import re
+
+import numpy as np
+import pytest
+
+from helpers import text_tokens
+from ds_mtraining.data import ByteTokenizer, DataConfigError, PackedSequences, check_data_spec
+from ds_mtraining.eval.ruler import (run_trials, score, summarise, trials_for_width, wilson_interval,
+                                     wilson_width)
+from ds_mtraining.passkey import INTRO as PASSKEY_INTRO
+from ds_mtraining.ruler import (MAGIC_INTRO, MULTIVALUE_VALUES, TASKS, VARTRACK_HOPS, VARTRACK_INTRO,
+                                task_fixed_tokens, task_prompt, task_training_sample)
+
+TOKENIZER = ByteTokenizer()
+FILLER = text_tokens(3000).numpy()
+
+
+def decode(ids) -> str:
+    return TOKENIZER.decode(np.asarray(ids))
+
+
+def oracle_answer(prompt_text: str, task: str) -> str:
+    """The right answer read back from the prompt's text alone (what a perfect reader answers)."""
+    if task == "passkey":
+        return " " + re.search(r"The pass key is (\d+)\.", prompt_text).group(1)
+    if task == "multikey":
+        key = re.search(r"What is the special magic number for (\w+)\?", prompt_text).group(1)
+        return " " + re.search(rf"magic numbers for {key} is: (\d+)\.", prompt_text).group(1)
+    if task == "multivalue":
+        key = re.search(r"What are all the special magic numbers for (\w+)\?", prompt_text).group(1)
+        return " " + ", ".join(re.findall(rf"magic numbers for {key} is: (\d+)\.", prompt_text))
+    value = re.search(r"assigned the value (\d+)\.", prompt_text).group(1)
+    chain, names = {}, []
+    for name, source in re.findall(r"VAR ([A-Z]+) = (VAR [A-Z]+|\d+)", prompt_text):
+        chain[name] = source
+    for name, source in chain.items():
+        while source.startswith("VAR "):
+            source = chain[source[4:]]
+        if source == value:
+            names.append(name)
+    return " " + " ".join(names)
+
+
+# ----------------------------------------------------------------------------- generators
+INTROS = {"passkey": PASSKEY_INTRO, "multikey": MAGIC_INTRO, "multivalue": MAGIC_INTRO, "vartrack": VARTRACK_INTRO}
+
+
+@pytest.mark.parametrize("task", TASKS)
+@pytest.mark.parametrize("length, depth", [(700, 0.0), (900, 0.4), (1100, 1.0)])
+def test_each_task_puts_its_answer_at_the_depth_and_length_asked(task, length, depth):
+    prompt = task_prompt(task, TOKENIZER, FILLER, length, depth, np.random.default_rng(7))
+    text = decode(prompt.input_ids)
+    assert len(prompt.input_ids) == length and prompt.task == task
+    assert len(prompt.pieces) == {"passkey": 1, "multikey": 4, "multivalue": MULTIVALUE_VALUES,
+                                  "vartrack": VARTRACK_HOPS + 1}[task]
+    # by hand (ASCII: one byte token per character): n filler tokens = length - intro - pieces -
+    # question; the first piece starts after the intro, round(depth n) filler tokens and the
+    # pieces placed before it (multikey's distractors)
+    question = max(text.rfind("\n\nWhat"), text.rfind("\n\nFind all"))
+    intro = INTROS[task]
+    assert text.startswith(intro)
+    n = question - len(intro) - sum(size for _, size in prompt.pieces)
+    start, size = prompt.pieces[0]
+    before = sum(s_size for s_start, s_size in prompt.pieces[1:] if s_start < start)
+    assert start == len(intro) + round(depth * n) + before
+    needle = text[start:start + size]
+    assert needle.startswith("\n\n") and needle.endswith("\n\n") and prompt.answer[0] in needle
+    # a reader of the text alone finds exactly the expected answer
+    assert decode(prompt.answer_ids) == oracle_answer(text, task)
+    # the filler is the real text window, in order, around the pieces
+    filler = "".join(text[a + m:b] for (a, m), (b, _) in zip(
+        [(0, len(intro))] + sorted(prompt.pieces), sorted(prompt.pieces) + [(question, 0)]))
+    assert filler == decode(FILLER[:n])
+
+
+def test_the_farthest_piece_is_at_the_depth_and_the_chain_stays_in_order():
+    for seed in range(20):
+        for task in ("multivalue", "vartrack"):
+            prompt = task_prompt(task, TOKENIZER, FILLER, 1500, 0.3, np.random.default_rng(seed))
+            starts = [s for s, _ in prompt.pieces]
+            assert starts == sorted(starts)  # the first piece the farthest, the chain in its order
+    prompt = task_prompt("vartrack", TOKENIZER, FILLER, 1500, 0.3, np.random.default_rng(1))
+    text = decode(prompt.input_ids)
+    names = re.findall(r"VAR ([A-Z]+) =", text)
+    assert names == prompt.answer and len(set(names)) == VARTRACK_HOPS + 1
+
+
+def test_prompts_are_seeded_and_too_short_lengths_are_refused():
+    a = task_prompt("multikey", TOKENIZER, FILLER, 800, 0.5, np.random.default_rng(3))
+    b = task_prompt("multikey", TOKENIZER, FILLER, 800, 0.5, np.random.default_rng(3))
+    np.testing.assert_array_equal(a.input_ids, b.input_ids)
+    with pytest.raises(ValueError, match="shorter than the multikey prompt's fixed text"):
+        task_prompt("multikey", TOKENIZER, FILLER, 100, 0.5, np.random.default_rng(3))
+    with pytest.raises(ValueError, match="unknown"):
+        task_prompt("qa", TOKENIZER, FILLER, 800, 0.5, np.random.default_rng(3))
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_training_samples_keep_the_length_and_end_with_the_answer(task):
+    window = FILLER[:1025].astype(np.int64)
+    sample = task_training_sample(task, window, TOKENIZER, np.random.default_rng(5))
+    assert len(sample) == len(window) and sample.dtype == window.dtype
+    text = decode(sample)
+    last_word = " are" if task in ("multivalue", "vartrack") else " is"
+    question_end = text.rfind(last_word) + len(last_word)
+    assert text[question_end:] == oracle_answer(text[:question_end], task)
+    assert task_fixed_tokens(task, TOKENIZER) < len(window)
+
+
+# ----------------------------------------------------------------------------- scorers
+@pytest.mark.parametrize("task, answer, right, wrong", [
+    ("passkey", ["71432"], [" 71432.", "71432"], [" 714320", " 7143", "the key 71432"]),
+    ("multikey", ["12345"], [" 12345.\n"], [" 12346", " 54321 12345"]),
+    ("multivalue", ["11111", "22222", "33333", "44444"],
+     [" 11111, 22222, 33333, 44444.", " 44444, 33333, 22222, 11111"],
+     [" 11111, 22222, 33333", " 11111, 22222, 33333, 55555", " 11111, 11111, 22222, 33333, 44444"]),
+    ("vartrack", ["ABCDE", "FGHIJ", "KLMNO"], [" ABCDE FGHIJ KLMNO", " KLMNO ABCDE FGHIJ."],
+     [" ABCDE FGHIJ", " ABCDE FGHIJ KLMNP", " VAR ABCDE FGHIJ KLMNO"]),
+])
+def test_each_scorer_scores_a_right_answer_right_and_a_wrong_one_wrong(task, answer, right, wrong):
+    assert all(score(task, text, answer) for text in right)
+    assert not any(score(task, text, answer) for text in wrong)
+
+
+def test_run_trials_scores_an_oracle_and_a_wrong_decoder_and_resumes():
+    """A decoder that reads the answer from the prompt scores 1 in every cell, one with a fixed
+    wrong answer 0; trials are the same prompts on every run; a run cut short by its deadline
+    continues where it stopped, with the same rows as an uninterrupted run."""
+    stream = text_tokens(6000).numpy()
+    seen = []
+
+    def oracle(ids, max_new_tokens):
+        text = decode(ids)
+        task = ("multivalue" if "What are all" in text else "vartrack" if "Find all variables" in text else
+                "multikey" if "special magic number for" in text else "passkey")
+        seen.append(len(ids))
+        return TOKENIZER.encode(oracle_answer(text, task))[:max_new_tokens]
+
+    grid = dict(tasks=TASKS, lengths=[600, 900], depths=[0.0, 0.5, 1.0], trials=2, target_width=None, seed=11)
+    full = run_trials(oracle, TOKENIZER, stream, **grid)
+    assert full["complete"] and len(full["rows"]) == 4 * 2 * 3 * 2 and all(r["correct"] for r in full["rows"])
+    assert seen[:24] == [900] * 24  # the longest length first
+    summary = summarise(full["rows"])
+    assert summary["vartrack"]["600"]["accuracy"] == 1.0 and summary["vartrack"]["600"]["trials"] == 6
+    assert summary["multikey"]["900"]["by_depth"]["0.5"]["trials"] == 2
+    wrong = run_trials(lambda ids, n: TOKENIZER.encode(" 1 XYZ"), TOKENIZER, stream, **grid)
+    assert not any(r["correct"] for r in wrong["rows"])
+    # cut short, continued: the same rows
+    partial = run_trials(oracle, TOKENIZER, stream, **grid, deadline=0.0)
+    assert not partial["complete"] and partial["rows"] == []
+    done = {(r["task"], r["length"], r["depth"], r["trial"]): r for r in full["rows"][:5]}
+    resumed = run_trials(oracle, TOKENIZER, stream, **grid, done=done)
+    key = lambda r: (r["task"], r["length"], r["depth"], r["trial"])  # noqa: E731
+    assert sorted(map(key, resumed["rows"])) == sorted(map(key, full["rows"]))
+    assert [r["answer"] for r in sorted(resumed["rows"], key=key)] == [r["answer"] for r in sorted(full["rows"], key=key)]
+
+
+def test_run_trials_adds_rounds_until_the_interval_is_narrow_enough():
+    stream = text_tokens(6000).numpy()
+    always = lambda ids, n: TOKENIZER.encode(" 0")  # noqa: E731 - always wrong: accuracy 0
+    ran = run_trials(always, TOKENIZER, stream, ["passkey"], [500], [0.0, 1.0], trials=4, target_width=0.3,
+                     max_trials=64, seed=1)
+    # Wilson at 0 of n: width z^2 / (n + z^2) < 0.3 from n = 9: three rounds of 8
+    assert len(ran["rows"]) == 16 and wilson_width(0.0, 16) < 0.3 <= wilson_width(0.0, 8)
+    capped = run_trials(always, TOKENIZER, stream, ["passkey"], [500], [0.0, 1.0], trials=4, target_width=0.01,
+                        max_trials=16, seed=1)
+    assert len(capped["rows"]) == 16
+
+
+# ----------------------------------------------------------------------------- intervals
+def test_wilson_interval_by_hand():
+    # 8 of 10, z = 1.96: centre (0.8 + 1.9208/10) / 1.38415 = 0.71674, half-width
+    # 1.96 sqrt(0.016 + 0.00960) / 1.38415 = 0.22657
+    low, high = wilson_interval(8, 10)
+    assert low == pytest.approx(0.49016, abs=2e-4) and high == pytest.approx(0.94331, abs=2e-4)
+    assert wilson_interval(0, 0) == (0.0, 1.0)
+    low, high = wilson_interval(0, 50)  # 0 of n: [0, z^2 / (n + z^2)]
+    assert low == pytest.approx(0.0, abs=1e-12) and high == pytest.approx(3.8415 / 53.8415, rel=1e-4)
+    assert wilson_interval(50, 50)[1] == 1.0
+
+
+@pytest.mark.parametrize("accuracy, trials", [(0.5, 2398), (0.9, 868), (0.0, 93), (1.0, 93), (0.97, 303)])
+def test_trials_for_a_four_point_interval(accuracy, trials):
+    n = trials_for_width(accuracy, 0.04)
+    assert n == trials and wilson_width(accuracy, n) < 0.04 <= wilson_width(accuracy, n - 1)
+    # by hand: near the normal approximation's 4 z^2 p (1 - p) / w^2 in the middle (2401, 864), and
+    # z^2 (1 - w) / w = 92.2 at 0 and 1
+    wald = 4 * 1.959964 ** 2 * accuracy * (1 - accuracy) / 0.04 ** 2
+    assert abs(n - wald) < 0.1 * wald if 0 < accuracy < 1 else n == 93
+
+
+# ----------------------------------------------------------------------------- the training mix
+def test_task_fractions_mix_the_tasks_into_training_and_keep_other_samples():
+    from datasets import Dataset
+    ids = [text_tokens(18000).numpy()]
+    tokenized = Dataset.from_dict({"input_ids": ids, "length": [len(ids[0])]}).with_format("arrow")
+    plain = PackedSequences(tokenized, 600, 0.25, TOKENIZER, seed=3)
+    mixed = PackedSequences(tokenized, 600, 0.25, TOKENIZER, seed=3,
+                            task_fractions={"vartrack": 0.25, "multikey": 0.25, "multivalue": 0.25})
+    kinds = []
+    for i in range(len(mixed)):
+        text = decode(mixed[i][0].numpy())
+        kinds.append("passkey" if "pass key" in text else "vartrack" if "VAR " in text else
+                     "multivalue" if "What are all" in text else "multikey" if "magic number for" in text else None)
+        if kinds[-1] == "passkey":  # a passkey sample is the one passkey_fraction alone would give
+            assert decode(plain[i][0].numpy()) == text
+        assert len(mixed[i][0]) == 600 and mixed.cu_seqlens(i).tolist() == [0, 600] or kinds[-1] is None
+    assert None not in kinds and {"passkey", "vartrack", "multikey", "multivalue"} <= set(kinds)
+    with pytest.raises(DataConfigError, match="sum to 1.25, more than 1"):
+        check_data_spec({"source": "stdlib", "passkey_fraction": 0.5, "task_fractions": {"vartrack": 0.75}})
+    with pytest.raises(DataConfigError, match="must map tasks of"):
+        check_data_spec({"source": "stdlib", "task_fractions": {"passkey": 0.5}})
+    assert check_data_spec({"source": "stdlib", "task_fractions": {"vartrack": 0.5}})["task_fractions"]
+
+
+def test_the_module_json_is_valid():
+    json.dumps({"tasks": TASKS})
