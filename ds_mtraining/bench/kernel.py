@@ -176,8 +176,8 @@ class FlexMask:
 def fwd_bwd_pair(seq, target, documents=None, heads=16, kv_heads=2, dim=128, block=128, device="cuda"):
     """One fwd+bwd of ours and of compiled FlexAttention on the benchmark's index at (seq,
     target) and, with ``documents`` (MIN, MAX), its packed documents masking both sides, on fresh
-    bf16 inputs (the scripts that profile or probe one case: ds_mtraining.bench.probes.ncu_flex_case,
-    ds_mtraining.bench.probes.power_probe). Returns ({"ours": fn, "flex": fn}, a line of the case's densities)."""
+    bf16 inputs (the scripts that profile or probe one case: benchmarks/probes/ncu_flex_case.py,
+    benchmarks/probes/power_probe.py). Returns ({"ours": fn, "flex": fn}, a line of the case's densities)."""
     from torch.nn.attention.flex_attention import flex_attention
 
     from ds_mtraining.attention import resolve_softmax_scale, sparse_attention

@@ -23,19 +23,17 @@ Then checks dQ against the step count per row (every way must add exactly its st
 milliseconds and TB/s, to set beside the dQ kernel's time (``bench.kernel --kernel-split``) that
 fusing would remove:
 
-    python3 -m ds_mtraining.bench.probes.dq_reduction_probe [--density 0.05] [--out OUT.json]
+    python3 benchmarks/probes/dq_reduction_probe.py [--density 0.05] [--out OUT.json]
 """
 import argparse
-import datetime
-import json
 
 import torch
 from torch.utils.cpp_extension import load_inline
 
 from ds_mtraining.bench import time_ms
 from ds_mtraining.bench.kernel import benchmark_doc_start, benchmark_index
-from ds_mtraining.bench.provenance import provenance
 from ds_mtraining.index import PAD
+from ds_mtraining.record import result_record, write_json
 
 SEQ, DOCUMENTS, HEADS, KV_HEADS, DIM, BLOCK, TILE = 131072, (4096, 32768), 16, 2, 128, 128, 64
 L2_ROWS = 2048  # bulk_128_keys_in_l2: dQ rows modulo this, 16 MB at H = 16, D = 128
@@ -143,9 +141,8 @@ def main():
     dq = torch.zeros(HEADS, SEQ, DIM, device="cuda")
     cases = {"red_v4": (TILE, "red_v4", None), "bulk": (TILE, "bulk", None), "bulk_128_keys": (BLOCK, "bulk", None),
              "bulk_128_keys_in_l2": (BLOCK, "bulk", L2_ROWS), "store_v4": (TILE, "store_v4", None)}
-    result = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **provenance(),
-                  device=torch.cuda.get_device_name(), command="python3 -m ds_mtraining.bench.probes.dq_reduction_probe "
-                  f"--density {args.density}", density=index.density(), seq=SEQ, heads=HEADS, dim=DIM, cases={})
+    result = result_record("dq_reduction", vars(args), [], density=index.density(), seq=SEQ, heads=HEADS, dim=DIM,
+                           cases={})
     walks = {keys: slash_steps(index.slash, doc_start, keys) for keys in {keys for keys, _, _ in cases.values()}}
     for name, (keys_per_cta, mode, rows) in cases.items():
         first, steps = (t.clone() for t in walks[keys_per_cta])
@@ -165,11 +162,11 @@ def main():
         gigabytes = len(steps) * TILE * DIM * 4 / 1e9
         result["cases"][name] = dict(ctas=len(first) - 1, steps=len(steps), gigabytes=gigabytes, ms=ms,
                                      tb_per_s=gigabytes / ms)
+        result["rows"].append({"case": name, **result["cases"][name]})
         print(f"{name:14s} {len(first) - 1:6d} CTAs {len(steps):8d} steps {gigabytes:6.1f} GB {ms:7.2f} ms "
               f"{gigabytes / ms:5.2f} TB/s", flush=True)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+        write_json(args.out, result)
 
 
 if __name__ == "__main__":

@@ -4,14 +4,12 @@ kernel benchmark's 128K case with and without documents, in one process: whether
 plain bit for bit (out, dq, dk, dv), and the median forward and forward+backward ms of each,
 beside FlexAttention with the combined mask (one H200).
 
-    python3 -m ds_mtraining.bench.probes.query_kernel_probe [--seq 131072] [--densities 0.05]
+    python3 benchmarks/probes/query_kernel_probe.py [--seq 131072] [--densities 0.05]
         [--documents 4096 32768] [--kernels plain specialized] [--out probe.json]
 """
 import argparse
-import datetime
 import json
 import os
-import sys
 
 import torch
 
@@ -19,7 +17,7 @@ from ds_mtraining import ops
 from ds_mtraining.attention import resolve_softmax_scale, sparse_attention
 from ds_mtraining.bench import time_ms
 from ds_mtraining.bench.kernel import FlexMask, benchmark_doc_start, benchmark_index
-from ds_mtraining.bench.provenance import provenance
+from ds_mtraining.record import result_record, write_json
 
 
 def main():
@@ -88,11 +86,7 @@ def main():
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     os.environ.pop("DS_MTRAINING_CUDA_QUERY", None)
-    with open(args.out, "w") as f:
-        json.dump(dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **provenance(),
-                       device=torch.cuda.get_device_name(), command="python3 -m ds_mtraining.bench.probes.query_kernel_probe "
-                       + " ".join(sys.argv[1:]),
-                       seq=seq, documents=args.documents, rows=rows), f, indent=1)
+    write_json(args.out, result_record("query_kernel", vars(args), rows, seq=seq, documents=args.documents))
 
 
 if __name__ == "__main__":

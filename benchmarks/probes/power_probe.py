@@ -3,7 +3,7 @@ benchmark's index and documents at 128K, both sides masked by them): ours, then 
 twice, 60 timed fwd+bwd each, with nvidia-smi sampling every 50 ms (docs/CUDA_NOTES.md, "ncu: the
 documents case"):
 
-    python3 -m ds_mtraining.bench.probes.power_probe [--density 0.05] [--samples OUT.csv] [--out OUT.json]
+    python3 benchmarks/probes/power_probe.py [--density 0.05] [--samples OUT.csv] [--out OUT.json]
 
 Prints each phase's median time and, per phase, the samples' SM clock (median, lowest), power
 (median, highest) and clock-throttle reasons (0x4: the software power cap); --out also writes them
@@ -11,17 +11,15 @@ as JSON.
 """
 import argparse
 import datetime
-import json
 import statistics
 import subprocess
-import sys
 import time
 
 import torch
 
 from ds_mtraining.bench import time_ms
 from ds_mtraining.bench.kernel import fwd_bwd_pair
-from ds_mtraining.bench.provenance import provenance
+from ds_mtraining.record import result_record, write_json
 
 SEQ, DOCUMENTS = 131072, (4096, 32768)
 QUERY = "timestamp,clocks.sm,power.draw,clocks_throttle_reasons.active"
@@ -75,11 +73,7 @@ def main():
     for row in rows:
         print(row)
     if args.out:
-        record = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **provenance(),
-                  "device": torch.cuda.get_device_name(), "command": " ".join(["python3", *sys.argv]),
-                  "seq_len": SEQ, "density": args.density, "documents": DOCUMENTS, "phases": rows}
-        with open(args.out, "w") as out:
-            json.dump(record, out, indent=1)
+        write_json(args.out, result_record("power", vars(args), rows, seq_len=SEQ, documents=DOCUMENTS))
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ sees each kernel once (docs/CUDA_NOTES.md, "ncu: FlexAttention against ours"):
 
     ncu --clock-control none --profile-from-start off -k regex:"flex_attention|query_kernel|key_kernel" \\
         --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \\
-        --section ComputeWorkloadAnalysis --print-details all python3 -m ds_mtraining.bench.probes.ncu_flex_case \\
+        --section ComputeWorkloadAnalysis --print-details all python3 benchmarks/probes/ncu_flex_case.py \\
         [--seq 131072 --density 0.1 --documents 4096 32768]
 """
 import argparse
