@@ -232,6 +232,47 @@ def check_group_of_one_is_single_device(rank, world):
     assert_matches(got, expected, lambda t: t, "group of one vs sparse_attention")
 
 
+def check_one_comm_one_scale_one_check_per_call(rank, world):
+    """A layer call (striped_sparse_attention: estimate and ring) and a direct ring call each make
+    one RingComm, resolve the default scale once and run the agreement check once (at a step's
+    first call; the layer's estimate runs on the call's ring, after the check)."""
+    from unittest import mock
+
+    from ds_mtraining import attention
+    from ds_mtraining.distributed import comm as comm_module
+    from ds_mtraining.layer import MTrainingAttentionSettings, striped_sparse_attention
+    from ds_mtraining.layer import attention as layer
+    from ds_mtraining.ring import ring_attention
+
+    config = SparseConfig(block_size=BLOCK)
+    q, k, v, _ = global_qkv(BLOCK * 2 * world)
+    q, k, v = (StripedLayout(world, BLOCK).shard(t, rank) for t in (q, k, v))
+    made, defaults, checks, estimates = [], [], [], []
+    real_init, real_resolve = comm_module.RingComm.__init__, attention.resolve_softmax_scale
+    real_check, real_estimate = ring_attention.check_ranks_agree, layer.estimate_index
+
+    def resolve(head_dim, softmax_scale=None):
+        defaults.extend([head_dim] if softmax_scale is None else [])
+        return real_resolve(head_dim, softmax_scale)
+
+    def estimate(q_, k_, config_, comm, *args):
+        estimates.append(comm)
+        return real_estimate(q_, k_, config_, comm, *args)
+
+    with mock.patch.object(comm_module.RingComm, "__init__", lambda self, *a: made.append(1) or real_init(self, *a)), \
+            mock.patch.object(layer, "resolve_softmax_scale", resolve), \
+            mock.patch.object(ring_attention, "resolve_softmax_scale", resolve), \
+            mock.patch.object(ring_attention, "check_ranks_agree", lambda *a: checks.append(1) or real_check(*a)), \
+            mock.patch.object(layer, "estimate_index", estimate):
+        for call in (lambda: striped_sparse_attention(q, k, v, MTrainingAttentionSettings(config)),
+                     lambda: ring_sparse_attention(q, k, v, config)):
+            new_step()
+            made.clear(), defaults.clear(), checks.clear()
+            call()
+            assert (len(made), defaults, len(checks)) == (1, [q.shape[-1]], 1)
+    assert len(estimates) == 1 and isinstance(estimates[0], comm_module.RingComm)
+
+
 def world_2(rank, world):
     check_ring_equals_references(rank, world, None, seed=0)
     check_ring_in_bf16(rank, world, None)
@@ -239,6 +280,7 @@ def world_2(rank, world):
     check_fused_estimator_scheme_on_cpu(rank, world, None)
     check_bad_inputs_fail_everywhere(rank, world)
     check_agreement_once_per_step(rank, world)
+    check_one_comm_one_scale_one_check_per_call(rank, world)
     check_group_of_one_is_single_device(rank, world)
 
 

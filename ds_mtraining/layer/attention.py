@@ -24,8 +24,8 @@ from ..documents import document_positions
 from ..estimator import estimate_index
 from ..index import SparseIndex
 from ..layout import StripedLayout, check_divisible
-from ..ring import ring_sparse_attention_with_lse
-from ..ring.agreement import check_due, check_ranks_before_collectives, in_backward, mark_checked
+from ..ring.agreement import check_due, in_backward, mark_checked
+from ..ring.ring_attention import prepare_ring_call
 from ..ring.work import imbalance, pair_work, step_work
 from ..step import current_step
 from ..window import window_index
@@ -259,21 +259,22 @@ def striped_sparse_attention(q, k, v, settings: MTrainingAttentionSettings,
     input_dtype, head_dim = q.dtype, q.shape[-1]
     scale = resolve_softmax_scale(head_dim, softmax_scale)
     q, k, v, _ = padded_to_kernel_head_dim(*kernel_inputs(q, k, v))  # once, before the estimate and the ring
-    check_ranks_before_collectives(ring_comm(settings.group), q, k, v, settings.sparse)
+    key = (tuple(q.shape), tuple(k.shape), q.dtype, str(q.device), scale, settings.sparse,
+           id(settings.group), None if doc_start is None else doc_start.data_ptr(), window)
+    index, kept = (cache.take(key) if (cache is not None and recompute) else None) or (None, None)
+    # the call's one ring and all its checks, the ranks' agreement first: before any collective
+    call = prepare_ring_call(q, k, v, settings.sparse, ring_comm(settings.group), scale, index, doc_start, kept)
     if position_ids is not None:
         if not position_ids.is_cuda:
             check_striped(position_ids, settings, doc_start)
         elif check_due("positions"):
             check_striped(position_ids, settings, doc_start)
             mark_checked("positions")
-    key = (tuple(q.shape), tuple(k.shape), q.dtype, str(q.device), scale, settings.sparse,
-           id(settings.group), None if doc_start is None else doc_start.data_ptr(), window)
-    index, kept = (cache.take(key) if (cache is not None and recompute) else None) or (None, None)
     if index is None and window is not None:  # the layer's band, exactly
         index = window_index(q.shape[0], q.shape[2], q.shape[1] * settings.world, settings.sparse.block_size,
                              window, q.device)
     elif index is None and settings.pattern is None:
-        index = estimate_index(q.detach(), k.detach(), settings.sparse, ring_comm(settings.group), scale, doc_start)
+        index = estimate_index(q.detach(), k.detach(), settings.sparse, call.comm, call.scale, doc_start)
     elif index is None:  # a fixed baseline pattern (ds_mtraining.static), global [B, S, H]
         index = settings.pattern.index(q.shape[0], q.shape[2], q.shape[1] * settings.world,
                                        settings.sparse.block_size, q.device)
@@ -282,9 +283,7 @@ def striped_sparse_attention(q, k, v, settings: MTrainingAttentionSettings,
     if (getattr(settings.pattern, "dense", False) and settings.world == 1 and q.is_cuda and doc_start is None
             and window is None and sinks is None and softcap is None):
         return dense_causal_attention(q, k, v, scale, settings.dense_backend)[..., :head_dim].to(input_dtype)
-    out, lse = ring_sparse_attention_with_lse(q, k, v, settings.sparse, settings.group, softmax_scale=scale,
-                                              index=index, hierarchy=settings.hierarchy, doc_start=doc_start,
-                                              window=window, sinks=sinks, softcap=softcap, kept=kept)
+    out, lse, _ = call.run(index, settings.hierarchy, window, sinks, softcap)
     if cache is not None and not recompute:
         cache.store(key, (index, (out.detach(), lse.detach()) if settings.keep_output else None))
     return out[..., :head_dim].to(input_dtype)

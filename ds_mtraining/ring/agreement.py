@@ -121,9 +121,11 @@ def check_ranks_agree(comm: RingComm, q, k, v, config: SparseConfig, index: Spar
 
 def check_ranks_before_collectives(comm, q, k, v, config: SparseConfig):
     """The ranks' agreement check (:func:`check_ranks_agree`, without an index) when it is due,
-    for callers that run collectives of their own before the ring (the layer's re-stripe and
-    estimation): a mismatch then raises on every rank instead of hanging in them. It counts as
-    the ring's check of this step (same key), so the ring does not repeat it."""
+    for a caller that runs a collective of its own before it even has the ring call's inputs (the
+    Ulysses drop-in's re-stripe all-to-all, :mod:`ds_mtraining.layer.ulysses`): a mismatch then
+    raises on every rank instead of hanging in it. It counts as the ring's check of this step
+    (same key), so the ring call's own (:func:`~.ring_attention.prepare_ring_call`, where every
+    other caller's check runs) does not repeat it."""
     if comm is None:
         return
     key = ranks_check_key(comm)
