@@ -4,6 +4,7 @@ and a wrong one wrong, Wilson intervals against hand computations; the training 
 quality study's driver (bench.quality long) end to end on CPU at toy lengths."""
 import json
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -218,5 +219,100 @@ def test_task_fractions_mix_the_tasks_into_training_and_keep_other_samples():
     assert check_data_spec({"source": "stdlib", "task_fractions": {"vartrack": 0.5}})["task_fractions"]
 
 
-def test_the_module_json_is_valid():
-    json.dumps({"tasks": TASKS})
+
+
+# ----------------------------------------------------------------------------- the study end to end
+def _train_rank(rank, world, argv):
+    from ds_mtraining.train import parse_args, train
+    train(parse_args(argv))
+
+
+def _toy_config(seq_len: int) -> dict:
+    return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "steps_per_print": 1000000,
+            "zero_optimization": {"stage": 0},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+            "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-3,
+                                                              "warmup_num_steps": 1, "total_num_steps": 2}},
+            "mtraining": {"seq_len": seq_len, "sequence_parallel_size": 1, "stripe_block": 64,
+                          "sparse": {"last_q": 64, "max_vertical": 64, "max_slash_diagonals": 64},
+                          "model": "tiny-qwen2", "tokenizer": "bytes", "document_masking": False,
+                          "data": {"source": "stdlib", "passkey_fraction": 0.5,
+                                   "task_fractions": {"multikey": 0.5}}, "loss_chunk_tokens": 256}}
+
+
+@pytest.mark.usefixtures("built_ops")  # built before the rank starts
+def test_the_long_study_end_to_end_on_cpu(tmp_path):
+    """bench.quality long at toy size on CPU: pretrain (512 tokens), the slash budget, the three arms
+    (1024 tokens) from its export on one token stream, static at sparse's final density, each
+    evaluation at two lengths, compare; a call skips what an earlier call did, study.json refuses
+    other settings, the result JSON holds the goals with margins, the rows, the plots and a
+    RESULTS row. Trained in-process on one spawned rank (the launcher's startup would take most
+    of the time; the launch itself is bench.quality's launch_training)."""
+    from datasets import Dataset
+    from ds_mtraining.bench import quality
+    from ds_mtraining.bench.launch import read_metric
+    from ds_mtraining.data import stdlib_documents
+    from ds_mtraining.distributed import run_on_ranks
+
+    documents = stdlib_documents(document_chars=20000, max_documents=5)
+    data = tmp_path / "data"
+    data.mkdir()
+    Dataset.from_list(documents[:3]).to_parquet(str(data / "train.parquet"))
+    Dataset.from_list(documents[3:]).to_parquet(str(data / "heldout.parquet"))
+    for name, length in (("base", 1024), ("pretrain", 512)):
+        (tmp_path / f"{name}.json").write_text(json.dumps(_toy_config(length)))
+    trained, out = [], tmp_path / "study"
+
+    def trainer(run):
+        command = run.command(0)
+        trained.append((run.save_dir.parent.name, run.resume))
+        run_on_ranks(_train_rank, 1, command[command.index("ds_mtraining.train") + 1:], timeout=120)
+        return True
+
+    def call(*options, stages="all"):
+        args = quality.parse_args(["long", "--out", str(out), "--data", str(data), "--device", "cpu",
+                                   "--stages", stages, "--tag", "toy", *options])
+        return quality.long_main(args, trainer=trainer, say=lambda line: None)
+
+    first = ("--config", str(tmp_path / "base.json"), "--pretrain_config", str(tmp_path / "pretrain.json"),
+             "--pretrain_steps", "2", "--steps", "2", "--log_interval", "1", "--save_interval", "0",
+             "--profile_step", "2", "--density_target", "0.9", "--eval_lengths", "512,1024", "--depths", "0,1",
+             "--trials", "1", "--max_trials", "2", "--loss_windows", "1", "--buckets", "4")
+    assert call(*first, stages="pretrain") is None and trained == [("pretrain", False)]
+    with pytest.raises(ValueError, match=r"other settings: --steps 3 \(the study's: 2\)"):
+        call("--steps", "3")
+    results = call()  # the rest: budget, arms, evaluations, compare
+    assert [name for name, _ in trained] == ["pretrain", "dense", "sparse", "static"]
+    # the arms continue from the pretrained export, static at sparse's final density
+    configs = {m: json.loads((out / m / "config.json").read_text())["mtraining"] for m in ("dense", "sparse", "static")}
+    assert {c["model"] for c in configs.values()} == {str((out / "pretrain" / "hf").resolve())}
+    assert configs["static"]["static"]["density"] == pytest.approx(
+        quality.tail_mean(read_metric(out / "sparse" / "run", "density")[1]))
+    budget = json.loads((out / "study.json").read_text())["budget"]
+    assert configs["sparse"]["sparse"]["max_slash_diagonals"] == budget["chosen"]["max_slash_diagonals"]
+    evals = results["evals"]
+    assert set(evals) == set(quality.LONG_EVALS) and all(evals.values())
+    sparse = evals["sparse:sparse"]
+    assert len(sparse["loss"]["1024"]["layer_density"]) == 2 and sparse["task_layer_density"]["1024"]["prompts"] > 0
+    assert set(sparse["tasks"]) == set(TASKS) and sparse["tasks"]["vartrack"]["1024"]["trials"] == 2
+    assert evals["dense:dense"]["loss"]["1024"]["layer_density"] is None
+    goals = results["goals"]
+    assert goals["length"] == 1024 and goals["sparse_density_le_0.1"]["pass"] is False
+    assert goals["sparse_density_le_0.1"]["margin"] == pytest.approx(0.1 - results["arms"]["sparse"]["final_density"])
+    assert "change" in goals["sparse_density_le_0.1"]
+    assert goals["sparse_heldout_loss_gap_le_0.01"]["value"] == pytest.approx(
+        evals["sparse:dense"]["loss"]["1024"]["heldout_loss"] / evals["dense:dense"]["loss"]["1024"]["heldout_loss"] - 1)
+    assert goals["tokens_per_s_ratio_sparse_over_dense"] > 0
+    assert 0 < results["arms"]["sparse"]["profile"]["attention_share"] <= 1
+    record = json.loads(Path(results["path"]).read_text())
+    assert Path(results["path"]).name.startswith("quality_toy_cpu_")
+    assert record["name"] == "quality_toy" and record["params"]["steps"] == 2 and record["goals"] == goals
+    assert {(r["arm"], r["eval_attention"], r["length"]) for r in record["rows"]} == {
+        (e.split(":")[0], e.split(":")[1], n) for e in quality.LONG_EVALS for n in (512, 1024)}
+    assert all((out / name).is_file() for name in record["plots"]) and len(record["plots"]) == 3
+    assert record["results_row"].startswith("| <a id=\"quality-1k\"></a>tiny-qwen2 continued at 1K for 2 steps from "
+                                            "one dense 512 stage (2 steps), CPU;")
+    assert "quality_toy_cpu_" in record["results_row"]
+    # a later call skips every stage done
+    count = len(trained)
+    assert call(stages="pretrain,budget,dense,sparse,static,eval") is None and len(trained) == count

@@ -38,15 +38,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
+import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from .launch import launcher_env, read_metric, run_in_lanes, run_logged, training_command
-from .provenance import provenance
+from ..distributed.spawn import free_port
+from ..record import result_path, write_json, write_result
+from ..ruler import TASKS as RULER_TASKS
+from .launch import launcher_env, metric_path, read_metric, run_in_lanes, run_logged, training_command
 
 MODES = ("dense", "sparse", "static")
 STATIC_DENSITY_TAIL = 0.1  # static trains at sparse's mean density over this last share of steps
@@ -161,7 +166,7 @@ class Study:
         folder.mkdir(parents=True, exist_ok=True)
         config = mode_config(base or self.base, mode, steps, str(self.data / "train.parquet"), static_density,
                              None if base else self.pretrained)
-        (folder / "config.json").write_text(json.dumps(config, indent=2))
+        write_json(folder / "config.json", config)
         command = training_command(folder / "config.json", steps, folder / "run", device, port, self.args.seed,
                                    self.args.log_interval, folder / "hf" if export else None)
         began = time.time()
@@ -188,8 +193,7 @@ class Study:
         costs = {"dense": measured["dense"], "sparse": measured["sparse"], "static": static}
         steps = min(int((left - sum(costs[m]["launch_s"] + args.eval_seconds for m in modes))
                         / sum(costs[m]["step_s"] for m in modes)) for modes, _ in lanes)
-        (self.out / "calibration.json").write_text(json.dumps({"measured": measured, "steps": steps,
-                                                                "time_left_s": left}, indent=2))
+        write_json(self.out / "calibration.json", {"measured": measured, "steps": steps, "time_left_s": left})
         rates = ", ".join(f"{mode} {value['step_s']:.3f} s/step" for mode, value in measured.items())
         self.say(f"calibrated: {rates} -> {steps} steps")
         if steps < args.calibration_steps:
@@ -249,8 +253,7 @@ class Study:
                     json.dumps(config["mtraining"]["sparse"]), "--device", "cuda" if device != "cpu" else "cpu",
                     "--seed", str(args.seed), "--no_progress"]
         run_logged(evaluate, folder / "eval.log", self._device_env(device))
-        (folder / "timing.json").write_text(json.dumps({"train_s": trained, "eval_s": time.time() - began,
-                                                        "device": device}))
+        write_json(folder / "timing.json", {"train_s": trained, "eval_s": time.time() - began, "device": device})
         self.say(f"{mode}: done")
 
     def run(self):
@@ -383,8 +386,655 @@ def plot(results: dict, out: Path, tag: str) -> list[str]:
     return [curves.name, passkey.name]
 
 
+# ----------------------------------------------------------------------------- the long-context study
+# Issue 52: one dense stage at a short length, then dense (FA4 on Hopper), MTraining and static arms
+# continued to 128K from its export on the same token stream; evaluation at several lengths.
+LONG_STAGES = ("pretrain", "budget", "dense", "sparse", "static", "eval", "compare")
+LONG_EVALS = ("dense:dense", "sparse:sparse", "sparse:dense", "static:dense")
+LONG_DEFAULTS = {  # a study's settings, fixed by its first call (study.json); the 128K study on one H200
+    "config": "ds_configs/quality_128k.json", "pretrain_config": "ds_configs/quality_pretrain_4k_tasks.json",
+    "pretrain_steps": 1000, "steps": 150, "seed": 1234, "log_interval": 5, "save_interval": 50,
+    "profile_step": 8, "density_target": 0.08, "eval_lengths": [32768, 65536, 131072],
+    "depths": [0.0, 0.25, 0.5, 0.75, 1.0], "ruler_tasks": list(RULER_TASKS), "trials": 4,
+    "target_width": 0.04, "max_trials": 600, "loss_windows": 4, "buckets": 16, "evals": list(LONG_EVALS),
+    "dense_kernel": "auto",
+}
+GOALS = {"heldout_loss_gap": 0.01, "last_bucket_loss_gap": 0.02, "accuracy_points": 2.0, "density": 0.10,
+         "interval_width": 0.04}
+PREEMPTED = (128 + signal.SIGTERM, 128 + signal.SIGUSR1)  # the run saved the step in flight and stopped
+STOP_GRACE_S = 180  # after SIGTERM at the deadline: the step in flight and its checkpoint
+RESERVE_S = 30  # of a call's --time_budget, kept for the comparison and the output's archive
+
+
+class StageIncomplete(RuntimeError):
+    """A stage stopped at the call's deadline with its progress saved: the next call continues it."""
+
+
+@dataclass
+class TrainingRun:
+    """One training launch of the long study: ``config`` (a DeepSpeed JSON file) for ``steps``
+    steps into ``save_dir``, resumed from its latest checkpoint with ``resume``, exported to
+    ``export_hf`` at the end, stopped (saving its step) at ``deadline`` (time.time())."""
+
+    config: Path
+    steps: int
+    save_dir: Path
+    export_hf: Path
+    device: str
+    seed: int
+    log_interval: int
+    save_interval: int
+    profile_step: int
+    resume: bool
+    log: Path
+    deadline: float | None
+
+    def command(self, port: int) -> list[str]:
+        """The deepspeed launcher's command (what follows ``ds_mtraining.train`` in it: train.py's
+        arguments)."""
+        extra = ["--save_interval", str(self.save_interval)] + (["--profile_step", str(self.profile_step)]
+                                                                 if self.profile_step else [])
+        command = training_command(self.config, self.steps, self.save_dir, self.device, port, self.seed,
+                                   self.log_interval, self.export_hf, tuple(extra))
+        if self.resume:
+            command[command.index("--overwrite")] = "--resume"
+        return command
+
+
+def launch_training(run: TrainingRun) -> bool:
+    """Trains ``run`` through the deepspeed launcher; True when it reached its steps and exported,
+    False when the deadline stopped it (SIGTERM to its process group: the ranks finish the step,
+    save it and exit 143; ``--resume`` continues)."""
+    command = run.command(free_port())
+    with open(run.log, "a") as handle:
+        process = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, env=launcher_env(),
+                                   start_new_session=True)
+        stopped = False
+        try:
+            while process.poll() is None:
+                if not stopped and run.deadline is not None and time.time() >= run.deadline:
+                    os.killpg(process.pid, signal.SIGTERM)
+                    stopped = True
+                    try:
+                        process.wait(STOP_GRACE_S)
+                    except subprocess.TimeoutExpired:
+                        os.killpg(process.pid, signal.SIGKILL)
+                time.sleep(0.5)
+        except BaseException:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            raise
+    if process.returncode == 0 and not stopped:
+        return True
+    if stopped:
+        return False
+    tail = "".join(run.log.read_text(errors="replace").splitlines(keepends=True)[-15:])
+    raise RuntimeError(f"training {run.save_dir} failed (exit {process.returncode}); last lines of {run.log}:\n{tail}")
+
+
+def _sparse_spec(section: dict) -> dict:
+    """A run's ``mtraining`` section's sparse settings as SparseConfig fields (with its stripe block)."""
+    return {**section["sparse"], "block_size": section.get("stripe_block", 128)}
+
+
+class LongStudy:
+    """The stages of one long-context study in one folder (``--out``), each call running the stages
+    it names that are not done yet: ``pretrain`` (dense, short), ``budget`` (the slash budget for
+    --density_target on the pretrained model at the study's length), ``dense`` / ``sparse`` /
+    ``static`` (continued from the pretrained export at the study's length, same seed: the same
+    token stream; static at sparse's final density), ``eval`` (``ds_mtraining.eval`` of each
+    ``arm:attention`` of --evals: loss by position and the RULER-style tasks at --eval_lengths) and
+    ``compare`` (the result JSON, goals and plots). A call with --time_budget stops at its deadline
+    with what it did saved (training: its step checkpointed; evaluation: its trials), and the next
+    call continues; ``study.json`` keeps the settings of the first call."""
+
+    def __init__(self, args, trainer=launch_training, say=print):
+        self.out = Path(args.out)
+        self.data = Path(args.data) if args.data else None
+        self.device = args.device
+        self.trainer, self.say_line = trainer, say
+        self.start = time.time()
+        self.deadline = None if args.time_budget is None else self.start + args.time_budget - RESERVE_S
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.settings = self._settings(args)
+
+    def say(self, message: str):
+        self.say_line(f"[{time.time() - self.start:7.1f} s] {message}")
+
+    # ------------------------------------------------------------------ state
+    def _settings(self, args) -> dict:
+        """study.json: the first call's settings (its config files' contents too); a later call's
+        differing option is refused, so that one study never mixes two recipes."""
+        path = self.out / "study.json"
+        given = {k: getattr(args, k) for k in LONG_DEFAULTS if getattr(args, k, None) is not None}
+        if path.is_file():
+            settings = json.loads(path.read_text())
+            clash = {k: (v, settings["given"][k]) for k, v in given.items()
+                     if k in settings["given"] and settings["given"][k] != v}
+            if clash:
+                raise ValueError(f"{path} holds a study with other settings: "
+                                 + "; ".join(f"--{k} {a} (the study's: {b})" for k, (a, b) in clash.items())
+                                 + "; leave them out, or give a new --out")
+            return settings
+        values = {**LONG_DEFAULTS, **given}
+        settings = {"given": values, "base": json.loads(Path(values["config"]).read_text()),
+                    "pretrain": json.loads(Path(values["pretrain_config"]).read_text()), "budget": None}
+        write_json(path, settings)
+        return settings
+
+    def _save_settings(self):
+        write_json(self.out / "study.json", self.settings)
+
+    def _left(self) -> float | None:
+        return None if self.deadline is None else self.deadline - time.time()
+
+    def _data_file(self, name: str) -> Path:
+        if self.data is None or not (self.data / name).is_file():
+            raise FileNotFoundError(f"{self.data / name if self.data else '--data'} is missing; give --data, the "
+                                    f"corpus folder (python -m ds_mtraining.eval.corpus --out DIR ...)")
+        return self.data / name
+
+    def done(self, stage: str) -> bool:
+        if stage in ("pretrain", *MODES):
+            return (self.out / stage / "done.json").is_file()
+        if stage == "budget":
+            return self.settings["budget"] is not None or self.settings["given"]["density_target"] is None
+        if stage == "eval":
+            return all((self._eval_folder(e) / "done.json").is_file() for e in self.settings["given"]["evals"])
+        return False
+
+    def _eval_folder(self, spec: str) -> Path:
+        arm, attention = spec.split(":")
+        return self.out / arm / f"eval_{attention}"
+
+    # ------------------------------------------------------------------ stages
+    def run(self, stages) -> list:
+        """Runs ``stages`` (in the study's order) that are not done; returns the stages done now."""
+        ran = []
+        for stage in LONG_STAGES:
+            if stage not in stages or stage != "compare" and self.done(stage):
+                continue
+            left = self._left()
+            if left is not None and left <= 0:
+                self.say(f"{stage}: the call's time is spent; the next call continues")
+                break
+            try:
+                getattr(self, f"stage_{stage}")()
+            except StageIncomplete as stop:
+                self.say(str(stop))
+                break
+            ran.append(stage)
+        return ran
+
+    def _train(self, name: str, config: dict, steps: int):
+        given, folder = self.settings["given"], self.out / name
+        folder.mkdir(parents=True, exist_ok=True)
+        write_json(folder / "config.json", config)
+        run_dir = folder / "run"
+        resume = (run_dir / "latest").is_file()
+        self.say(f"{name}: {'resuming' if resume else 'training'} to {steps} steps at "
+                 f"{config['mtraining']['seq_len']} tokens ({config['mtraining'].get('attention', 'sparse')})")
+        timing_path = folder / "timing.json"
+        timing = json.loads(timing_path.read_text()) if timing_path.is_file() else {"train_s": 0.0, "calls": 0}
+        began = time.time()
+        deadline = None if self.deadline is None else self.deadline
+        finished = self.trainer(TrainingRun(folder / "config.json", steps, run_dir, folder / "hf", self.device,
+                                            given["seed"], given["log_interval"], given["save_interval"],
+                                            given["profile_step"], resume, folder / "train.log", deadline))
+        timing.update(train_s=timing["train_s"] + time.time() - began, calls=timing["calls"] + 1)
+        write_json(timing_path, timing)
+        if not finished:
+            raise StageIncomplete(f"{name}: stopped at the deadline, its step saved in {run_dir}; the next call "
+                                  f"resumes it")
+        write_json(folder / "done.json", {"steps": steps, **timing})
+        self.say(f"{name}: done in {timing['train_s']:.0f} s over {timing['calls']} call(s)")
+
+    def stage_pretrain(self):
+        given = self.settings["given"]
+        config = mode_config(self.settings["pretrain"], "dense", given["pretrain_steps"],
+                             str(self._data_file("train.parquet")))
+        self._train("pretrain", config, given["pretrain_steps"])
+
+    def _pretrained(self) -> str:
+        if not (self.out / "pretrain" / "done.json").is_file():
+            raise ValueError("the arms continue from the pretrained model: run the pretrain stage first")
+        return str((self.out / "pretrain" / "hf").resolve())
+
+    def _base(self) -> dict:
+        """The arms' config: the study's, with the chosen slash budget."""
+        base = json.loads(json.dumps(self.settings["base"]))
+        if self.settings["budget"] is not None:
+            chosen = self.settings["budget"]["chosen"]
+            base["mtraining"]["sparse"] = {k: v for k, v in chosen.items() if k != "block_size"}
+        return base
+
+    def stage_budget(self):
+        given = self.settings["given"]
+        self.say(f"budget: the most generous slash budget of density <= {given['density_target']} on the "
+                 f"pretrained model at {self.settings['base']['mtraining']['seq_len']} tokens")
+        device = "cuda" if self.device.startswith("cuda") else "cpu"
+        choice = choose_budget(self._pretrained(), self.settings["base"], str(self._data_file("train.parquet")),
+                               given["density_target"], device)
+        self.settings["budget"] = choice
+        self._save_settings()
+        self.say(f"budget: max_slash_diagonals={choice['chosen']['max_slash_diagonals']} "
+                 f"(density {choice['density']:.4f})")
+
+    def _arm(self, mode: str):
+        given = self.settings["given"]
+        density = None
+        if mode == "static":
+            if not (self.out / "sparse" / "done.json").is_file():
+                raise ValueError("static trains at MTraining's density: run the sparse stage first")
+            density = tail_mean(read_metric(self.out / "sparse" / "run", "density")[1])
+        config = mode_config(self._base(), mode, given["steps"], str(self._data_file("train.parquet")), density,
+                             self._pretrained())
+        self._train(mode, config, given["steps"])
+
+    def stage_dense(self):
+        self._arm("dense")
+
+    def stage_sparse(self):
+        self._arm("sparse")
+
+    def stage_static(self):
+        self._arm("static")
+
+    def eval_argv(self, spec: str, time_budget: float | None) -> list[str]:
+        """The ``ds_mtraining.eval`` command line of one ``arm:attention`` evaluation."""
+        given = self.settings["given"]
+        arm, attention = spec.split(":")
+        lengths = ",".join(str(n) for n in given["eval_lengths"])
+        argv = [str(self.out / arm / "hf"), "--out", str(self._eval_folder(spec)), "--tasks", "loss,ruler",
+                "--attention", attention, "--sparse_config", json.dumps(_sparse_spec(self._base()["mtraining"])),
+                "--lengths", lengths, "--loss_lengths", lengths, "--ruler_lengths", lengths,
+                "--loss_windows", str(given["loss_windows"]), "--buckets", str(given["buckets"]),
+                "--ruler_tasks", ",".join(given["ruler_tasks"]), "--depths", ",".join(str(d) for d in given["depths"]),
+                "--trials", str(given["trials"]), "--target_width", str(given["target_width"]),
+                "--max_trials", str(given["max_trials"]), "--data", str(self._data_file("heldout.parquet")),
+                "--tokenizer", "bytes" if self._base()["mtraining"].get("tokenizer", "bytes") == "bytes" else "auto",
+                "--device", "cuda" if self.device.startswith("cuda") else "cpu", "--seed", str(given["seed"]),
+                "--dense_kernel", given["dense_kernel"], "--no_progress"]
+        return argv + (["--time_budget", f"{time_budget:.0f}"] if time_budget is not None else [])
+
+    def stage_eval(self):
+        """Each evaluation of --evals not done yet, in order, in this process (its trials kept in
+        its folder: a call that runs out of time leaves them for the next)."""
+        from ..eval.cli import build_parser, check_args, run_eval
+        for spec in self.settings["given"]["evals"]:
+            folder = self._eval_folder(spec)
+            arm = spec.split(":")[0]
+            if (folder / "done.json").is_file():
+                continue
+            if not (self.out / arm / "done.json").is_file():
+                self.say(f"eval {spec}: the {arm} arm is not trained yet; skipped")
+                continue
+            left = self._left()
+            if left is not None and left <= 0:
+                raise StageIncomplete(f"eval {spec}: the call's time is spent; the next call continues")
+            self.say(f"eval {spec}: loss and tasks at {self.settings['given']['eval_lengths']}")
+            began = time.time()
+            parser = build_parser()
+            args = parser.parse_args(self.eval_argv(spec, left))
+            check_args(parser, args)
+            summary = run_eval(args)
+            timing_path = folder / "timing.json"
+            spent = json.loads(timing_path.read_text())["eval_s"] if timing_path.is_file() else 0.0
+            write_json(timing_path, {"eval_s": spent + time.time() - began})
+            _release_memory()
+            complete = summary.get("ruler_complete") and all(
+                str(n) in summary.get("loss_by_length", {}) for n in self.settings["given"]["eval_lengths"])
+            if not complete:
+                raise StageIncomplete(f"eval {spec}: stopped at the deadline, its trials kept in {folder}; the "
+                                      f"next call continues")
+            write_json(folder / "done.json", {"eval_s": spent + time.time() - began})
+
+    def stage_compare(self):
+        self.results = long_results(self.out)
+
+
+def _release_memory():
+    import gc
+    gc.collect()
+    import torch
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _json(path: Path):
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def arm_results(folder: Path) -> dict | None:
+    """One arm's (or the pretraining's) training: loss and density curves, final density, tokens/s,
+    seconds per step, and from its profiled step attention's share of the step."""
+    run = folder / "run"
+    if not metric_path(run, "loss").is_file():
+        return None
+    steps, loss = read_metric(run, "loss")
+    _, density = read_metric(run, "density")
+    _, speed = read_metric(run, "tokens_per_s")
+    config = json.loads((folder / "config.json").read_text())
+    tokens = config["mtraining"]["seq_len"] * config.get("train_micro_batch_size_per_gpu", 1)
+    rates = speed[1:] if len(speed) > 2 else speed  # the first interval holds the warm-up steps
+    result = {"train_steps": steps.tolist(), "train_loss": loss.tolist(), "density": density.tolist(),
+              "final_density": tail_mean(density), "tokens_per_s": float(np.median(rates)),
+              "step_s": float(tokens / np.median(rates)), "seq_len": config["mtraining"]["seq_len"],
+              "attention": config["mtraining"].get("attention", "sparse"), "done": (folder / "done.json").is_file(),
+              "timing": _json(folder / "timing.json"), "sparse": config["mtraining"].get("sparse"),
+              "static": config["mtraining"].get("static")}
+    profiles = sorted(run.glob("profile_step*_rank0.json"))
+    if profiles:
+        from ..training.profile import ATTENTION_KINDS
+        profile = json.loads(profiles[-1].read_text())
+        shares = profile["share_by_kind"]
+        result["profile"] = {"step": profile["step"], "measured": profile["measured"], "step_s": profile["step_s"],
+                             "share_by_kind": shares,
+                             "attention_share": float(sum(shares.get(kind, 0.0) for kind in ATTENTION_KINDS))}
+    return result
+
+
+def eval_results(folder: Path) -> dict | None:
+    """One ``arm:attention`` evaluation: loss by position per length (with each layer's density
+    under sparse attention) and the tasks' summary, recomputed from its trials."""
+    from ..eval.ruler import summarise
+    losses, ruler = _json(folder / "loss_by_length.json"), _json(folder / "ruler.json")
+    trials = _json(folder / "ruler_trials.json")
+    if losses is None and trials is None:
+        return None
+    result = {"done": (folder / "done.json").is_file(), "timing": _json(folder / "timing.json"), "loss": {},
+              "tasks": summarise(trials["rows"], ruler["target_width"]) if trials and ruler else {},
+              "task_layer_density": (ruler or {}).get("layer_density", {})}
+    for length, cell in (losses or {}).get("results", {}).items():
+        result["loss"][length] = {"heldout_loss": cell["overall"], "last_bucket_loss": cell["mean_loss"][-1],
+                                  "edges": cell["edges"], "mean_loss": cell["mean_loss"],
+                                  "tokens": int(sum(cell["tokens"])), "layer_density": cell.get("layer_density")}
+    return result
+
+
+def _goal(passed, value, limit, margin, change: str, **extra) -> dict:
+    """A goal's verdict: pass (None where its inputs are missing), the value, the limit, the margin
+    (positive: inside the limit by that much) and, where missed, what to change."""
+    goal = {"pass": passed, "value": value, "limit": limit, "margin": margin, **extra}
+    if passed is False:
+        goal["change"] = change
+    return goal
+
+
+def long_goals(results: dict) -> dict:
+    """Issue 52's goals at the study's longest length, each pass/fail with its margin: MTraining's
+    held-out loss within 1% of dense overall and 2% in the last position bucket (both evaluated
+    with dense attention), every task's accuracy within 2 points of dense or the two 95% intervals
+    overlapping, MTraining's density at most 10%, every interval narrower than 4 points, static
+    failing the tasks (its interval below dense's), and the tokens/s ratio of the arms."""
+    length = str(max(results["params"]["eval_lengths"]))
+    evals, arms = results["evals"], results["arms"]
+    dense, sparse = evals.get("dense:dense"), evals.get("sparse:dense")
+    goals = {"length": int(length)}
+
+    def loss(ev, key):
+        return (ev or {}).get("loss", {}).get(length, {}).get(key)
+
+    for key in ("heldout_loss", "last_bucket_loss"):
+        limit = GOALS[f"{key}_gap"]
+        d, s = loss(dense, key), loss(sparse, key)
+        gap = None if d is None or s is None else s / d - 1.0
+        goals[f"sparse_{key}_gap_le_{limit:g}"] = _goal(
+            None if gap is None else gap <= limit, gap, limit, None if gap is None else limit - gap,
+            "more steps at the study's length (the gap of an arm still adapting to it shrinks), or a larger "
+            "slash budget (--density_target)", compared="sparse:dense vs dense:dense")
+    for task in results["params"]["ruler_tasks"]:
+        d = (dense or {}).get("tasks", {}).get(task, {}).get(length)
+        s = (sparse or {}).get("tasks", {}).get(task, {}).get(length)
+        if not d or not s:
+            goals[f"{task}_accuracy_within_2_points"] = _goal(None, None, GOALS["accuracy_points"], None, "")
+            continue
+        points = 100 * (s["accuracy"] - d["accuracy"])
+        overlap = s["interval"][1] >= d["interval"][0] and d["interval"][1] >= s["interval"][0]
+        goals[f"{task}_accuracy_within_2_points"] = _goal(
+            points >= -GOALS["accuracy_points"] or overlap, points, -GOALS["accuracy_points"],
+            points + GOALS["accuracy_points"], "more trials (--max_trials) where the intervals are wide; else a "
+            "larger slash budget or more steps", intervals_overlap=overlap, dense=d["accuracy"], sparse=s["accuracy"],
+            dense_interval=d["interval"], sparse_interval=s["interval"])
+        goals[f"{task}_dense_learned"] = _goal(d["accuracy"] >= 0.5, d["accuracy"], 0.5, d["accuracy"] - 0.5,
+                                               "the dense arm does not solve the task at this length: the "
+                                               "comparison says little; train on it longer (task_fractions, steps)")
+    density = (arms.get("sparse") or {}).get("final_density")
+    goals["sparse_density_le_0.1"] = _goal(
+        None if density is None else density <= GOALS["density"], density, GOALS["density"],
+        None if density is None else GOALS["density"] - density, "a lower --density_target (a smaller slash budget)",
+        measured="the mean over the last tenth of the sparse arm's training steps",
+        eval_layer_density=(evals.get("sparse:sparse") or {}).get("loss", {}).get(length, {}).get("layer_density"))
+    cells = [(spec, task, cell[length]) for spec, ev in evals.items() if ev
+             for task, cell in ev.get("tasks", {}).items() if length in cell]
+    widest = max(cells, key=lambda c: c[2]["width"], default=None)
+    goals["intervals_narrower_than_4_points"] = _goal(
+        None if widest is None else widest[2]["width"] < GOALS["interval_width"],
+        None if widest is None else widest[2]["width"], GOALS["interval_width"],
+        None if widest is None else GOALS["interval_width"] - widest[2]["width"],
+        "more trials: --max_trials (eval.ruler.trials_for_width gives the count at an accuracy)",
+        widest=None if widest is None else {"eval": widest[0], "task": widest[1], "trials": widest[2]["trials"]})
+    static = evals.get("static:dense")
+    for task in results["params"]["ruler_tasks"]:
+        d = (dense or {}).get("tasks", {}).get(task, {}).get(length)
+        t = (static or {}).get("tasks", {}).get(task, {}).get(length)
+        below = None if not d or not t else t["interval"][1] < d["interval"][0]
+        goals[f"static_fails_{task}"] = _goal(below, None if not t else t["accuracy"], None if not d else d["interval"][0],
+                                              None if below is None else d["interval"][0] - t["interval"][1],
+                                              "the task does not need long-range retrieval at this length "
+                                              "(a window at this density sees it): place the needles farther")
+    d, s = arms.get("dense"), arms.get("sparse")
+    goals["tokens_per_s_ratio_sparse_over_dense"] = None if not d or not s else s["tokens_per_s"] / d["tokens_per_s"]
+    return goals
+
+
+def long_results(study: Path) -> dict:
+    """Everything a study folder holds so far (stages not run: absent or None): the arms' training,
+    the evaluations, the goals (:func:`long_goals`) and the comparisons at every length."""
+    settings = json.loads((study / "study.json").read_text())
+    params = {**settings["given"], "seq_len": settings["base"]["mtraining"]["seq_len"],
+              "pretrain_seq_len": settings["pretrain"]["mtraining"]["seq_len"],
+              "model": settings["base"]["mtraining"]["model"], "budget": settings["budget"]}
+    results = {"params": params, "pretrain": arm_results(study / "pretrain"),
+               "arms": {mode: arm_results(study / mode) for mode in MODES},
+               "evals": {spec: eval_results(study / spec.split(":")[0] / f"eval_{spec.split(':')[1]}")
+                         for spec in settings["given"]["evals"]}}
+    rows = []
+    for spec, ev in results["evals"].items():
+        for length in sorted({int(n) for n in (ev or {}).get("loss", {})} |
+                             {int(n) for c in (ev or {}).get("tasks", {}).values() for n in c}):
+            row = {"arm": spec.split(":")[0], "eval_attention": spec.split(":")[1], "length": length}
+            row.update({k: v for k, v in ev["loss"].get(str(length), {}).items()
+                        if k in ("heldout_loss", "last_bucket_loss", "tokens")})
+            layer = ev["loss"].get(str(length), {}).get("layer_density")
+            if layer:
+                row["density"] = float(np.mean(layer))
+            for task, cell in ev["tasks"].items():
+                if str(length) in cell:
+                    row[task] = {k: cell[str(length)][k] for k in ("accuracy", "interval", "trials", "correct")}
+            rows.append(row)
+    results["rows"] = rows
+    results["goals"] = long_goals(results)
+    return results
+
+
+def long_plots(results: dict, out: Path, tag: str) -> list[str]:
+    """Loss curves (pretraining and arms) and density in training; accuracy by task and length
+    (95% intervals) and by depth at the longest length; loss by position and each layer's density
+    per length. [] with one line where matplotlib is missing."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib is not installed: no plots (pip install matplotlib, then run the compare stage again)")
+        return []
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    colors = {"dense": "black", "sparse": "tab:blue", "static": "tab:orange", "pretrain": "gray"}
+    styles = {"dense": "-", "sparse": "--"}
+    names = []
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    offset = (results["pretrain"] or {}).get("train_steps", [0])[-1]
+    if results["pretrain"]:
+        axes[0].plot(results["pretrain"]["train_steps"], results["pretrain"]["train_loss"], color="gray", lw=1,
+                     label=f"pretrain ({results['params']['pretrain_seq_len']} tokens)")
+    for mode, arm in results["arms"].items():
+        if arm:
+            axes[0].plot(np.array(arm["train_steps"]) + offset, arm["train_loss"], color=colors[mode], lw=1,
+                         label=f"{mode} ({arm['seq_len']} tokens, {arm['tokens_per_s']:.0f} tokens/s)")
+            if mode != "dense":
+                axes[1].plot(arm["train_steps"], arm["density"], color=colors[mode], label=mode)
+    axes[0].set(xlabel="step", ylabel="training loss (nats/token)", title="training loss")
+    axes[1].axhline(GOALS["density"], color="gray", ls="--", lw=0.8, label="10%")
+    axes[1].set(xlabel="step of the arm", ylabel="computed / causal entries", title="attention density in training")
+    for ax in axes:
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    names.append(_save(fig, plt, out / f"quality_{tag}_curves.png"))
+
+    tasks, evals = results["params"]["ruler_tasks"], {k: v for k, v in results["evals"].items() if v}
+    lengths, longest = results["params"]["eval_lengths"], str(max(results["params"]["eval_lengths"]))
+    fig, axes = plt.subplots(2, len(tasks), figsize=(4 * len(tasks), 7), squeeze=False)
+    width = 0.8 / max(1, len(evals))
+    for column, task in enumerate(tasks):
+        top, bottom = axes[0][column], axes[1][column]
+        for i, (spec, ev) in enumerate(evals.items()):
+            arm, attention = spec.split(":")
+            cells = [ev["tasks"].get(task, {}).get(str(n)) for n in lengths]
+            x = [j + (i - (len(evals) - 1) / 2) * width for j, c in enumerate(cells) if c]
+            y = [c["accuracy"] for c in cells if c]
+            err = [[c["accuracy"] - c["interval"][0] for c in cells if c], [c["interval"][1] - c["accuracy"] for c in cells if c]]
+            top.bar(x, y, width, yerr=err, color=colors[arm], alpha=0.9 if attention == "dense" else 0.5,
+                    capsize=2, label=f"{arm} ({attention} eval)")
+            cell = ev["tasks"].get(task, {}).get(longest)
+            if cell:
+                depths = sorted(cell["by_depth"], key=float)
+                bottom.plot([float(d) for d in depths], [cell["by_depth"][d]["accuracy"] for d in depths], "o",
+                            ls=styles.get(attention, ":"), color=colors[arm], label=f"{arm} ({attention} eval)")
+        top.set_xticks(range(len(lengths)), [f"{n // 1024}K" for n in lengths])
+        top.set(ylim=(0, 1.05), title=task, xlabel="prompt length", ylabel="accuracy (95% interval)" if not column else None)
+        bottom.set(ylim=(-0.05, 1.05), xlabel="depth of the first needle", title=f"{task} at {int(longest) // 1024}K",
+                   ylabel="accuracy" if not column else None)
+        for ax in (top, bottom):
+            ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    names.append(_save(fig, plt, out / f"quality_{tag}_tasks.png"))
+
+    fig, axes = plt.subplots(2, len(lengths), figsize=(4.5 * len(lengths), 7), squeeze=False)
+    for column, n in enumerate(lengths):
+        for spec, ev in evals.items():
+            cell = ev["loss"].get(str(n))
+            if not cell:
+                continue
+            arm, attention = spec.split(":")
+            axes[0][column].stairs(cell["mean_loss"], cell["edges"], color=colors[arm], ls=styles.get(attention, ":"),
+                                   label=f"{arm} ({attention} eval) {cell['heldout_loss']:.4f}")
+            if cell.get("layer_density"):
+                axes[1][column].plot(cell["layer_density"], "o-", color=colors[arm], label=f"{arm} ({attention} eval)")
+        axes[0][column].set(title=f"held-out loss by position, {n // 1024}K", xlabel="position (tokens)",
+                            ylabel="mean loss (nats)" if not column else None)
+        axes[1][column].axhline(GOALS["density"], color="gray", ls="--", lw=0.8)
+        axes[1][column].set(title=f"index density per layer, {n // 1024}K", xlabel="layer",
+                            ylabel="computed / causal entries" if not column else None)
+        for ax in axes[:, column]:
+            ax.legend(fontsize=7)
+            ax.grid(alpha=0.3)
+    fig.tight_layout()
+    names.append(_save(fig, plt, out / f"quality_{tag}_loss.png"))
+    return names
+
+
+def _save(fig, plt, path: Path) -> str:
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path.name
+
+
+def _percent(value, digits=2) -> str:
+    return "n/a" if value is None else f"{100 * value:+.{digits}f}%"
+
+
+def _k(tokens: int) -> str:
+    return f"{tokens // 1024}K" if tokens >= 1024 and tokens % 1024 == 0 else str(tokens)
+
+
+def results_row(results: dict, command: str, json_name: str, device: str = "one H200") -> str:
+    """The docs/RESULTS.md row of a study, filled from its numbers (for a person to check and paste)."""
+    goals, params = results["goals"], results["params"]
+    arms = results["arms"]
+    length = goals["length"]
+    tasks = ", ".join(
+        f"{task} {100 * g['sparse']:.1f}% vs {100 * g['dense']:.1f}%" for task in params["ruler_tasks"]
+        if (g := goals.get(f"{task}_accuracy_within_2_points", {})).get("value") is not None)
+    static = ", ".join(f"{task} {100 * g['value']:.1f}%" for task in params["ruler_tasks"]
+                       if (g := goals.get(f"static_fails_{task}", {})).get("value") is not None)
+    ratio = goals.get("tokens_per_s_ratio_sparse_over_dense")
+    density = goals["sparse_density_le_0.1"]["value"]
+    missed = [name for name, g in goals.items() if isinstance(g, dict) and g.get("pass") is False]
+    return (f"| <a id=\"quality-{_k(length).lower()}\"></a>{_model_name(params['model'])} continued at {_k(length)} for "
+            f"{params['steps']} steps from one dense {_k(params['pretrain_seq_len'])} stage ({params['pretrain_steps']} "
+            f"steps), {device}; MTraining's density {density if density is None else f'{density:.3f}'} at the end | "
+            f"held-out loss **{_percent(goals['sparse_heldout_loss_gap_le_0.01']['value'])}** of dense, last "
+            f"position bucket {_percent(goals['sparse_last_bucket_loss_gap_le_0.02']['value'])} (dense evaluation); "
+            f"tasks at {_k(length)} (MTraining vs dense): {tasks or 'n/a'}; static sinks + window: {static or 'n/a'}; "
+            f"tokens/s {'n/a' if ratio is None else f'{ratio:.2f}x'} dense's (attention "
+            f"{_share(arms.get('dense'))} / {_share(arms.get('sparse'))} of the step, dense / MTraining)"
+            f"{'; goals missed: ' + ', '.join(missed) if missed else ''} | `{command}` | `{json_name}` |")
+
+
+def _model_name(model) -> str:
+    """A model spec in words: a preset with its overrides (the 61M shape: hidden 768, 10 layers)."""
+    if isinstance(model, str):
+        return model
+    overrides = model.get("config_overrides", {})
+    shape = ", ".join(f"{k.replace('num_', '').replace('_', ' ')} {v}" for k, v in overrides.items())
+    return f"{model.get('name_or_path')} ({shape})" if shape else str(model.get("name_or_path"))
+
+
+def _share(arm) -> str:
+    share = ((arm or {}).get("profile") or {}).get("attention_share")
+    return "n/a" if share is None else f"{100 * share:.0f}%"
+
+
+def long_main(args, trainer=launch_training, say=print) -> dict | None:
+    """``bench.quality long``: the stages asked for, then (with compare) the result JSON and plots;
+    returns the results with compare (``path``: the JSON file written)."""
+    stages = LONG_STAGES if args.stages == "all" else [s.strip() for s in args.stages.split(",") if s.strip()]
+    unknown = sorted(set(stages) - set(LONG_STAGES))
+    if unknown:
+        raise ValueError(f"unknown stage(s) {unknown}; the stages are {list(LONG_STAGES)} or 'all'")
+    study = LongStudy(args, trainer, say)
+    ran = study.run(stages)
+    print(f"stages done in this call: {', '.join(ran) or 'none'}; the study: " +
+          ", ".join(f"{s} {'done' if study.done(s) else 'not done'}" for s in LONG_STAGES if s != "compare"))
+    if "compare" in stages:
+        results = study.results if "compare" in ran else long_results(study.out)
+        out = Path(args.results) if args.results else study.out
+        out.mkdir(parents=True, exist_ok=True)
+        tag = args.tag or study.out.name
+        path = result_path(f"quality_{tag}", folder=out)
+        command = os.environ.get("QUALITY_128K_COMMAND") or " ".join(["python -m ds_mtraining.bench.quality"] + sys.argv[1:])
+        results["plots"] = long_plots(results, out, tag)
+        device = _device_name()
+        results["results_row"] = results_row(results, command, path.name, "CPU" if device == "cpu" else f"one {device}")
+        results["stages_done"] = [s for s in LONG_STAGES if s != "compare" and study.done(s)]
+        write_result(f"quality_{tag}", results.pop("params"), results.pop("rows"), path=path, command=command,
+                     study=str(study.out), **results)
+        for name, goal in results["goals"].items():
+            if isinstance(goal, dict):
+                verdict = {True: "yes", False: "NO ", None: " - "}[goal["pass"]]
+                margin = "" if goal["margin"] is None else f" (margin {goal['margin']:+.4g})"
+                print(f"  {verdict}  {name}{margin}")
+        print(f"results: {path}")
+        print(results["results_row"])
+        return {**results, "path": str(path)}
+    return None
+
+
 # ----------------------------------------------------------------------------- command line
-def main(argv=None):
+def parse_args(argv=None):
+    """The command line's arguments (``long``'s list settings as lists)."""
     parser = argparse.ArgumentParser(prog="python -m ds_mtraining.bench.quality",
                                      description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -429,12 +1079,57 @@ def main(argv=None):
     run.add_argument("--recall_length", type=int, default=16384)
     run.add_argument("--tag", default=None, help="results name: quality_<tag>.json (default: the out folder's name)")
     run.add_argument("--results", default=None, help="where quality_<tag>.json and PNGs go (default: --out)")
+    long = sub.add_parser("long", help="the long-context study (issue 52): pretrain, budget, dense / sparse / static "
+                                       "arms at the study's length, evaluation, compare; stages selectable per call, "
+                                       "resumed in --out")
+    long.add_argument("--out", required=True, help="the study's folder (study.json keeps its first call's settings)")
+    long.add_argument("--data", default=None, help="corpus folder with train.parquet and heldout.parquet")
+    long.add_argument("--stages", default="all", help="comma-separated of " + ",".join(LONG_STAGES) + ", or all "
+                                                      "(stages done are skipped; compare always runs when named)")
+    long.add_argument("--device", default="cuda:0", help="'cuda:0' or 'cpu'")
+    long.add_argument("--time_budget", type=float, default=None,
+                      help=f"seconds for this call: training stops (its step saved) and evaluation stops (its "
+                           f"trials kept) {RESERVE_S} s before; the next call continues")
+    long.add_argument("--tag", default=None, help="results name quality_<tag>_<device>_<date>.json (default: the "
+                                                  "folder's name)")
+    long.add_argument("--results", default=None, help="where the JSON and PNGs go (default: --out)")
+    for name, value in LONG_DEFAULTS.items():  # the study's settings: None keeps study.json's (or the default)
+        kind = {list: str, float: float, int: int, str: str}[type(value)]
+        if name == "density_target":
+            kind = float
+        long.add_argument(f"--{name}", type=kind, default=None,
+                          help=f"fixed by the study's first call; default {','.join(map(str, value)) if isinstance(value, list) else value}")
     cmp = sub.add_parser("compare", help="write quality_<tag>.json and PNGs from a study directory",
                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     cmp.add_argument("study", help="the study directory of a run")
     cmp.add_argument("--tag", default=None, help="default: the study folder's name")
     cmp.add_argument("--results", default=None, help="where quality_<tag>.json and PNGs go (default: the study)")
     args = parser.parse_args(argv)
+    if args.command == "run":
+        if (args.steps or 1) < 1 or args.calibration_steps < 2:
+            parser.error("--steps must be >= 1 and --calibration_steps >= 2")
+        if bool(args.pretrain_config) != (args.pretrain_steps > 0):
+            parser.error("--pretrain_config and --pretrain_steps >= 1 go together")
+    if args.command == "long":
+        for name, value in LONG_DEFAULTS.items():
+            if isinstance(value, list) and getattr(args, name) is not None:
+                try:
+                    items = [x.strip() for x in getattr(args, name).split(",") if x.strip()]
+                    setattr(args, name, [type(value[0])(x) for x in items])
+                except ValueError:
+                    parser.error(f"--{name} {getattr(args, name)!r}: a comma-separated list of {type(value[0]).__name__}")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.command == "long":
+        try:
+            long_main(args)
+            return
+        except (FileNotFoundError, RuntimeError, ValueError) as error:
+            print(f"ds_mtraining.bench.quality: error: {error}", file=sys.stderr)
+            sys.exit(2)
     if args.command == "budget":
         try:
             choice = choose_budget(args.model, json.loads(Path(args.config).read_text()), args.data, args.target,
@@ -442,14 +1137,10 @@ def main(argv=None):
         except (FileNotFoundError, RuntimeError, ValueError) as error:
             print(f"ds_mtraining.bench.quality: error: {error}", file=sys.stderr)
             sys.exit(2)
-        Path(args.out).write_text(json.dumps(choice, indent=2))
+        write_json(args.out, choice)
         print(json.dumps(choice, indent=2))
         return
     if args.command == "run":
-        if (args.steps or 1) < 1 or args.calibration_steps < 2:
-            parser.error("--steps must be >= 1 and --calibration_steps >= 2")
-        if bool(args.pretrain_config) != (args.pretrain_steps > 0):
-            parser.error("--pretrain_config and --pretrain_steps >= 1 go together")
         try:
             Study(args).run()
         except (FileNotFoundError, FileExistsError, RuntimeError, ValueError) as error:
@@ -460,13 +1151,14 @@ def main(argv=None):
         study = Path(args.study)
     tag = args.tag or study.name
     results = compare(study)
-    results.update(date=time.strftime("%Y-%m-%d"), **provenance(),
-                   command=" ".join(["python -m ds_mtraining.bench.quality"] + sys.argv[1:]), device=_device_name(),
-                   study=str(study))
     out = Path(args.results) if args.results else study
     out.mkdir(parents=True, exist_ok=True)
     results["plots"] = plot(results, out, tag)
-    (out / f"quality_{tag}.json").write_text(json.dumps(results, indent=1))
+    rows = [{"mode": mode, **{k: r[k] for k in ("heldout_loss", "last_bucket_loss", "passkey_accuracy", "final_density",
+                                                "tokens_per_s")}} for mode, r in results["modes"].items()]
+    write_result(f"quality_{tag}", {"study": str(study), "tag": tag}, rows, path=out / f"quality_{tag}.json",
+                 command=" ".join(["python -m ds_mtraining.bench.quality"] + sys.argv[1:]), device=_device_name(),
+                 study=str(study), **results)
     for mode in ("sparse", "static"):
         g = results[f"{mode}_vs_dense"]
         print(f"{mode} vs dense: held-out loss {100 * g['heldout_loss_gap']:+.2f}%, last bucket "
