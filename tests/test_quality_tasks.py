@@ -4,6 +4,7 @@ and a wrong one wrong, Wilson intervals against hand computations; the training 
 quality study's driver (bench.quality long) end to end on CPU at toy lengths."""
 import json
 import re
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -316,3 +317,38 @@ def test_the_long_study_end_to_end_on_cpu(tmp_path):
     # a later call skips every stage done
     count = len(trained)
     assert call(stages="pretrain,budget,dense,sparse,static,eval") is None and len(trained) == count
+    assert all(len(ev["models"]) == 1 for ev in evals.values())
+
+
+class _Scripted:
+    """A TrainingRun whose command is a Python one-liner: the launch's signal handling without a launcher."""
+
+    def __init__(self, tmp_path, code: str, deadline: float | None):
+        from ds_mtraining.bench.quality import TrainingRun
+        self.run = TrainingRun(tmp_path / "c.json", 2, tmp_path / "run", tmp_path / "hf", "cpu", 1, 1, 0, 0, False,
+                               tmp_path / "train.log", deadline)
+        self.run.command = lambda port: [sys.executable, "-c", code]
+
+
+@pytest.mark.parametrize("code, deadline, expected", [
+    ("print('trained')", None, True),
+    ("import signal, sys, time\nsignal.signal(signal.SIGTERM, lambda *a: (print('saved'), sys.exit(143)))\n"
+     "print('ready', flush=True)\ntime.sleep(60)", 1.5, False),
+    ("import sys; print('boom'); sys.exit(3)", None, r"failed \(exit 3\)"),
+])
+def test_launch_training_stops_at_the_deadline_with_sigterm(tmp_path, code, deadline, expected):
+    """launch_training: a run that ends is done; at the deadline the run's process group gets
+    SIGTERM (the ranks save their step and exit 143): not done, resumed next call; any other
+    exit is an error with the log's last lines."""
+    import time
+    from ds_mtraining.bench.quality import launch_training
+    scripted = _Scripted(tmp_path, code, None if deadline is None else time.time() + deadline)
+    if isinstance(expected, str):
+        with pytest.raises(RuntimeError, match=expected + r"(.|\n)*boom"):
+            launch_training(scripted.run)
+        return
+    began = time.time()
+    assert launch_training(scripted.run) is expected
+    assert time.time() - began < 10
+    if expected is False:
+        assert "saved" in (tmp_path / "train.log").read_text()

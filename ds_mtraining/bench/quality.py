@@ -571,16 +571,16 @@ class LongStudy:
         folder.mkdir(parents=True, exist_ok=True)
         write_json(folder / "config.json", config)
         run_dir = folder / "run"
-        resume = (run_dir / "latest").is_file()
+        latest = run_dir / "latest"
+        resume = latest.is_file() and (run_dir / latest.read_text().strip()).is_dir()  # its checkpoint is here
         self.say(f"{name}: {'resuming' if resume else 'training'} to {steps} steps at "
                  f"{config['mtraining']['seq_len']} tokens ({config['mtraining'].get('attention', 'sparse')})")
         timing_path = folder / "timing.json"
         timing = json.loads(timing_path.read_text()) if timing_path.is_file() else {"train_s": 0.0, "calls": 0}
         began = time.time()
-        deadline = None if self.deadline is None else self.deadline
         finished = self.trainer(TrainingRun(folder / "config.json", steps, run_dir, folder / "hf", self.device,
                                             given["seed"], given["log_interval"], given["save_interval"],
-                                            given["profile_step"], resume, folder / "train.log", deadline))
+                                            given["profile_step"], resume, folder / "train.log", self.deadline))
         timing.update(train_s=timing["train_s"] + time.time() - began, calls=timing["calls"] + 1)
         write_json(timing_path, timing)
         if not finished:
@@ -598,7 +598,18 @@ class LongStudy:
     def _pretrained(self) -> str:
         if not (self.out / "pretrain" / "done.json").is_file():
             raise ValueError("the arms continue from the pretrained model: run the pretrain stage first")
+        self._ensure_model("pretrain")
         return str((self.out / "pretrain" / "hf").resolve())
+
+    def _ensure_model(self, stage: str):
+        """A stage done in an earlier session whose exported model is not here (a bare machine: the
+        models, 0.1-0.3 GB each, do not come back through the device's output folder) trains again
+        with the same settings, seed and data; its evaluations keep their trials, each row naming
+        the model it ran on (``model``: the weights' fingerprint)."""
+        if (self.out / stage / "hf" / "config.json").is_file():
+            return
+        self.say(f"{stage}: done in an earlier session, its model is not on this machine: training it again")
+        getattr(self, f"stage_{stage}")()
 
     def _base(self) -> dict:
         """The arms' config: the study's, with the chosen slash budget."""
@@ -623,10 +634,13 @@ class LongStudy:
     def _arm(self, mode: str):
         given = self.settings["given"]
         density = None
-        if mode == "static":
-            if not (self.out / "sparse" / "done.json").is_file():
-                raise ValueError("static trains at MTraining's density: run the sparse stage first")
-            density = tail_mean(read_metric(self.out / "sparse" / "run", "density")[1])
+        if mode == "static":  # at MTraining's final density, fixed once (a retrained sparse arm keeps it)
+            if self.settings.get("static_density") is None:
+                if not (self.out / "sparse" / "done.json").is_file():
+                    raise ValueError("static trains at MTraining's density: run the sparse stage first")
+                self.settings["static_density"] = tail_mean(read_metric(self.out / "sparse" / "run", "density")[1])
+                self._save_settings()
+            density = self.settings["static_density"]
         config = mode_config(self._base(), mode, given["steps"], str(self._data_file("train.parquet")), density,
                              self._pretrained())
         self._train(mode, config, given["steps"])
@@ -669,6 +683,7 @@ class LongStudy:
             if not (self.out / arm / "done.json").is_file():
                 self.say(f"eval {spec}: the {arm} arm is not trained yet; skipped")
                 continue
+            self._ensure_model(arm)
             left = self._left()
             if left is not None and left <= 0:
                 raise StageIncomplete(f"eval {spec}: the call's time is spent; the next call continues")
@@ -745,6 +760,9 @@ def eval_results(folder: Path) -> dict | None:
     result = {"done": (folder / "done.json").is_file(), "timing": _json(folder / "timing.json"), "loss": {},
               "tasks": summarise(trials["rows"], ruler["target_width"]) if trials and ruler else {},
               "task_layer_density": (ruler or {}).get("layer_density", {})}
+    # the models the rows ran on: more than one where an arm was trained again on a bare machine
+    result["models"] = sorted({r.get("model") for r in (trials or {}).get("rows", [])} | {
+        c.get("model") for c in (losses or {}).get("results", {}).values()} - {None})
     for length, cell in (losses or {}).get("results", {}).items():
         result["loss"][length] = {"heldout_loss": cell["overall"], "last_bucket_loss": cell["mean_loss"][-1],
                                   "edges": cell["edges"], "mean_loss": cell["mean_loss"],

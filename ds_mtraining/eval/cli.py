@@ -162,7 +162,7 @@ def run_eval(args, console=None) -> dict:
     from .passkey import describe_retrieval, passkey_grid
     from .position_loss import loss_by_position, loss_windows
     from .runtime import (data_spec, greedy_generate, heldout_stream, load_eval_tokenizer, load_model,
-                          resolve_device, resolve_dtype, set_attention, sparse_config)
+                          model_fingerprint, resolve_device, resolve_dtype, set_attention, sparse_config)
 
     console = console or Console(soft_wrap=True)
     meaning = {}  # what a figure says of this model, printed beside it
@@ -181,7 +181,8 @@ def run_eval(args, console=None) -> dict:
     stream = heldout_stream(data_spec(args.data), tokenizer, max(need, max(args.ruler_lengths) * 2 if ruler else 0),
                             8 * max(args.ruler_lengths) if ruler else None)
     layers = model.config.num_hidden_layers
-    summary = {"model": str(Path(args.model).resolve()), "attention": args.attention, "device": str(device),
+    summary = {"model": str(Path(args.model).resolve()), "model_fingerprint": model_fingerprint(args.model),
+               "attention": args.attention, "device": str(device),
                "dtype": str(dtype).replace("torch.", ""), "sparse": sparse.to_dict(),
                "args": {k: v for k, v in vars(args).items()}, "heldout_tokens": int(len(stream)), "files": {}}
     console.print(f"evaluating {args.model} ({args.attention} attention, {device}, {summary['dtype']}) -> {out}",
@@ -208,7 +209,7 @@ def run_eval(args, console=None) -> dict:
             summary["passkey_accuracy"] = result["mean_accuracy"]
             meaning["passkey_accuracy"] = describe_retrieval(result)
         if "loss" in args.tasks and args.loss_lengths:
-            result = _loss_by_length(out, model, stream, args, stats, deadline, bar)
+            result = _loss_by_length(out, model, stream, args, stats, deadline, bar, summary["model_fingerprint"])
             _write(out, "loss_by_length", result, summary)
             summary["loss_by_length"] = {n: r["overall"] for n, r in result["results"].items()}
         elif "loss" in args.tasks:
@@ -233,7 +234,7 @@ def run_eval(args, console=None) -> dict:
             summary["files"]["recall_png"] = "recall.png"
             summary["recall"] = result["mean"]
         if ruler:
-            result = _ruler(out, model, tokenizer, stream, args, stats, deadline, bar)
+            result = _ruler(out, model, tokenizer, stream, args, stats, deadline, bar, summary["model_fingerprint"])
             _write(out, "ruler", result, summary)
             summary["ruler_complete"] = result["complete"]
             summary["ruler_accuracy"] = {task: {n: cell["accuracy"] for n, cell in by_length.items()}
@@ -261,7 +262,7 @@ def _merge_densities(earlier: dict | None, prompts: int, densities: list) -> dic
     return {"prompts": prompts, "layer_density": densities, "mean": float(np.mean(densities))}
 
 
-def _loss_by_length(out: Path, model, stream, args, stats, deadline, bar) -> dict:
+def _loss_by_length(out: Path, model, stream, args, stats, deadline, bar, fingerprint: str) -> dict:
     """Loss by position at each of --loss_lengths, longest first (kept from an earlier call's
     loss_by_length.json; under sparse attention with each layer's index density)."""
     from .position_loss import loss_by_position, loss_windows
@@ -283,13 +284,14 @@ def _loss_by_length(out: Path, model, stream, args, stats, deadline, bar) -> dic
         if stats is not None:
             cell["layer_density"] = layer_densities(stats.densities, layers)
             cell["sparse_density"] = float(np.mean(cell["layer_density"]))
+        cell["model"] = fingerprint
         result["results"][str(length)] = cell
         write_json(path, result)
     result["complete"] = all(str(n) in result["results"] for n in args.loss_lengths)
     return result
 
 
-def _ruler(out: Path, model, tokenizer, stream, args, stats, deadline, bar) -> dict:
+def _ruler(out: Path, model, tokenizer, stream, args, stats, deadline, bar, fingerprint: str) -> dict:
     """The RULER-style tasks (:func:`.ruler.run_trials`), continuing the trials of an earlier call
     in ruler_trials.json (rewritten atomically every SAVE_EVERY_S and at the end); under sparse
     attention each layer's index density per length over the prompts' prefills."""
@@ -307,6 +309,7 @@ def _ruler(out: Path, model, tokenizer, stream, args, stats, deadline, bar) -> d
         state["saved"] = time.time()
 
     def record(row):
+        row["model"] = fingerprint
         rows.append(row)
         if time.time() - state["saved"] >= SAVE_EVERY_S:
             save()

@@ -74,6 +74,19 @@ def load_model(path: str, device: torch.device, dtype: torch.dtype):
     return model.to(device).eval()
 
 
+def model_fingerprint(path: str) -> str:
+    """The first 16 hex digits of the SHA-256 of a model directory's weight files (sorted by name):
+    which trained model an evaluation's rows came from."""
+    import hashlib
+    digest = hashlib.sha256()
+    for file in sorted(Path(path).glob("*")):
+        if file.suffix in (".safetensors", ".bin", ".pt"):
+            with open(file, "rb") as handle:
+                for block in iter(lambda: handle.read(1 << 24), b""):
+                    digest.update(block)
+    return digest.hexdigest()[:16]
+
+
 def load_eval_tokenizer(spec: str, model_dir: str):
     """``"auto"``: the model directory's tokenizer if it has one, else the byte tokenizer;
     ``"bytes"``; or a tokenizer directory."""
