@@ -654,11 +654,12 @@ class LongStudy:
     def stage_static(self):
         self._arm("static")
 
-    def eval_argv(self, spec: str, time_budget: float | None) -> list[str]:
-        """The ``ds_mtraining.eval`` command line of one ``arm:attention`` evaluation."""
+    def eval_argv(self, spec: str, length: int, time_budget: float | None) -> list[str]:
+        """The ``ds_mtraining.eval`` command line of one ``arm:attention`` evaluation at ``length``
+        (its held-out stream and prompts depend on that length alone: the same for every arm)."""
         given = self.settings["given"]
         arm, attention = spec.split(":")
-        lengths = ",".join(str(n) for n in given["eval_lengths"])
+        lengths = str(length)
         argv = [str(self.out / arm / "hf"), "--out", str(self._eval_folder(spec)), "--tasks", "loss,ruler",
                 "--attention", attention, "--sparse_config", json.dumps(_sparse_spec(self._base()["mtraining"])),
                 "--lengths", lengths, "--loss_lengths", lengths, "--ruler_lengths", lengths,
@@ -672,37 +673,39 @@ class LongStudy:
         return argv + (["--time_budget", f"{time_budget:.0f}"] if time_budget is not None else [])
 
     def stage_eval(self):
-        """Each evaluation of --evals not done yet, in order, in this process (its trials kept in
-        its folder: a call that runs out of time leaves them for the next)."""
+        """The evaluations of --evals, the longest length first across all of them (the goals' length
+        is measured first where a session's time runs out), in this process; each keeps its trials
+        in its folder, so a call that runs out of time leaves them for the next."""
         from ..eval.cli import build_parser, check_args, run_eval
-        for spec in self.settings["given"]["evals"]:
-            folder = self._eval_folder(spec)
-            arm = spec.split(":")[0]
-            if (folder / "done.json").is_file():
-                continue
-            if not (self.out / arm / "done.json").is_file():
-                self.say(f"eval {spec}: the {arm} arm is not trained yet; skipped")
-                continue
-            self._ensure_model(arm)
-            left = self._left()
-            if left is not None and left <= 0:
-                raise StageIncomplete(f"eval {spec}: the call's time is spent; the next call continues")
-            self.say(f"eval {spec}: loss and tasks at {self.settings['given']['eval_lengths']}")
-            began = time.time()
-            parser = build_parser()
-            args = parser.parse_args(self.eval_argv(spec, left))
-            check_args(parser, args)
-            summary = run_eval(args)
-            timing_path = folder / "timing.json"
-            spent = json.loads(timing_path.read_text())["eval_s"] if timing_path.is_file() else 0.0
-            write_json(timing_path, {"eval_s": spent + time.time() - began})
-            _release_memory()
-            complete = summary.get("ruler_complete") and all(
-                str(n) in summary.get("loss_by_length", {}) for n in self.settings["given"]["eval_lengths"])
-            if not complete:
-                raise StageIncomplete(f"eval {spec}: stopped at the deadline, its trials kept in {folder}; the "
-                                      f"next call continues")
-            write_json(folder / "done.json", {"eval_s": spent + time.time() - began})
+        given = self.settings["given"]
+        for length in sorted(given["eval_lengths"], reverse=True):
+            for spec in given["evals"]:
+                folder, arm = self._eval_folder(spec), spec.split(":")[0]
+                if (folder / "done.json").is_file() or (folder / f"done_{length}.json").is_file():
+                    continue
+                if not (self.out / arm / "done.json").is_file():
+                    self.say(f"eval {spec}: the {arm} arm is not trained yet; skipped")
+                    continue
+                self._ensure_model(arm)
+                left = self._left()
+                if left is not None and left <= 0:
+                    raise StageIncomplete(f"eval {spec}: the call's time is spent; the next call continues")
+                self.say(f"eval {spec}: loss and tasks at {length} tokens")
+                began = time.time()
+                parser = build_parser()
+                args = parser.parse_args(self.eval_argv(spec, length, left))
+                check_args(parser, args)
+                summary = run_eval(args)
+                timing_path = folder / "timing.json"
+                spent = (_json(timing_path) or {"eval_s": 0.0})["eval_s"] + time.time() - began
+                write_json(timing_path, {"eval_s": spent})
+                _release_memory()
+                if not summary.get("ruler_complete") or str(length) not in summary.get("loss_by_length", {}):
+                    raise StageIncomplete(f"eval {spec}: stopped at the deadline, its trials kept in {folder}; the "
+                                          f"next call continues")
+                write_json(folder / f"done_{length}.json", {"eval_s": spent})
+                if all((folder / f"done_{n}.json").is_file() for n in given["eval_lengths"]):
+                    write_json(folder / "done.json", {"eval_s": spent})
 
     def stage_compare(self):
         self.results = long_results(self.out)
@@ -929,9 +932,9 @@ def long_plots(results: dict, out: Path, tag: str) -> list[str]:
                 depths = sorted(cell["by_depth"], key=float)
                 bottom.plot([float(d) for d in depths], [cell["by_depth"][d]["accuracy"] for d in depths], "o",
                             ls=styles.get(attention, ":"), color=colors[arm], label=f"{arm} ({attention} eval)")
-        top.set_xticks(range(len(lengths)), [f"{n // 1024}K" for n in lengths])
+        top.set_xticks(range(len(lengths)), [_k(n) for n in lengths])
         top.set(ylim=(0, 1.05), title=task, xlabel="prompt length", ylabel="accuracy (95% interval)" if not column else None)
-        bottom.set(ylim=(-0.05, 1.05), xlabel="depth of the first needle", title=f"{task} at {int(longest) // 1024}K",
+        bottom.set(ylim=(-0.05, 1.05), xlabel="depth of the first needle", title=f"{task} at {_k(int(longest))}",
                    ylabel="accuracy" if not column else None)
         for ax in (top, bottom):
             ax.grid(alpha=0.3)
@@ -950,10 +953,10 @@ def long_plots(results: dict, out: Path, tag: str) -> list[str]:
                                    label=f"{arm} ({attention} eval) {cell['heldout_loss']:.4f}")
             if cell.get("layer_density"):
                 axes[1][column].plot(cell["layer_density"], "o-", color=colors[arm], label=f"{arm} ({attention} eval)")
-        axes[0][column].set(title=f"held-out loss by position, {n // 1024}K", xlabel="position (tokens)",
+        axes[0][column].set(title=f"held-out loss by position, {_k(n)}", xlabel="position (tokens)",
                             ylabel="mean loss (nats)" if not column else None)
         axes[1][column].axhline(GOALS["density"], color="gray", ls="--", lw=0.8)
-        axes[1][column].set(title=f"index density per layer, {n // 1024}K", xlabel="layer",
+        axes[1][column].set(title=f"index density per layer, {_k(n)}", xlabel="layer",
                             ylabel="computed / causal entries" if not column else None)
         for ax in axes[:, column]:
             ax.legend(fontsize=7)
