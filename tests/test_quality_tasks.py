@@ -304,6 +304,9 @@ def test_the_long_study_end_to_end_on_cpu(tmp_path):
     assert goals["sparse_heldout_loss_gap_le_0.01"]["value"] == pytest.approx(
         evals["sparse:dense"]["loss"]["1024"]["heldout_loss"] / evals["dense:dense"]["loss"]["1024"]["heldout_loss"] - 1)
     assert goals["tokens_per_s_ratio_sparse_over_dense"] > 0
+    same = results["comparisons"]["sparse:dense vs dense:dense"]
+    assert same["1024"]["heldout_loss"] == pytest.approx(goals["sparse_heldout_loss_gap_le_0.01"]["value"])
+    assert set(same["512"]) == {"heldout_loss", "last_bucket_loss", *TASKS}
     assert 0 < results["arms"]["sparse"]["profile"]["attention_share"] <= 1
     record = json.loads(Path(results["path"]).read_text())
     assert Path(results["path"]).name.startswith("quality_toy_cpu_")

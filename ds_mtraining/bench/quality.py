@@ -628,6 +628,7 @@ class LongStudy:
                                given["density_target"], device)
         self.settings["budget"] = choice
         self._save_settings()
+        _release_memory()  # the arms train in other processes on the same GPU
         self.say(f"budget: max_slash_diagonals={choice['chosen']['max_slash_diagonals']} "
                  f"(density {choice['density']:.4f})")
 
@@ -875,8 +876,32 @@ def long_results(study: Path) -> dict:
                     row[task] = {k: cell[str(length)][k] for k in ("accuracy", "interval", "trials", "correct")}
             rows.append(row)
     results["rows"] = rows
+    results["comparisons"] = long_comparisons(results["evals"])
     results["goals"] = long_goals(results)
     return results
+
+
+def long_comparisons(evals: dict, baseline: str = "dense:dense") -> dict:
+    """Every other evaluation against dense's at every length both hold: relative held-out and
+    last-bucket loss gaps (positive: worse than dense) and each task's accuracy difference in points
+    (positive: better), with whether the two 95% intervals overlap."""
+    base, found = evals.get(baseline), {}
+    for spec, ev in evals.items():
+        if spec == baseline or not ev or not base:
+            continue
+        for length, cell in ev["loss"].items():
+            if length in base["loss"]:
+                found.setdefault(f"{spec} vs {baseline}", {})[length] = {
+                    key: cell[key] / base["loss"][length][key] - 1.0 for key in ("heldout_loss", "last_bucket_loss")}
+        for task, by_length in ev["tasks"].items():
+            for length, cell in by_length.items():
+                other = base["tasks"].get(task, {}).get(length)
+                if other:
+                    found.setdefault(f"{spec} vs {baseline}", {}).setdefault(length, {})[task] = {
+                        "points": 100 * (cell["accuracy"] - other["accuracy"]),
+                        "intervals_overlap": cell["interval"][1] >= other["interval"][0]
+                                             and other["interval"][1] >= cell["interval"][0]}
+    return found
 
 
 def long_plots(results: dict, out: Path, tag: str) -> list[str]:
