@@ -32,6 +32,16 @@ study takes the largest step count whose runs (measured seconds per step and lau
 ``--eval_seconds`` per evaluation) end within S seconds of the start. ``data/quality`` comes
 from :mod:`ds_mtraining.eval.corpus` (``train.parquet`` for training, ``heldout.parquet`` for
 evaluation: no held-out text is trained on).
+
+``long`` is the long-context study (:class:`LongStudy`, one GPU, ``scripts/quality_128k.sh``): a
+dense stage at 4K, the slash budget, then dense (FlashAttention-4), MTraining and static arms
+continued to 128K from its export on one token stream, evaluated at 32K/64K/128K (loss by
+position, the RULER-style tasks of :mod:`ds_mtraining.ruler` with Wilson intervals, each layer's
+density; the MTraining arm with sparse and with dense attention), compared against the goals. Its
+stages run per call and resume in one folder (``study.json``); docs/BENCHMARKS.md has the commands.
+
+    python -m ds_mtraining.bench.quality long --out /tmp/quality_128k --data data/quality \
+        --device cuda:0 --time_budget 560 --results OUT
 """
 from __future__ import annotations
 
