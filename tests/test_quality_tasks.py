@@ -355,3 +355,17 @@ def test_launch_training_stops_at_the_deadline_with_sigterm(tmp_path, code, dead
     assert time.time() - began < 10
     if expected is False:
         assert "saved" in (tmp_path / "train.log").read_text()
+
+
+def test_dense_kernel_auto_is_sdpa_on_cpu_and_layer_densities_are_per_layer():
+    from helpers import tiny_model
+    from ds_mtraining.eval.runtime import DENSE_KERNEL_ATTRIBUTE, layer_densities, set_attention
+    from ds_mtraining.hf import attention_modules
+    model = tiny_model("qwen2", attn="sdpa")
+    assert set_attention(model, "dense", None, "auto") is None
+    assert model.config._attn_implementation == "sdpa"
+    assert {getattr(m, DENSE_KERNEL_ATTRIBUTE) for m in attention_modules(model)} == {"sdpa"}
+    # two forwards of three layers: each layer's mean over the forwards
+    assert layer_densities([0.1, 0.2, 0.3, 0.3, 0.4, 0.5], 3) == pytest.approx([0.2, 0.3, 0.4])
+    with pytest.raises(ValueError, match="not whole forwards of 3 layers"):
+        layer_densities([0.1, 0.2], 3)

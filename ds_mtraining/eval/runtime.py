@@ -13,9 +13,9 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from ..config import SparseConfig
-from ..dense_backend import dense_causal_attention, resolve_dense_backend
+from ..dense_backend import resolve_dense_backend
 from ..data import ByteTokenizer, HFTokenizer, datasets_offline, folder_spec, load_documents, stdlib_documents
-from ..hf import attention_modules, mtraining_attention_forward, use_mtraining_attention
+from ..hf import attention_modules, fa4_attention_forward, mtraining_attention_forward, use_mtraining_attention
 from ..layer import AttentionStats, MTrainingAttentionSettings
 
 SPARSE_PREFILL = "mtraining_prefill"
@@ -39,11 +39,8 @@ AttentionInterface.register(SPARSE_PREFILL, sparse_prefill_forward)
 def dense_prefill_forward(module, query, key, value, attention_mask, scaling=None, **kwargs):
     """A prefill's causal attention with the module's dense kernel (FA4 where set: the fastest
     dense kernel on Hopper), SDPA for the decoding steps (one query against the cache)."""
-    kernel = getattr(module, DENSE_KERNEL_ATTRIBUTE, "sdpa")
-    if query.shape[2] == key.shape[2] and kernel != "sdpa":
-        scale = scaling if scaling is not None else module.scaling
-        out = dense_causal_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), scale, kernel)
-        return out, None
+    if query.shape[2] == key.shape[2] and getattr(module, DENSE_KERNEL_ATTRIBUTE, "sdpa") == "fa4":
+        return fa4_attention_forward(module, query, key, value, None, scaling=scaling, **kwargs)  # a whole prompt: causal
     return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
 
 
