@@ -133,14 +133,15 @@ def check_model_config(config, key: str = "mtraining.model", device_type: str | 
     if getattr(config, "head_dim", None) is None and config.hidden_size % heads != 0:
         raise ValueError(f"{key}: hidden_size={config.hidden_size} is not divisible by "
                          f"num_attention_heads={heads}; choose a divisor or set head_dim")
+    caps = {}
     for field in ("attn_logit_softcapping", "final_logit_softcapping"):  # honoured: the kernels and the loss cap
         try:
-            op_softcap(getattr(config, field, None))
+            caps[field] = op_softcap(getattr(config, field, None))
         except ValueError:
             raise ValueError(f"{key}: {field}={getattr(config, field)!r} must be a positive number (the cap) or "
                              f"null (no soft-capping)") from None
     try:
-        check_softcap_device(device_type or "cpu", op_softcap(getattr(config, "attn_logit_softcapping", None)))
+        check_softcap_device(device_type or "cpu", caps["attn_logit_softcapping"])
     except ValueError as error:
         raise ValueError(f"{key}: attn_logit_softcapping={config.attn_logit_softcapping}: {error}") from None
     if getattr(config, "attention_dropout", 0.0):
@@ -177,7 +178,8 @@ def output_head_inputs(model: PreTrainedModel, hidden: torch.Tensor) -> tuple[to
     if getattr(head, "bias", None) is not None:
         raise ValueError(f"{type(model).__name__}'s LM head has a bias; MTraining's loss takes an LM head without one")
     factor = getattr(model.config, "logit_scale", 1.0) / getattr(model.config, "logits_scaling", 1.0)
-    return (hidden if factor == 1.0 else hidden * factor), head.weight, getattr(model.config, "final_logit_softcapping", None)
+    softcap = getattr(model.config, "final_logit_softcapping", None)
+    return (hidden if factor == 1.0 else hidden * factor), head.weight, softcap
 
 
 def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
