@@ -17,8 +17,11 @@ from .index import SparseIndex, Stripe
 # the head dims and dtypes csrc/cuda's kernels (and its fused estimator) are instantiated for
 # (csrc/cuda/generate_kernels.py; tests/test_cuda_kernel_list.py holds them equal); the CPU op
 # takes any head_dim and float32 too
-CUDA_HEAD_DIMS = (64, 128)
+CUDA_HEAD_DIMS = (64, 128, 256)
 CUDA_DTYPES = (torch.bfloat16, torch.float16)
+# above this head_dim the kernels run on the wgmma path (Hopper) alone (csrc/cuda/heuristics.h's
+# kMaxWarpMmaHeadDim: the mma.sync kernels' tiles outgrow an sm_80 CTA's shared memory)
+CUDA_MMA_SYNC_MAX_HEAD_DIM = 128
 # Logit soft-capping in the CUDA kernels (softmax.cuh's Logits) compiles but has not yet run on a
 # GPU: refused there until tests/test_cuda_families.py's soft-capping tests (which set this for
 # themselves) have passed on one; then this becomes True.

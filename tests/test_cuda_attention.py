@@ -101,6 +101,8 @@ SHAPES = [
     (1, 1024, 8, 1, 64, 128, 2, 24, torch.float16),     # GQA 8:1, head_dim 64, fp16
     (1, 2048, 2, 2, 128, 128, 6, 300, torch.bfloat16),  # many vertical columns (several tiles)
     (1, 777, 2, 1, 64, 64, 4, 3000, torch.bfloat16),    # more vertical candidates than one window
+    (2, 1000, 4, 2, 256, 64, 3, 40, torch.bfloat16),    # head_dim 256: column-part key kernels, partial block
+    (1, 2048, 4, 1, 256, 128, 6, 300, torch.float16),   # head_dim 256, GQA 4:1, many vertical columns
 ]
 
 
@@ -159,7 +161,10 @@ def test_tensor_core_paths_agree(mma, tma, documents, kernel_env):
     kernel_env(MMA=mma, TMA=tma)
     paths = ops.op_module("cuda").kernel_paths(torch.cuda.current_device())
     assert paths["tma"] == (paths["tensor_cores"] == "wgmma" and tma == "1")
-    for dim, block, dtype in ((128, 128, torch.bfloat16), (64, 64, torch.float16)):
+    cases = [(128, 128, torch.bfloat16), (64, 64, torch.float16)]
+    if paths["tensor_cores"] == "wgmma":  # head_dim 256 runs there alone
+        cases += [(256, 128, torch.float16), (256, 64, torch.bfloat16)]
+    for dim, block, dtype in cases:
         generator = torch.Generator().manual_seed(dim + block)
         q, k, v = random_qkv(1, 1500, 4, 2, dim, dtype, generator)
         index = random_index(1, 4, 1500, block, 4, 120, generator)
@@ -168,6 +173,17 @@ def test_tensor_core_paths_agree(mma, tma, documents, kernel_env):
         reference = reference_with_grads(q, k, v, with_documents(dense_mask(index).cuda(), doc_start), dout, 0.1)
         assert_matches(kernel_with_grads(q, k, v, index, dout, 0.1, doc_start=doc_start), reference,
                        f"{paths} D{dim} bs{block}")
+
+
+def test_head_dim_256_on_mma_sync_is_refused(kernel_env):
+    """Above head_dim 128 the kernels are wgmma's alone (heuristics.h's kMaxWarpMmaHeadDim): the
+    mma.sync path refuses with one line instead of failing to launch."""
+    kernel_env(MMA="warp")
+    generator = torch.Generator().manual_seed(256)
+    q, k, v = random_qkv(1, 256, 2, 1, 256, torch.bfloat16, generator)
+    index = random_index(1, 2, 256, 64, 2, 8, generator)
+    with pytest.raises(ValueError, match=r"head_dim 256 runs on the wgmma kernels alone"):
+        ops.attention_forward(q, k, v, index, 0.0625)
 
 
 @pytest.mark.parametrize("documents", [False, True], ids=["plain", "documents"])
@@ -229,17 +245,18 @@ def merge(outs, lses):
     return out, lse
 
 
+@pytest.mark.parametrize("dim", [64, 256])
 @pytest.mark.parametrize("documents", [False, True], ids=["plain", "documents"])
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("block", [64, 128])
-def test_striped_ring_calls_match_dense(world, documents, block):
+def test_striped_ring_calls_match_dense(world, documents, block, dim):
     """Every (q_rank, k_rank) call of a striped ring, merged, equals global dense attention (with
     document masking: documents crossing stripes and ranks, the global doc_start on every call);
     at block 128 on Hopper through the warp-specialised query kernels, at 64 through the others.
     The ring's way, each call merging into the running out/lse and adding into the running dq in
     its epilogue (own rank last, so rows without keys meet the merge on either side), from one
     delta computed up front, equals the float64 merge and sum of the separate calls (rel 1e-5)."""
-    local_blocks, heads, kv_heads, dim = 5, 4, 2, 64
+    local_blocks, heads, kv_heads = 5, 4, 2
     seq = world * local_blocks * block
     generator = torch.Generator().manual_seed(world)
     q, k, v = random_qkv(1, seq, heads, kv_heads, dim, torch.bfloat16, generator)
@@ -413,7 +430,7 @@ def test_misaligned_views_give_the_aligned_results():
         assert torch.equal(ops.attention_delta(views[3], misaligned(final)), ops.attention_delta(dout, final))
 
 
-@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("dim", [64, 128, 256])
 def test_delta_matches_float64_rowsums(dim):
     """attention_delta = rowsum(dout * out) against float64, for out in q's dtype or float32 (a
     ring's running out), over a row count that leaves the last block partly empty."""

@@ -74,6 +74,8 @@ SHAPES = [
     (1, 40, 4, 2, 64, torch.bfloat16, 64),       # S < last_q
     (1, 1500, 4, 2, 128, torch.bfloat16, 150),   # three row chunks, the last partial
     (1, 4100, 16, 2, 64, torch.float16, 256),    # four row chunks, GQA 8
+    (1, 1200, 4, 2, 256, torch.bfloat16, 256),   # head_dim 256 (Gemma's), four row chunks
+    (1, 900, 4, 1, 256, torch.float16, 64),      # head_dim 256, fp16
 ]
 
 
@@ -252,6 +254,7 @@ PLANTED = [
     # seq, heads, kv_heads, dim, dtype, block, slash offsets per kv head, columns per kv head
     (2048, 4, 2, 64, torch.bfloat16, 64, (100, 450), ((7, 40, 1500), (333, 900, 1000))),
     (3000, 8, 1, 128, torch.float16, 128, (260,), ((5, 900, 2000),)),
+    (2500, 4, 2, 256, torch.bfloat16, 128, (70, 300), ((3, 1000, 1800),)),
     (1500, 8, 2, 128, torch.bfloat16, 64, (64, 129), ((1, 2, 3), (300, 500, 800))),
 ]
 CANDIDATE_P = (0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1, 0.02)

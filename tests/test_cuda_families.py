@@ -1,6 +1,6 @@
 """GPU tests of bringing one's own model: sliding windows through the CUDA kernels against float64
-dense attention (bf16 and fp16, head_dim 64 and 128, GQA, packed documents, a partial last block,
-on both kernel blocks), head dims the kernels lack (32, 80, 96) zero-padded, float32 inputs in
+dense attention (bf16 and fp16, head_dim 64, 128 and 256, GQA, packed documents, a partial last block,
+on both kernel blocks), head dims the kernels lack (32, 80, 96, 192) zero-padded, float32 inputs in
 bfloat16 with one warning, logit soft-capping against float64, and families of the matrix
 (ds_mtraining.families) in bf16 against the same model with SDPA (eager where SDPA lacks the
 feature). Skipped without CUDA."""
@@ -37,7 +37,7 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("block", [64, 128])
 @pytest.mark.parametrize("window,documents", [(1, False), (100, False), (100, True), (700, True), (5000, False)])
 def test_window_through_the_cuda_kernels_equals_float64(dtype, head_dim, block, window, documents):
@@ -65,7 +65,7 @@ def test_window_through_the_cuda_kernels_equals_float64(dtype, head_dim, block, 
             assert relative_error(mine, reference) < TOLERANCE, name
 
 
-@pytest.mark.parametrize("head_dim", [32, 80, 96])
+@pytest.mark.parametrize("head_dim", [32, 80, 96, 192])
 @pytest.mark.parametrize("documents", [False, True], ids=["one-document", "documents"])
 def test_a_head_dim_the_kernels_lack_runs_padded_and_equals_float64(head_dim, documents):
     """Zero-padded to the next kernel head_dim (ds_mtraining.attention.padded_to_kernel_head_dim),
@@ -94,16 +94,17 @@ def test_a_head_dim_the_kernels_lack_runs_padded_and_equals_float64(head_dim, do
         assert relative_error(mine, reference) < TOLERANCE, name
 
 
+@pytest.mark.parametrize("head_dim", [64, 256])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_sinks_through_the_cuda_kernels_equal_float64(dtype):
+def test_sinks_through_the_cuda_kernels_equal_float64(dtype, head_dim):
     from test_sinks import sink_attention
     from ds_mtraining.index import SparseIndex
     from ds_mtraining.reference import dense_mask
     seq, block = 2048 + 37, 128
     g = torch.Generator().manual_seed(7)
-    q = torch.randn(1, seq, 8, 64, generator=g)
-    k, v = torch.randn(2, 1, seq, 2, 64, generator=g)
-    dout = torch.randn(1, seq, 8, 64, generator=g)
+    q = torch.randn(1, seq, 8, head_dim, generator=g)
+    k, v = torch.randn(2, 1, seq, 2, head_dim, generator=g)
+    dout = torch.randn(1, seq, 8, head_dim, generator=g)
     sinks = torch.randn(8, generator=g) * 2
     index = SparseIndex.from_blocks(torch.randint(1, seq // block, (1, 8, 4), generator=g),
                                     torch.randint(0, seq, (1, 8, 16), generator=g), seq, block)
@@ -116,7 +117,7 @@ def test_sinks_through_the_cuda_kernels_equal_float64(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("head_dim", [64, 96, 128])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
 @pytest.mark.parametrize("block", [64, 128])
 @pytest.mark.parametrize("documents", [False, True], ids=["one-document", "documents"])
 def test_softcap_through_the_cuda_kernels_equals_float64(dtype, head_dim, block, documents, cuda_softcap):
@@ -191,7 +192,7 @@ def test_float32_inputs_run_in_bfloat16_with_one_warning():
 
 @pytest.mark.parametrize("name,head_dim", [("Llama", 64), ("Mistral", 64), ("Gemma-3 (text)", 64), ("Granite", 64),
                                            ("Qwen2 (sliding window)", 64), ("Phi-3", 96), ("gpt-oss", 64),
-                                           ("Gemma-2", 128)])
+                                           ("Gemma-2", 256), ("Gemma", 256)])
 def test_family_in_bf16_with_a_full_index_matches_sdpa(name, head_dim, cuda_softcap):
     from transformers import AutoModelForCausalLM
     from ds_mtraining.config import SparseConfig

@@ -156,19 +156,31 @@ def test_attention_soft_capping_is_refused_for_cuda_until_verified_there():
 
 
 def test_a_head_dim_above_the_cuda_kernels_is_refused_for_cuda_only():
-    config = family_config(family("Gemma"), hidden_size=256 * 4, head_dim=256)  # Gemma's head_dim
+    config = family_config(family("Gemma"), hidden_size=512 * 4, head_dim=512)
     check_model_config(config, "mtraining.model", "cpu")  # the CPU op takes any head_dim
-    with pytest.raises(ValueError, match=r"^mtraining.model: head_dim=256: MTraining's CUDA kernels take head_dim up "
-                                         r"to 128; train this model on CPU$"):
+    with pytest.raises(ValueError, match=r"^mtraining.model: head_dim=512: MTraining's CUDA kernels take head_dim up "
+                                         r"to 256; train this model on CPU$"):
         check_model_config(config, "mtraining.model", "cuda")
+    check_model_config(family_config(family("Gemma"), hidden_size=256 * 4, head_dim=256), "mtraining.model", "cuda")
     check_model_config(family_config(family("Phi-3"), hidden_size=96 * 4), "mtraining.model", "cuda")  # padded
 
 
 @pytest.mark.parametrize("head_dim,device_type,runs_at", [(96, "cuda", 128), (32, "cuda", 64), (80, "cuda", 128),
-                                                          (128, "cuda", 128), (96, "cpu", 96), (256, "cpu", 256)])
+                                                          (128, "cuda", 128), (192, "cuda", 256), (256, "cuda", 256),
+                                                          (96, "cpu", 96), (256, "cpu", 256)])
 def test_kernel_head_dim(head_dim, device_type, runs_at):
     from ds_mtraining.attention import kernel_head_dim
     assert kernel_head_dim(head_dim, device_type) == runs_at
+
+
+def test_a_head_dim_above_128_is_refused_before_hopper(monkeypatch):
+    from ds_mtraining.attention import kernel_head_dim
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert kernel_head_dim(128, "cuda") == 128
+    with pytest.raises(ValueError, match=r"^head_dim=192: MTraining's CUDA kernels run head dims above 128 on Hopper "
+                                         r"\(compute capability 9.0\) alone, this GPU is 8.0"):
+        kernel_head_dim(192, "cuda")
 
 
 def test_models_md_holds_the_matrix():

@@ -100,10 +100,12 @@ __device__ __forceinline__ void store_query_outputs(const AttentionParams& p, fl
 
 // Slash pass, after the CTA's own dK/dV rows are written and visible to all its threads: adds the
 // vertical pass's partials for the vertical keys among rows [key_first, key_first + key_count) of
-// kv head kv_head, head by head of its GQA group and chunk by chunk (a fixed order: deterministic).
-template <int D, int kThreads>
+// kv head kv_head, head by head of its GQA group and chunk by chunk (a fixed order: deterministic),
+// in the kColumns columns from first_column that the CTA wrote.
+template <int D, int kColumns, int kThreads>
 __device__ __forceinline__ void add_vertical_partials(const AttentionParams& p, int batch, int kv_head, int group,
-                                                      int key_first, int key_count, int query_blocks) {
+                                                      int key_first, int key_count, int query_blocks,
+                                                      int first_column) {
     const size_t batch_heads = static_cast<size_t>(batch) * p.heads;  // the batch's first (batch, head) row
     const int chunks = vertical_chunks(query_blocks);
     const size_t chunk_stride = static_cast<size_t>(p.batch) * p.heads * p.vertical_len * D;
@@ -118,9 +120,9 @@ __device__ __forceinline__ void add_vertical_partials(const AttentionParams& p, 
         }
         int end = lo;
         while (end < num_keys && keys[end] < key_first + key_count) ++end;
-        for (int index = threadIdx.x; index < (end - lo) * D; index += kThreads) {
-            const int entry = lo + index / D;
-            const int d = index % D;
+        for (int index = threadIdx.x; index < (end - lo) * kColumns; index += kThreads) {
+            const int entry = lo + index / kColumns;
+            const int d = first_column + index % kColumns;
             const size_t out = ((static_cast<size_t>(batch) * p.seq_k + keys[entry]) * p.kv_heads + kv_head) * D + d;
             const size_t partial = (bh * p.vertical_len + entry) * D + d;
             float dk_sum = 0.f, dv_sum = 0.f;

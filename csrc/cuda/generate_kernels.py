@@ -20,7 +20,7 @@ OUT_DIR = HERE / "instantiations"
 LIST_HEADER = HERE / "kernel_instances.h"
 
 DTYPES = {"bf16": "kBF16", "fp16": "kFP16"}  # file tag -> mtr::DType enumerator
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128, 256)
 DIRECTIONS = {
     "fwd": ("run_forward", ["template cudaError_t run_forward<DType::{dtype}, {dim}>(const AttentionParams&, "
                             "cudaStream_t);"]),

@@ -3,8 +3,8 @@
 #pragma once
 
 // X(mtr::DType enumerator, head_dim) for each pair
-#define MTR_FOR_EACH_KERNEL(X) X(kBF16, 64) X(kBF16, 128) X(kFP16, 64) X(kFP16, 128)
+#define MTR_FOR_EACH_KERNEL(X) X(kBF16, 64) X(kBF16, 128) X(kBF16, 256) X(kFP16, 64) X(kFP16, 128) X(kFP16, 256)
 
 namespace mtr {
-constexpr int kKernelHeadDims[] = {64, 128};
+constexpr int kKernelHeadDims[] = {64, 128, 256};
 }  // namespace mtr

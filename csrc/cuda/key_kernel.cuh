@@ -9,9 +9,14 @@
 //    Chunking bounds the longest CTA (sink columns are read by every query block).
 //  * The slash pass adds the scratch rows of its block's vertical keys head by head and chunk by
 //    chunk (a fixed order), after its own rows are written: deterministic, no atomics.
+//  * Above head_dim 128 (wgmma path only) each CTA of either pass owns one column part of dK/dV
+//    (kColumns wide) and recomputes S and dP in full: dK and dV over all 256 columns would need
+//    256 accumulator registers per thread. The parts are neighbouring CTAs (blockIdx.x % kParts).
 #pragma once
 
 #include <math.h>
+
+#include <type_traits>
 
 #include "epilogue.cuh"
 #include "mask.cuh"
@@ -28,7 +33,11 @@ struct KeyKernelConfig {
     static constexpr int kWarps = kKeyRows / 16;
     static constexpr int kThreads = kWarps * 32;
     static constexpr int kStepElements = kQueryStep * D;
+    static constexpr int kColumns = D > 128 ? 128 : D;  // dK/dV columns per CTA
+    static constexpr int kParts = D / kColumns;         // CTAs per key row range
     static_assert(kThreads >= kQueryStep && kThreads >= kKeyTile, "too few threads for the per-step loads");
+    static_assert(kParts == 1 || std::is_same_v<Arch, WarpgroupMma>,
+                  "column parts read B tiles at a column offset, which only the wgmma path's accumulate takes");
 
     static size_t smem_bytes(int bit_words) {
         return Arch::kTileAlignment + sizeof(T) * (2 * static_cast<size_t>(kKeyRows) * D + 4 * kStepElements) +
@@ -136,6 +145,9 @@ __global__ void __launch_bounds__(KeyKernelConfig<Arch, T, D, BS, kVertical>::kT
     using Config = KeyKernelConfig<Arch, T, D, BS, kVertical>;
     constexpr int kThreads = Config::kThreads;
     constexpr int kKeyRows = Config::kKeyRows;
+    constexpr int kColumns = Config::kColumns;
+    const int part = blockIdx.x % Config::kParts;  // this CTA's dK/dV columns: part * kColumns ..
+    const int cta = blockIdx.x / Config::kParts;
     extern __shared__ __align__(128) unsigned char smem_raw[];
     unsigned char* smem = align_shared<Arch::kTileAlignment>(smem_raw);
     T* key_tile = reinterpret_cast<T*>(smem);
@@ -164,9 +176,9 @@ __global__ void __launch_bounds__(KeyKernelConfig<Arch, T, D, BS, kVertical>::kT
     if constexpr (kVertical) {
         const int rows = p.batch * p.heads;
         const int chunks = vertical_chunks(query_blocks);
-        chunk = blockIdx.x % chunks;
-        const int tile = blockIdx.x / chunks / rows;
-        bh_vertical = blockIdx.x / chunks % rows;
+        chunk = cta % chunks;
+        const int tile = cta / chunks / rows;
+        bh_vertical = cta / chunks % rows;
         batch = bh_vertical / p.heads;
         kv_head = (bh_vertical % p.heads) / group;
         first_entry = tile * kKeyTile;
@@ -181,7 +193,7 @@ __global__ void __launch_bounds__(KeyKernelConfig<Arch, T, D, BS, kVertical>::kT
     } else {
         batch = blockIdx.z;
         kv_head = blockIdx.y;
-        key_first = blockIdx.x / Config::kSplits * BS + blockIdx.x % Config::kSplits * kKeyRows;
+        key_first = cta / Config::kSplits * BS + cta % Config::kSplits * kKeyRows;
         key_count = min(kKeyRows, p.seq_k - key_first);
         if (key_count <= 0) return;  // the empty part of a partial last block (uniform)
     }
@@ -244,8 +256,9 @@ __global__ void __launch_bounds__(KeyKernelConfig<Arch, T, D, BS, kVertical>::kT
     const bool query_rank_after = p.q_rank > p.k_rank;
     const TransposedSoftmax softmax{exponent_scale(p.scale)};
     const Logits logits(p.scale, p.softcap);
-    float dk[1][D / 8][4];
-    float dv[1][D / 8][4];
+    float dk[1][kColumns / 8][4];
+    float dv[1][kColumns / 8][4];
+    const int part_offset = Arch::template chunk_step_offset<D>(part * kColumns / 8);  // of the part's columns in a tile
     zero_fill(dk);
     zero_fill(dv);
 
@@ -264,7 +277,8 @@ __global__ void __launch_bounds__(KeyKernelConfig<Arch, T, D, BS, kVertical>::kT
         logits.prepare(s);
         mask.apply(s, step, key_first, row0, p.seq_q, straddles(step) ? step_start_tiles + buffer * kQueryStep : nullptr);
         softmax.dscores(s, dp, lse, delta, logits);
-        Arch::template accumulate_pair<1, D>(dv, s, dout_tile, dk, dp, query_tile);  // dV += P^T dO, dK += dS^T Q
+        // dV += P^T dO, dK += dS^T Q (this part's columns)
+        Arch::template accumulate_pair<1, kColumns>(dv, s, dout_tile + part_offset, dk, dp, query_tile + part_offset);
     };
 
     if constexpr (kVertical) {
@@ -279,10 +293,10 @@ __global__ void __launch_bounds__(KeyKernelConfig<Arch, T, D, BS, kVertical>::kT
         const size_t entry0 =
             (static_cast<size_t>(chunk) * p.batch * p.heads + bh_vertical) * p.vertical_len + first_entry;
         auto scratch_row = [&](float* base, int row) -> float* {
-            return row < key_count ? base + (entry0 + row) * D : nullptr;
+            return row < key_count ? base + (entry0 + row) * D + part * kColumns : nullptr;
         };
-        store_rows<1, D>(dk, row0, Arch::kSliceStride, p.scale, [&](int row) { return scratch_row(p.vertical_dk, row); });
-        store_rows<1, D>(dv, row0, Arch::kSliceStride, 1.f, [&](int row) { return scratch_row(p.vertical_dv, row); });
+        store_rows<1, kColumns>(dk, row0, Arch::kSliceStride, p.scale, [&](int row) { return scratch_row(p.vertical_dk, row); });
+        store_rows<1, kColumns>(dv, row0, Arch::kSliceStride, 1.f, [&](int row) { return scratch_row(p.vertical_dv, row); });
     } else {
         const size_t batch_heads = static_cast<size_t>(batch) * p.heads;
         SlashStepSource<BS> source{p.local_offsets + batch_heads * p.slash_len, p.num_offsets + batch_heads,
@@ -290,13 +304,15 @@ __global__ void __launch_bounds__(KeyKernelConfig<Arch, T, D, BS, kVertical>::kT
                                    query_end, query_blocks, p.seq_q, p.q_rank == p.k_rank};
         run_two_stage_pipeline<QueryStep, Arch::kAsyncProxy>([&](QueryStep& step) { return source.next(step); }, issue, compute);
         auto key_out_row = [&](float* base, int row) -> float* {
-            return row < key_count ? base + ((static_cast<size_t>(batch) * p.seq_k + key_first + row) * p.kv_heads + kv_head) * D
-                                   : nullptr;
+            return row < key_count
+                ? base + ((static_cast<size_t>(batch) * p.seq_k + key_first + row) * p.kv_heads + kv_head) * D + part * kColumns
+                : nullptr;
         };
-        store_rows<1, D>(dk, row0, Arch::kSliceStride, p.scale, [&](int row) { return key_out_row(p.dk, row); });
-        store_rows<1, D>(dv, row0, Arch::kSliceStride, 1.f, [&](int row) { return key_out_row(p.dv, row); });
+        store_rows<1, kColumns>(dk, row0, Arch::kSliceStride, p.scale, [&](int row) { return key_out_row(p.dk, row); });
+        store_rows<1, kColumns>(dv, row0, Arch::kSliceStride, 1.f, [&](int row) { return key_out_row(p.dv, row); });
         __syncthreads();  // this CTA's dk/dv rows are visible to all its threads from here
-        add_vertical_partials<D, kThreads>(p, batch, kv_head, group, key_first, key_count, query_blocks);
+        add_vertical_partials<D, kColumns, kThreads>(p, batch, kv_head, group, key_first, key_count, query_blocks,
+                                                     part * kColumns);
     }
 }
 
@@ -314,9 +330,9 @@ cudaError_t launch_key_kernel(const AttentionParams& p, cudaStream_t stream) {
         const long long ctas = static_cast<long long>((p.vertical_len + kKeyTile - 1) / kKeyTile) * p.batch * p.heads *
                                vertical_chunks(query_blocks);
         if (ctas == 0) return cudaSuccess;
-        grid = dim3(static_cast<unsigned>(ctas));
+        grid = dim3(static_cast<unsigned>(ctas * Config::kParts));
     } else {
-        grid = dim3(key_blocks * Config::kSplits, p.kv_heads, p.batch);
+        grid = dim3(key_blocks * Config::kSplits * Config::kParts, p.kv_heads, p.batch);
     }
     kernel<<<grid, Config::kThreads, smem, stream>>>(p);
     return cudaGetLastError();

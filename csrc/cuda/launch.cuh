@@ -5,6 +5,7 @@
 
 #include <type_traits>
 
+#include "heuristics.h"
 #include "key_kernel.cuh"
 #include "query_kernel.cuh"
 #include "specialized_query_kernel.cuh"
@@ -77,20 +78,22 @@ __global__ void __launch_bounds__(kDeltaThreads) delta_kernel(const AttentionPar
     }
 }
 
-// The warp-specialised query kernels exist for the wgmma path at block 128.
-template <typename Arch, int BS>
-constexpr bool kHasSpecializedQuery = std::is_same_v<Arch, WarpgroupMma> && BS == 128;
+// The warp-specialised query kernels exist for the wgmma path at block 128, up to head_dim 128
+// (their stages of Q and K/V tiles outgrow shared memory above).
+template <typename Arch, int D, int BS>
+constexpr bool kHasSpecializedQuery = std::is_same_v<Arch, WarpgroupMma> && BS == 128 && D <= 128;
 
 // The forward: the warp-specialised kernel where it exists and is chosen; else query_kernel, at
 // block 128 with 32 rows per warp (two 16-row slices, MA = 2) amortising each key tile's fragment
 // loads (mma.sync) or its loads and bookkeeping (wgmma: a 128-row CTA of one warpgroup) over twice
-// the rows, at the price of registers. Block 64 keeps 16 rows per warp.
+// the rows, at the price of registers. Block 64, and head_dims above 128 (whose output rows alone
+// take 128 registers per 16-row slice), keep 16 rows per warp.
 template <typename Arch, typename T, int D, int BS>
 cudaError_t forward_with(const AttentionParams& p, cudaStream_t stream) {
-    if constexpr (kHasSpecializedQuery<Arch, BS>) {
+    if constexpr (kHasSpecializedQuery<Arch, D, BS>) {
         if (p.specialized_query) return launch_specialized_query_kernel<T, D, false>(p, stream);
     }
-    if constexpr (BS == 128) {
+    if constexpr (BS == 128 && D <= 128) {
         return launch_query_kernel<Arch, T, D, BS, 2, false>(p, stream);
     } else {
         return launch_query_kernel<Arch, T, D, BS, 1, false>(p, stream);
@@ -124,7 +127,7 @@ cudaError_t backward_kernels(const AttentionParams& p, cudaStream_t stream, cuda
     status = launch_key_kernel<Arch, T, D, BS, false>(p, stream);
     if (status != cudaSuccess) return status;
     cudaStream_t dq_on = dq_stream != nullptr ? dq_stream : stream;
-    if constexpr (kHasSpecializedQuery<Arch, BS>) {
+    if constexpr (kHasSpecializedQuery<Arch, D, BS>) {
         status = p.specialized_query ? launch_specialized_query_kernel<T, D, true>(p, dq_on)
                                      : launch_query_kernel<Arch, T, D, BS, 1, true>(p, dq_on);
     } else {
@@ -135,20 +138,25 @@ cudaError_t backward_kernels(const AttentionParams& p, cudaStream_t stream, cuda
 }
 
 // Calls run(Arch{}, std::integral_constant<int, BS>{}) for the params' tensor-core path and index
-// block size: the one place forward and backward pick their kernels' instantiation.
-template <typename Run>
+// block size: the one place forward and backward pick their kernels' instantiation. Head dims
+// above kMaxWarpMmaHeadDim exist on the wgmma path alone (the binding refuses the others first).
+template <int D, typename Run>
 cudaError_t with_path_and_block(const AttentionParams& p, Run run) {
     auto with_block = [&](auto arch) {
         return p.block_size == 64 ? run(arch, std::integral_constant<int, 64>{}) : run(arch, std::integral_constant<int, 128>{});
     };
-    return p.warpgroup_mma ? with_block(WarpgroupMma{}) : with_block(WarpMma{});
+    if constexpr (D > kMaxWarpMmaHeadDim) {
+        return p.warpgroup_mma ? with_block(WarpgroupMma{}) : cudaErrorNotSupported;
+    } else {
+        return p.warpgroup_mma ? with_block(WarpgroupMma{}) : with_block(WarpMma{});
+    }
 }
 
 template <DType dtype, int kHeadDim>
 cudaError_t run_forward(const AttentionParams& p, cudaStream_t stream) {
     using T = typename ElementOf<dtype>::type;
     if (p.head_dim != kHeadDim) return cudaErrorInvalidValue;
-    return with_path_and_block(p, [&](auto arch, auto block) {
+    return with_path_and_block<kHeadDim>(p, [&](auto arch, auto block) {
         return forward_with<decltype(arch), T, kHeadDim, decltype(block)::value>(p, stream);
     });
 }
@@ -177,7 +185,7 @@ cudaError_t run_backward(const AttentionParams& p, cudaStream_t stream, cudaStre
         const cudaError_t status = run_delta<dtype, kHeadDim>(p, stream);
         if (status != cudaSuccess) return status;
     }
-    return with_path_and_block(p, [&](auto arch, auto block) {
+    return with_path_and_block<kHeadDim>(p, [&](auto arch, auto block) {
         return backward_kernels<decltype(arch), T, kHeadDim, decltype(block)::value>(p, stream, dq_stream);
     });
 }

@@ -68,23 +68,31 @@ __device__ __forceinline__ void cp_async_wait() {
 }
 
 // How a CTA's kThreads threads split a kRows x D tile load: each thread keeps one 16-byte chunk
-// column and takes every kRowsPerStep-th row. A step moves a multiple of 8 rows, so the swizzle
-// stays fixed and the destination grows by whole rows.
+// column of each chunk pass and takes every kRowsPerStep-th row. A step moves a multiple of 8 rows
+// and a pass a multiple of 8 chunks, so the swizzle stays fixed and the destination moves by
+// whole rows and whole swizzle groups. Passes exist where a row has more chunks than the threads
+// of 8 rows (head_dim 256 on 128 threads: 32 chunks, two passes of 16).
 template <typename Arch, int kRows, int D, int kThreads>
 struct RowLoadPlan {
     static constexpr int kChunks = D / 8;
-    static constexpr int kRowsPerStep = kThreads / kChunks;
+    static constexpr int kChunkColumns = kChunks < kThreads / 8 ? kChunks : kThreads / 8;  // per pass
+    static constexpr int kChunkPasses = kChunks / kChunkColumns;
+    static constexpr int kRowsPerStep = kThreads / kChunkColumns;
     static constexpr int kSteps = kRows / kRowsPerStep;
-    static_assert(kThreads % kChunks == 0 && kRows % kRowsPerStep == 0 && kRowsPerStep % 8 == 0,
-                  "rows must split evenly over the threads, 8 rows at a time");
-    int chunk = threadIdx.x % kChunks;
-    int row_first = threadIdx.x / kChunks;
-    int destination = Arch::template tile_offset<D>(row_first, chunk);  // of step 0
+    static_assert(kThreads % kChunkColumns == 0 && kChunks % kChunkColumns == 0 && kRows % kRowsPerStep == 0 &&
+                      kRowsPerStep % 8 == 0 && (kChunkPasses == 1 || kChunkColumns % 8 == 0),
+                  "rows must split evenly over the threads, 8 rows and 8 chunks at a time");
+    int chunk = threadIdx.x % kChunkColumns;  // of pass 0
+    int row_first = threadIdx.x / kChunkColumns;
+    int destination = Arch::template tile_offset<D>(row_first, chunk);  // of step 0, pass 0
     static_assert(64 % kRowsPerStep == 0, "a step must stay inside a 64-row block of the tile");
 
     __device__ __forceinline__ int row(int step) const { return row_first + step * kRowsPerStep; }
-    __device__ __forceinline__ int destination_of(int step) const {
-        return destination + Arch::template row_step_offset<D>(step * kRowsPerStep);
+    // the source element offset of a pass's chunk within its row
+    __device__ __forceinline__ int column(int pass) const { return (chunk + pass * kChunkColumns) * 8; }
+    __device__ __forceinline__ int destination_of(int step, int pass) const {
+        return destination + Arch::template row_step_offset<D>(step * kRowsPerStep) +
+               Arch::template chunk_step_offset<D>(pass * kChunkColumns);
     }
 };
 
@@ -99,9 +107,12 @@ __device__ __forceinline__ void load_rows_async(T* tile_a, T* tile_b, const T* b
     for (int step = 0; step < plan.kSteps; ++step) {
         const long long offset = row_offset(plan.row(step));
         const bool valid = offset >= 0;
-        const long long element = valid ? offset + plan.chunk * 8 : 0;
-        cp_async_16(tile_a + plan.destination_of(step), base_a + element, valid);
-        if constexpr (kPair) cp_async_16(tile_b + plan.destination_of(step), base_b + element, valid);
+#pragma unroll
+        for (int pass = 0; pass < plan.kChunkPasses; ++pass) {
+            const long long element = valid ? offset + plan.column(pass) : 0;
+            cp_async_16(tile_a + plan.destination_of(step, pass), base_a + element, valid);
+            if constexpr (kPair) cp_async_16(tile_b + plan.destination_of(step, pass), base_b + element, valid);
+        }
     }
 }
 
@@ -112,13 +123,16 @@ template <typename Arch, int kRows, int D, int kThreads, bool kPair, typename T>
 __device__ __forceinline__ void load_consecutive_rows_async(T* tile_a, T* tile_b, const T* base_a, const T* base_b,
                                                             long long stride, int valid_rows) {
     const RowLoadPlan<Arch, kRows, D, kThreads> plan;
-    const long long source = plan.row_first * stride + plan.chunk * 8;
+    const long long source = plan.row_first * stride;
 #pragma unroll
     for (int step = 0; step < plan.kSteps; ++step) {
         const bool valid = plan.row(step) < valid_rows;
-        const long long element = valid ? source + step * plan.kRowsPerStep * stride : 0;
-        cp_async_16(tile_a + plan.destination_of(step), base_a + element, valid);
-        if constexpr (kPair) cp_async_16(tile_b + plan.destination_of(step), base_b + element, valid);
+#pragma unroll
+        for (int pass = 0; pass < plan.kChunkPasses; ++pass) {
+            const long long element = valid ? source + step * plan.kRowsPerStep * stride + plan.column(pass) : 0;
+            cp_async_16(tile_a + plan.destination_of(step, pass), base_a + element, valid);
+            if constexpr (kPair) cp_async_16(tile_b + plan.destination_of(step, pass), base_b + element, valid);
+        }
     }
 }
 
@@ -316,6 +330,9 @@ struct WarpMma {
     static __device__ __forceinline__ int tile_offset(int row, int chunk) { return swizzled_offset<D>(row, chunk); }
     template <int D>
     static constexpr int row_step_offset(int rows) { return rows * D; }
+    // tile_offset(r, c + chunks) - tile_offset(r, c) for chunks a multiple of 8
+    template <int D>
+    static constexpr int chunk_step_offset(int chunks) { return chunks * 8; }
     template <int MA, int D, typename T>
     static __device__ __forceinline__ void scores(float (&acc)[MA][8][4], const T* a_tile, int row0, const T* b_tile) {
         zero_fill(acc);

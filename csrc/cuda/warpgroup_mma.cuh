@@ -28,20 +28,29 @@
 
 namespace mtr {
 
+// The RS atom of an accumulation N columns wide (the accumulator's whole width: the head_dim, or a
+// key kernel's column part).
+template <int N, typename A64, typename A128, typename A256>
+using AtomOfWidth = std::conditional_t<N == 64, A64, std::conditional_t<N == 128, A128, A256>>;
+
 template <typename T, int N> struct WgmmaAtoms;
 
 template <int N> struct WgmmaAtoms<__nv_bfloat16, N> {
+    static_assert(N == 64 || N == 128 || N == 256, "wgmma accumulations are 64, 128 or 256 columns wide");
     using Major = cute::SM90::GMMA::Major;
     using Scores = cute::SM90::GMMA::MMA_64x64x16_F32BF16BF16_SS<Major::K, Major::K>;
-    using Accumulate = std::conditional_t<N == 64, cute::SM90::GMMA::MMA_64x64x16_F32BF16BF16_RS<Major::K, Major::MN>,
-                                          cute::SM90::GMMA::MMA_64x128x16_F32BF16BF16_RS<Major::K, Major::MN>>;
+    using Accumulate = AtomOfWidth<N, cute::SM90::GMMA::MMA_64x64x16_F32BF16BF16_RS<Major::K, Major::MN>,
+                                   cute::SM90::GMMA::MMA_64x128x16_F32BF16BF16_RS<Major::K, Major::MN>,
+                                   cute::SM90::GMMA::MMA_64x256x16_F32BF16BF16_RS<Major::K, Major::MN>>;
 };
 
 template <int N> struct WgmmaAtoms<__half, N> {
+    static_assert(N == 64 || N == 128 || N == 256, "wgmma accumulations are 64, 128 or 256 columns wide");
     using Major = cute::SM90::GMMA::Major;
     using Scores = cute::SM90::GMMA::MMA_64x64x16_F32F16F16_SS<Major::K, Major::K>;
-    using Accumulate = std::conditional_t<N == 64, cute::SM90::GMMA::MMA_64x64x16_F32F16F16_RS<Major::K, Major::MN>,
-                                          cute::SM90::GMMA::MMA_64x128x16_F32F16F16_RS<Major::K, Major::MN>>;
+    using Accumulate = AtomOfWidth<N, cute::SM90::GMMA::MMA_64x64x16_F32F16F16_RS<Major::K, Major::MN>,
+                                   cute::SM90::GMMA::MMA_64x128x16_F32F16F16_RS<Major::K, Major::MN>,
+                                   cute::SM90::GMMA::MMA_64x256x16_F32F16F16_RS<Major::K, Major::MN>>;
 };
 
 // A shared-memory matrix descriptor with 128-byte swizzle (PTX ISA "matrix descriptor"): start
@@ -118,6 +127,9 @@ struct WarpgroupMma {
     // tile_offset(r + rows, c) - tile_offset(r, c) for rows a multiple of 8 and r % 64 + rows % 64 < 64.
     template <int D>
     static constexpr int row_step_offset(int rows) { return (rows >> 6) * 64 * D + (rows & 63) * 64; }
+    // tile_offset(r, c + chunks) - tile_offset(r, c) for chunks a multiple of 8: whole column atoms.
+    template <int D>
+    static constexpr int chunk_step_offset(int chunks) { return (chunks >> 3) * 4096; }
 
     // acc[ma] (this warp's 16 rows of A tile ma x 64) = A[64 ma..] B^T over D, B a 64-row tile.
     // The CTA is one warpgroup, so its A tiles start at row 0 (the warp's first row is not needed).

@@ -169,7 +169,7 @@ def parse_args(argv=None):
                         help="total sequence lengths (multiples of world x block)")
     parser.add_argument("--heads", type=int, default=16, help="query heads")
     parser.add_argument("--kv-heads", type=int, default=2, help="key/value heads")
-    parser.add_argument("--head-dim", type=int, default=128, help="head dimension (64 or 128 on GPU)")
+    parser.add_argument("--head-dim", type=int, default=128, help="head dimension (ds_mtraining.ops.CUDA_HEAD_DIMS on GPU)")
     parser.add_argument("--block-size", type=int, default=128, help="kernel block = stripe width")
     parser.add_argument("--density", type=float, default=0.05, help="target density of the index")
     parser.add_argument("--max-vertical", type=int, default=256, help="vertical column budget per head")

@@ -4,7 +4,7 @@ path and the ring (:mod:`ds_mtraining.ring.ring_attention`, :mod:`ds_mtraining.l
 The pick, by inputs (never by a setting):
 
 * without documents, where the fused estimator takes the inputs (:func:`fused_estimator_takes`:
-  CUDA, bf16/fp16, head dim 64/128, ``last_q`` <= 256): on one device
+  CUDA, bf16/fp16, head dim 64/128/256, ``last_q`` <= 256): on one device
   :func:`.fused.estimate_vertical_slash_cuda`; on a ring :func:`.graphs.captured_estimate` (or,
   with the graphs off, :func:`.distributed.estimate_vertical_slash_cuda_distributed`);
 * without documents, otherwise: :func:`.rule.estimate_vertical_slash` on one device,

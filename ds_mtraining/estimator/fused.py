@@ -152,7 +152,7 @@ def estimate_vertical_slash_cuda(q: torch.Tensor, k: torch.Tensor, config: Spars
                                  softmax_scale: float | None = None) -> SparseIndex:
     """:func:`ds_mtraining.estimator.rule.estimate_vertical_slash` on the GPU in eleven kernel launches
     (one a memset) and no host synchronisation. q [B, S, H, D], k [B, S, Hkv, D] (bfloat16 or
-    float16, D 64 or 128, on CUDA). The lists are fixed-width (``PAD`` tails); the selected
+    float16, D 64, 128 or 256, on CUDA). The lists are fixed-width (``PAD`` tails); the selected
     entries equal the torch rule's up to float summation order (only entries at the top-p
     threshold can differ)."""
     check_qk(q, k)

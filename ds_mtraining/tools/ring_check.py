@@ -35,7 +35,7 @@ from ..ring import ring_sparse_attention
 # max |a - b| / max |b| of out, dq, dk, dv
 TOLERANCE = {torch.float32: 1e-4,   # fp32 kernels: only the order of merges and accumulations differs
              torch.bfloat16: 1e-2}  # bf16 inputs and outputs (fp32 accumulation inside)
-HEAD_DIM = {"cpu": 32, "cuda": 64}  # the CUDA kernels take head_dim 64 or 128
+HEAD_DIM = {"cpu": 32, "cuda": 64}  # a head_dim the CUDA kernels take (ops.CUDA_HEAD_DIMS)
 
 
 def relative_error(got, want) -> float:

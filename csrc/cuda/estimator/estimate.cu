@@ -14,14 +14,18 @@ int score_smem(int chunks, bool masses) {
            (masses ? static_cast<int>(kTile * kProbStride * sizeof(float)) : 0);
 }
 
+// run(element, head_dim) for the head dims of estimate_api.cuh's kHeadDims.
 template <typename Run>
 cudaError_t dispatch(Elem elem, int head_dim, Run run) {
-    if (head_dim != 64 && head_dim != 128) return cudaErrorInvalidValue;
-    if (elem == Elem::kBF16)
-        return head_dim == 64 ? run(__nv_bfloat16{}, std::integral_constant<int, 64>{})
-                              : run(__nv_bfloat16{}, std::integral_constant<int, 128>{});
-    return head_dim == 64 ? run(__half{}, std::integral_constant<int, 64>{})
-                          : run(__half{}, std::integral_constant<int, 128>{});
+    auto with_element = [&](auto element) {
+        switch (head_dim) {
+            case 64: return run(element, std::integral_constant<int, 64>{});
+            case 128: return run(element, std::integral_constant<int, 128>{});
+            case 256: return run(element, std::integral_constant<int, 256>{});
+            default: return cudaErrorInvalidValue;
+        }
+    };
+    return elem == Elem::kBF16 ? with_element(__nv_bfloat16{}) : with_element(__half{});
 }
 
 bool valid_scores(const ScoreParams& p) {
@@ -43,11 +47,6 @@ unsigned score_grid(const ScoreParams& p) {
 }
 
 }  // namespace
-
-int score_smem_bytes(int head_dim, int chunks, bool masses) {
-    return head_dim == 64 ? score_smem<__nv_bfloat16, 64>(chunks, masses)
-                          : score_smem<__nv_bfloat16, 128>(chunks, masses);
-}
 
 int select_smem_bytes() { return kRadixBins * 32 * static_cast<int>(sizeof(unsigned long long)); }
 

@@ -64,7 +64,15 @@ ScoreCall checked_pair(const at::Tensor& q_in, const at::Tensor& k_in) {
     const int64_t sk = k_in.size(1), kv_heads = k_in.size(2);
     TORCH_CHECK_VALUE(k_in.size(0) == batch && k_in.size(3) == dim, kName, ": q ", text(q_in.sizes()), " and k ",
                       text(k_in.sizes()), " must share batch and head_dim");
-    TORCH_CHECK_VALUE(dim == 64 || dim == 128, kName, ": head_dim must be 64 or 128, got ", text(dim));
+    TORCH_CHECK_VALUE(dim == 64 || dim == 128 || dim == 256, kName, ": head_dim must be 64, 128 or 256, got ",
+                      text(dim));
+    if (dim == 256) {  // its score tiles take up to 214 KB of shared memory
+        int major = 0;
+        check_launch(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, q_in.get_device()),
+                     "reading the compute capability");
+        TORCH_CHECK_VALUE(major >= 9, kName, ": head_dim 256 needs compute capability 9.0 (shared memory), got ",
+                          text(major), ".x");
+    }
     TORCH_CHECK_VALUE(kv_heads >= 1 && heads % kv_heads == 0, kName, ": query heads (", text(heads),
                       ") must be a multiple of key/value heads (", text(kv_heads), ")");
     TORCH_CHECK_VALUE(sk >= 1 && batch >= 1 && lq >= 1, kName, ": empty batch, query rows or key sequence");
