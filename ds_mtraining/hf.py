@@ -26,7 +26,6 @@ import torch
 from transformers import AttentionInterface, PreTrainedModel
 
 from .attention import kernel_head_dim, op_softcap, resolve_softmax_scale
-from .ops import check_softcap_device
 from .dense_backend import dense_causal_attention
 from .layer import IndexCache, MTrainingAttentionSettings, striped_sparse_attention
 
@@ -133,17 +132,12 @@ def check_model_config(config, key: str = "mtraining.model", device_type: str | 
     if getattr(config, "head_dim", None) is None and config.hidden_size % heads != 0:
         raise ValueError(f"{key}: hidden_size={config.hidden_size} is not divisible by "
                          f"num_attention_heads={heads}; choose a divisor or set head_dim")
-    caps = {}
     for field in ("attn_logit_softcapping", "final_logit_softcapping"):  # honoured: the kernels and the loss cap
         try:
-            caps[field] = op_softcap(getattr(config, field, None))
+            op_softcap(getattr(config, field, None))
         except ValueError:
             raise ValueError(f"{key}: {field}={getattr(config, field)!r} must be a positive number (the cap) or "
                              f"null (no soft-capping)") from None
-    try:
-        check_softcap_device(device_type or "cpu", caps["attn_logit_softcapping"])
-    except ValueError as error:
-        raise ValueError(f"{key}: attn_logit_softcapping={config.attn_logit_softcapping}: {error}") from None
     if getattr(config, "attention_dropout", 0.0):
         raise ValueError(f"{key}: attention_dropout={config.attention_dropout} is not supported; set it to 0")
     if getattr(config, "is_causal", True) is False:

@@ -22,18 +22,6 @@ CUDA_DTYPES = (torch.bfloat16, torch.float16)
 # above this head_dim the kernels run on the wgmma path (Hopper) alone (csrc/cuda/heuristics.h's
 # kMaxWarpMmaHeadDim: the mma.sync kernels' tiles outgrow an sm_80 CTA's shared memory)
 CUDA_MMA_SYNC_MAX_HEAD_DIM = 128
-# Logit soft-capping in the CUDA kernels (softmax.cuh's Logits) compiles but has not yet run on a
-# GPU: refused there until tests/test_cuda_families.py's soft-capping tests (which set this for
-# themselves) have passed on one; then this becomes True.
-CUDA_SOFTCAP = False
-
-
-def check_softcap_device(device_type: str, softcap: float) -> None:
-    """One ValueError line where ``softcap`` (> 0) cannot run on ``device_type`` yet."""
-    if softcap and device_type == "cuda" and not CUDA_SOFTCAP:
-        raise ValueError("attention logit soft-capping in MTraining's CUDA kernels is not yet verified on a GPU "
-                         "(the CPU op runs it); train this model on CPU")
-
 _modules: dict[str, object] = {}
 _lock = threading.Lock()
 
@@ -87,7 +75,6 @@ def attention_forward(q, k, v, index: SparseIndex, scale: float, stripe: Stripe 
     q's dtype (rounded as ``.to(q.dtype)`` rounds; on CUDA written so by the kernel, with no
     float32 copy); with a running ``out`` and ``lse``, the merged out in a new tensor (the
     running ``out`` read, not written; ``lse`` merged in place): a ring's last step."""
-    check_softcap_device(q.device.type, softcap)
     module = op_module(q.device.type)
     with record_function("mtraining::forward"):
         return tuple(module.forward(q, k, v, _call_index(q, index, stripe, doc_start), float(scale), out=out,
@@ -104,7 +91,6 @@ def attention_backward(dout, q, k, v, out, lse, index: SparseIndex, scale: float
     returns it. Given ``delta`` (:func:`attention_delta` of this ``dout`` and ``out``), the call
     does not compute it again. ``input_dtype``: dq in q's dtype; with a running ``dq``, the sum
     in a new tensor (the running ``dq`` read, not written): a ring's last step."""
-    check_softcap_device(q.device.type, softcap)
     module = op_module(q.device.type)
     with record_function("mtraining::backward"):
         return tuple(module.backward(dout, q, k, v, out, lse, _call_index(q, index, stripe, doc_start),

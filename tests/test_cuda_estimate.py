@@ -251,11 +251,12 @@ def test_finalize_equals_from_vertical_slash():
 
 # ---------------------------------------------------------------------------- the index
 PLANTED = [
-    # seq, heads, kv_heads, dim, dtype, block, slash offsets per kv head, columns per kv head
-    (2048, 4, 2, 64, torch.bfloat16, 64, (100, 450), ((7, 40, 1500), (333, 900, 1000))),
-    (3000, 8, 1, 128, torch.float16, 128, (260,), ((5, 900, 2000),)),
-    (2500, 4, 2, 256, torch.bfloat16, 128, (70, 300), ((3, 1000, 1800),)),
-    (1500, 8, 2, 128, torch.bfloat16, 64, (64, 129), ((1, 2, 3), (300, 500, 800))),
+    # seq, heads, kv_heads, dim, dtype, block, slash offsets per kv head, columns per kv head, sharpness
+    (2048, 4, 2, 64, torch.bfloat16, 64, (100, 450), ((7, 40, 1500), (333, 900, 1000)), 2.5),
+    (3000, 8, 1, 128, torch.float16, 128, (260,), ((5, 900, 2000),), 2.5),
+    # the slash logit grows as sharp^2 sqrt(D): at 256 a lower sharpness keeps it separable
+    (2500, 4, 2, 256, torch.bfloat16, 128, (70, 300), ((3, 1000, 1800), (3, 1000, 1800)), 1.5),
+    (1500, 8, 2, 128, torch.bfloat16, 64, (64, 129), ((1, 2, 3), (300, 500, 800)), 2.5),
 ]
 CANDIDATE_P = (0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1, 0.02)
 
@@ -295,8 +296,8 @@ def separated(mass, p, cap, gap=2e-2, margin=1e-3):
 def test_index_equals_torch_on_planted_inputs(case):
     """With p_vertical and p_slash the largest candidates at which every head's float64 masses are
     well separated at the threshold, the fused index equals the torch estimator's exactly."""
-    seq, heads, kv_heads, dim, dtype, block, offsets, columns = case
-    q, k = planted_case(seq, heads, kv_heads, dim, dtype, offsets, columns)
+    seq, heads, kv_heads, dim, dtype, block, offsets, columns, sharp = case
+    q, k = planted_case(seq, heads, kv_heads, dim, dtype, offsets, columns, sharp=sharp)
     lq = min(SparseConfig().last_q, seq)
     _, _, cols64, diags64 = reference_masses(q, k, lq, 1.0 / math.sqrt(dim))
     p_vertical = next((p for p in CANDIDATE_P if separated(cols64, p, 4096)), None)

@@ -23,14 +23,6 @@ ZERO_GRADIENT_ATOL = 1e-5  # where the float64 gradient is exactly 0 (seen: up t
 LOSS_RTOL = 2e-3  # a whole model's loss, bf16 MTraining (full index) against bf16 SDPA
 
 
-@pytest.fixture
-def cuda_softcap(monkeypatch):
-    """Soft-capping let through to the CUDA kernels for this test (ds_mtraining.ops.CUDA_SOFTCAP:
-    refused until these tests have passed on a GPU)."""
-    from ds_mtraining import ops
-    monkeypatch.setattr(ops, "CUDA_SOFTCAP", True)
-
-
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     assert torch.isfinite(actual).all(), "NaN or inf"
     return float((actual.double() - expected.double()).norm() / expected.double().norm().clamp_min(1e-30))
@@ -120,7 +112,7 @@ def test_sinks_through_the_cuda_kernels_equal_float64(dtype, head_dim):
 @pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
 @pytest.mark.parametrize("block", [64, 128])
 @pytest.mark.parametrize("documents", [False, True], ids=["one-document", "documents"])
-def test_softcap_through_the_cuda_kernels_equals_float64(dtype, head_dim, block, documents, cuda_softcap):
+def test_softcap_through_the_cuda_kernels_equals_float64(dtype, head_dim, block, documents):
     """Logit soft-capping (softmax.cuh's Logits) forward and backward, GQA, a partial last block,
     against float64 dense attention over the capped logits; a cap of 2 against logits of a few
     units bends most of them (the test checks that it changes the output)."""
@@ -128,7 +120,7 @@ def test_softcap_through_the_cuda_kernels_equals_float64(dtype, head_dim, block,
 
 
 @pytest.mark.parametrize("override", ["MMA=warp", "QUERY=plain", "TMA=0"])
-def test_softcap_on_every_kernel_path(override, monkeypatch, cuda_softcap):
+def test_softcap_on_every_kernel_path(override, monkeypatch):
     """The same on the kernel paths the device does not pick by default (mma.sync, the plain
     query kernel, cp.async copies: DS_MTRAINING_CUDA_* overrides, reloaded around the test)."""
     from ds_mtraining import ops
@@ -193,7 +185,7 @@ def test_float32_inputs_run_in_bfloat16_with_one_warning():
 @pytest.mark.parametrize("name,head_dim", [("Llama", 64), ("Mistral", 64), ("Gemma-3 (text)", 64), ("Granite", 64),
                                            ("Qwen2 (sliding window)", 64), ("Phi-3", 96), ("gpt-oss", 64),
                                            ("Gemma-2", 256), ("Gemma", 256)])
-def test_family_in_bf16_with_a_full_index_matches_sdpa(name, head_dim, cuda_softcap):
+def test_family_in_bf16_with_a_full_index_matches_sdpa(name, head_dim):
     from transformers import AutoModelForCausalLM
     from ds_mtraining.config import SparseConfig
     from ds_mtraining.families import family, public_shape_config

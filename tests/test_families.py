@@ -145,16 +145,6 @@ def test_a_refused_model_gets_one_line_before_any_process_group():
     assert not dist.is_initialized()
 
 
-def test_attention_soft_capping_is_refused_for_cuda_until_verified_there():
-    from ds_mtraining import ops
-    config = family_config(family("Gemma-2"))
-    check_model_config(config, "mtraining.model", "cpu")
-    assert not ops.CUDA_SOFTCAP
-    with pytest.raises(ValueError, match=r"^mtraining.model: attn_logit_softcapping=50.0: attention logit soft-capping "
-                                         r"in MTraining's CUDA kernels is not yet verified on a GPU"):
-        check_model_config(config, "mtraining.model", "cuda")
-
-
 def test_a_head_dim_above_the_cuda_kernels_is_refused_for_cuda_only():
     config = family_config(family("Gemma"), hidden_size=512 * 4, head_dim=512)
     check_model_config(config, "mtraining.model", "cpu")  # the CPU op takes any head_dim
