@@ -15,7 +15,8 @@
 # The runs go to SCRATCH (default $TMPDIR/resilience_check, kept between calls: a later call reads
 # the reference's losses there); preempt's checkpoint (~16 GB at 12 layers) is removed by the
 # resume stage. $OUT (default ./resilience_out) gets resilience_check.log (every stage's output,
-# appended), each run's loss and tokens/s CSVs, notes.txt and summary.txt (printed last).
+# appended), each run's loss and tokens/s CSVs, notes.txt, summary.txt (printed last) and resilience.json
+# (ds_mtraining.bench.resilience: the result file, for benchmarks/results/).
 #
 #   GPU run (offline wheels in .whl/):  bash scripts/resilience_check.sh
 #   SEQ_LEN (131072), LAYERS (12), STEPS (8); ONLY="preempt resume": only these stages (and the
@@ -40,6 +41,8 @@ run_stage() {  # run_stage NAME LIMIT_S LOG COMMAND...: `stage` (device_env.sh) 
 finish() {
   { echo "=== resilience_check ($(date -u +%FT%TZ), $gpus GPU(s), seq_len $SEQ_LEN, $LAYERS layers)"
     printf '%s\n' "${summary[@]}"; cat "$OUT/notes.txt" 2>/dev/null; } | tee "$OUT/summary.txt"
+  python3 -m ds_mtraining.bench.resilience "$OUT" --out "$OUT/resilience.json" \
+    --check_command "${ONLY:+ONLY=\"$ONLY\" }bash scripts/resilience_check.sh"
 }
 note() { echo "$*" >>"$OUT/notes.txt"; }
 
