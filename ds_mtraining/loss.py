@@ -23,6 +23,12 @@ import torch.distributed as dist
 IGNORE_INDEX = -100
 
 
+def soft_cap(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """Output-head logits capped as Gemma-2's ``final_logit_softcapping`` caps them,
+    ``softcap * tanh(logits / softcap)``; unchanged for ``softcap`` None or 0."""
+    return softcap * torch.tanh(logits / softcap) if softcap else logits
+
+
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """Sum of token cross-entropies of ``hidden @ weight.T`` (soft-capped: ``softcap *
     tanh(logits / softcap)``, when given) against ``labels``, chunked."""
@@ -39,10 +45,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             rows = flat_hidden[start:start + chunk_tokens]
             target = flat_labels[start:start + chunk_tokens]
             valid = target != IGNORE_INDEX
-            logits = (rows @ weight.T).float()
-            if softcap:
-                capped = torch.tanh(logits / softcap)
-                logits = softcap * capped
+            logits = soft_cap((rows @ weight.T).float(), softcap)
             lse = torch.logsumexp(logits, dim=-1)
             safe_target = torch.where(valid, target, 0)
             picked = logits.gather(-1, safe_target[:, None]).squeeze(-1)
@@ -52,8 +55,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 grad_logits = torch.exp(logits - lse[:, None])
                 grad_logits[torch.arange(len(target), device=target.device), safe_target] -= 1.0
                 grad_logits *= valid[:, None]
-                if softcap:  # d(softcap tanh(x / softcap))/dx
-                    grad_logits *= 1.0 - capped.square()
+                if softcap:  # d(softcap tanh(x / softcap))/dx = 1 - tanh^2, tanh = capped logit / softcap
+                    grad_logits *= 1.0 - (logits / softcap).square()
                 grad_logits = grad_logits.to(weight.dtype)
                 grad_hidden[start:start + chunk_tokens] = grad_logits @ weight
                 grad_weight += (grad_logits.T @ rows).float()

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from ..hf import output_head_inputs
+from ..loss import soft_cap
 
 
 def bucket_edges(length: int, buckets: int) -> list[int]:
@@ -28,9 +29,7 @@ def token_losses(model, input_ids: torch.Tensor, labels: torch.Tensor, chunk_tok
     hidden, weight, softcap = output_head_inputs(model, model.base_model(input_ids=input_ids).last_hidden_state)
     losses = []
     for start in range(0, hidden.shape[1], chunk_tokens):
-        logits = (hidden[:, start:start + chunk_tokens] @ weight.T).float()
-        if softcap:
-            logits = softcap * torch.tanh(logits / softcap)
+        logits = soft_cap((hidden[:, start:start + chunk_tokens] @ weight.T).float(), softcap)
         target = labels[:, start:start + chunk_tokens]
         losses.append(F.cross_entropy(logits.transpose(1, 2), target, reduction="none"))
     return torch.cat(losses, 1)
