@@ -92,13 +92,16 @@ def test_optimizer_too_large_for_the_host_stops_the_search(tmp_path):
     assert entry["limit"] == {"seq_len": 524288, "failure": "host"} and entry["breakdown"] is None
 
 
-def test_host_refusal_is_its_own_failure_kind(tmp_path, monkeypatch):
-    """bench.e2e's launch reports the run's exit as an error with the log's tail; a host-check line
-    in it makes the failure "host", and the error is that line alone."""
+@pytest.mark.parametrize("line, kind", [("host memory: the CPU optimizer needs 134.6 GiB", "host"),
+                                        ("GPU memory: at 4194304 tokens per rank the GPU estimate is 200.1", "oom")])
+def test_a_plan_refusal_is_its_own_failure_kind(tmp_path, monkeypatch, line, kind):
+    """bench.e2e's launch reports the run's exit as an error with the log's tail; the memory plan's
+    refusal in it (the host check, or the GPU's estimate beyond every offload) makes the failure
+    "host" or "oom", and the error is that line alone."""
     def refused(*_args):
-        raise e2e.LaunchFailed("error", "[launch.py] spawned ...\nds_mtraining.train: configuration error: host "
-                                        "memory: the CPU optimizer needs 134.6 GiB\n[launch.py] exit 2")
+        raise e2e.LaunchFailed("error", f"[launch.py] spawned ...\nds_mtraining.train: configuration error: {line}"
+                                        "\n[launch.py] exit 2")
     monkeypatch.setattr(e2e, "launch", refused)
     with pytest.raises(e2e.LaunchFailed) as failure:
         capacity.capacity_launch({}, None, 1, tmp_path, 0, None)
-    assert failure.value.kind == "host" and str(failure.value) == "host memory: the CPU optimizer needs 134.6 GiB"
+    assert failure.value.kind == kind and str(failure.value) == line

@@ -23,8 +23,9 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2MLP
 
 from ds_mtraining.distributed import run_on_ranks
 from ds_mtraining.training import ConfigError
-from ds_mtraining.training.memory import ALLOC_CONF, HOST_MEMORY_ENV, CheckpointOffload, HostMemoryError, OutOfMemory, \
-    enable_checkpointing, gpu_need_gib, out_of_memory_line, plan_memory, tile_mlps, tiled_mlp
+from ds_mtraining.training.memory import ALLOC_CONF, HOST_MEMORY_ENV, CheckpointOffload, HostMemoryError, \
+    MemoryPlanError, OutOfMemory, enable_checkpointing, gpu_need_gib, out_of_memory_line, plan_memory, tile_mlps, \
+    tiled_mlp
 from ds_mtraining.training.run_config import load_run_config, parse_run_config
 from helpers import REPO
 
@@ -235,7 +236,9 @@ def test_host_check_chooses_n_and_refuses_with_the_numbers(monkeypatch):
     holds (125 - 51.8 - 8) // 4 = 16 layers. On a 139.8 GiB GPU auto offloads the fewest layers
     whose GPU estimate fits: 15 at 1M (21 x 4 GiB + 1 layer's copy + 6.5 GiB of weights and
     buckets + 33.0 GiB of transients = 129.5 GiB, x 1.05 + 4 = 140.0 > 139.8 with 14), none at
-    256K; with a 24 GiB reserve the host holds 12 and the line says the GPU will not fit. 40 GiB
+    256K; with a 24 GiB reserve the host holds 12, and the run stops with one line naming the numbers
+(an explicit offload_checkpoints of 12 tries anyway); at 4M even every layer offloaded leaves the
+GPU's estimate too large, one line too. 40 GiB
     of host refuses before anything else; 17 layers given refuses naming 16."""
     monkeypatch.delenv(ALLOC_CONF, raising=False)  # (a plan for CUDA sets it: not for the tests after this one)
     monkeypatch.setenv(HOST_MEMORY_ENV, "125")
@@ -251,10 +254,22 @@ def test_host_check_chooses_n_and_refuses_with_the_numbers(monkeypatch):
                            "36 layers to pinned host memory (auto: the GPU estimate 137.9 of 139.8 GiB; the host "
                            "holds 16)"), line
     assert plan_memory(e2e_run(1 << 18)[0], ds_config, 1, cuda=True, gpu_gib=139.8).offload_layers == 0
-    short = plan_memory(e2e_run(1 << 20, host_reserve_gib=24)[0], ds_config, 1, cuda=True, gpu_gib=139.8)
-    assert short.offload_layers == 12 and short.offload_choice.startswith(
-        "auto: the GPU needs 15 offloaded, the host holds 12; GPU estimate 150.5 > 139.8 GiB: expect an "
-        "out-of-memory error"), short.offload_choice
+    with pytest.raises(HostMemoryError, match=(
+            r"^host memory: at 1048576 tokens per rank the GPU needs the checkpoints of 15 layers offloaded \(with "
+            r"12, the host's most, its estimate is 150.5 > 139.8 GiB\), and the CPU optimizer needs 51.7 GiB .*, "
+            r"15 offloaded layer checkpoints 60.0 GiB, reserve 24.0 GiB .*: 135.7 GiB > 125.0 GiB available "
+            r"\(DS_MTRAINING_HOST_MEMORY_GIB\); use a shorter seq_len, .* or set mtraining.memory.offload_checkpoints "
+            r"to 12 to try anyway$")):
+        plan_memory(e2e_run(1 << 20, host_reserve_gib=24)[0], ds_config, 1, cuda=True, gpu_gib=139.8)
+    tried = plan_memory(e2e_run(1 << 20, host_reserve_gib=24, offload_checkpoints=12)[0], ds_config, 1, cuda=True,
+                        gpu_gib=139.8)
+    assert tried.offload_layers == 12  # the user's N: the host check alone
+    with pytest.raises(MemoryPlanError, match=r"^GPU memory: at 4194304 tokens per rank the GPU estimate is .* > 139.8 "
+                                              r"GiB even with the checkpoints of 35 of 36 layers offloaded; use a "
+                                              r"shorter seq_len or more ranks \(sequence parallel\)$"):
+        monkeypatch.setenv(HOST_MEMORY_ENV, "1000")
+        plan_memory(e2e_run(1 << 22)[0], ds_config, 1, cuda=True, gpu_gib=139.8)
+    monkeypatch.setenv(HOST_MEMORY_ENV, "125")
     monkeypatch.setenv(HOST_MEMORY_ENV, "40")
     with pytest.raises(HostMemoryError, match=r"^host memory: the CPU optimizer needs 51.7 GiB \(3.09B parameters "
                                               r"x 18 bytes x 1/1 ranks on this node\), 0 offloaded layer checkpoints "

@@ -13,7 +13,8 @@ as several short invocations (each within a time limit) and merges into one file
 
 For each length: peak GPU memory per rank, resident GPU memory between steps, host memory (the
 ranks' peak resident set, summed), checkpoints offloaded, step time, tokens/s, density; a launch
-that does not train says why (``oom``: GPU memory, ``host``: the host check refused, ``timeout``,
+that does not train says why (``oom``: GPU memory, or the plan's prediction of it; ``host``: the
+host check refused, the plan's own or for the checkpoints the GPU needs offloaded; ``timeout``,
 ``error``). At the longest length that trained (``max_seq_len``), a breakdown: weights,
 gradients, optimizer, checkpoints on the GPU and on the host (analytic, from the run's
 ``memory_plan.json``), the measured transient (peak less the resident memory and the
@@ -60,9 +61,10 @@ def capacity_launch(config: dict, gpus, world: int, folder: Path, port: int, arg
     try:
         result = e2e.launch(config, gpus, world, folder, port, args)
     except e2e.LaunchFailed as error:
-        if error.kind == "error" and "host memory:" in str(error):  # the refusal's one line, not the log's tail
-            line = next(line for line in str(error).splitlines() if "host memory:" in line)
-            raise e2e.LaunchFailed("host", line[line.index("host memory:"):]) from None
+        for start, kind in (("host memory:", "host"), ("GPU memory:", "oom")):  # the plan's refusal, predicted
+            if error.kind == "error" and start in str(error):  # its one line, not the log's tail
+                line = next(line for line in str(error).splitlines() if start in line)
+                raise e2e.LaunchFailed(kind, line[line.index(start):]) from None
         raise
     run_dir = folder / "run"
     for name in EXTRA_METRICS:

@@ -25,8 +25,10 @@
   256K-768K) and the host memory the CPU optimizer (ZeRO offload) and the offloaded checkpoints
   need against what the host has. ``"auto"`` offloads the fewest layers that let the GPU's
   estimate fit (none where everything fits: offloading costs copies and pinned host memory for
-  nothing), at most as many as the host holds; a given N beyond the host is one line naming the
-  numbers and the setting to change.
+  nothing); where the GPU needs more than the host holds, or more than every layer, the run stops
+  there with one line naming the numbers and what to change (a run that would be killed minutes
+  later by the host's OOM killer or the allocator). A given N beyond the host is one line naming
+  the numbers and the setting to change.
 * ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` before CUDA starts, unless the user set
   the variable (fragmentation at 512K: 11.7 GiB reserved but unallocated at the OOM).
 * a CUDA out-of-memory error during training becomes one line (:func:`out_of_memory_line`).
@@ -57,8 +59,13 @@ CPU_ONLY = "no CUDA allocator (CPU)"
 CHECKPOINTING_OFF = "checkpointing off"  # the offload choice without activation checkpointing
 
 
-class HostMemoryError(ConfigError):
-    """The CPU optimizer and the offloaded checkpoints do not fit the host's memory."""
+class MemoryPlanError(ConfigError):
+    """The plan does not fit: the GPU's estimate exceeds its memory whatever is offloaded."""
+
+
+class HostMemoryError(MemoryPlanError):
+    """The CPU optimizer and the offloaded checkpoints (those given, or those the GPU needs) do not
+    fit the host's memory."""
 
 
 class OutOfMemory(RuntimeError):
@@ -425,12 +432,18 @@ def plan_memory(run, ds_config: dict, world_size: int, cuda: bool | None = None,
     if offload == "auto" and cuda and run.gradient_checkpointing:
         gpu_gib = gpu_memory_gib() if gpu_gib is None else gpu_gib
         needed = next((n for n in range(layers) if gpu_need_gib(*estimate(n)) <= gpu_gib), None)
-        if needed is None or needed > fits:
-            count = fits
-            gpu_needs = f"{needed}" if needed is not None else f"more than {layers - 1}"
-            choice = (f"auto: the GPU needs {gpu_needs} offloaded, the host holds {fits}; GPU estimate "
-                      f"{gpu_need_gib(*estimate(fits)):.1f} > {gpu_gib:.1f} GiB: expect an out-of-memory error "
-                      f"(a shorter seq_len, more ranks or a host with more memory fit)")
+        if needed is None:
+            raise MemoryPlanError(
+                f"GPU memory: at {tokens} tokens per rank the GPU estimate is {gpu_need_gib(*estimate(layers - 1)):.1f} "
+                f"> {gpu_gib:.1f} GiB even with the checkpoints of {layers - 1} of {layers} layers offloaded; use a "
+                f"shorter seq_len or more ranks (sequence parallel)")
+        if needed > fits:  # predicted here, not found by the OOM killer or the allocator minutes later
+            raise HostMemoryError(
+                f"host memory: at {tokens} tokens per rank the GPU needs the checkpoints of {needed} layers "
+                f"offloaded (with {fits}, the host's most, its estimate is {gpu_need_gib(*estimate(fits)):.1f} > "
+                f"{gpu_gib:.1f} GiB), and {numbers(needed)}; use a shorter seq_len, more ranks, a host with more "
+                f"memory or a lower {SECTION}.host_reserve_gib, or set {SECTION}.offload_checkpoints to {fits} to "
+                f"try anyway")
         else:
             count = needed
             choice = (f"auto: the GPU estimate {gpu_need_gib(*estimate(needed)):.1f} of {gpu_gib:.1f} GiB"
