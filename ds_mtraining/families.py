@@ -116,11 +116,8 @@ def matrix_rows() -> list[dict]:
 def markdown_table(rows: list[dict]) -> str:
     lines = ["| family | transformers config | attention features | head_dim | CPU | GPU (CUDA kernels) |",
              "|---|---|---|---|---|---|"]
-    from .ops import CUDA_MMA_SYNC_MAX_HEAD_DIM
     for row in rows:
         verdicts = ["trains" if row[side] is None else f"refused: `{row[side]}`" for side in ("cpu", "gpu")]
-        if row["gpu"] is None and row["head_dim"] > CUDA_MMA_SYNC_MAX_HEAD_DIM:
-            verdicts[1] = "trains on Hopper (sm_90)"
         lines.append(f"| {row['family']} | `{row['config']}` | {row['features']} | {row['head_dim']} | "
                      f"{verdicts[0]} | {verdicts[1]} |")
     return "\n".join(lines)

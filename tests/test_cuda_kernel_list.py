@@ -1,7 +1,6 @@
 """The CUDA kernels' instantiations are what csrc/cuda/generate_kernels.py writes (no hand edits,
 none stale), and ds_mtraining.ops names the same head dims and dtypes (no GPU needed)."""
 import importlib.util
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -26,9 +25,3 @@ def test_ops_names_the_generated_head_dims_and_dtypes():
     names = {"bf16": torch.bfloat16, "fp16": torch.float16}
     assert set(ops.CUDA_DTYPES) == {names[tag] for tag in generator.DTYPES}
 
-
-def test_ops_names_the_mma_sync_head_dim_limit_of_heuristics_h():
-    heuristics = (GENERATOR.parent / "heuristics.h").read_text()
-    limit = re.search(r"constexpr int kMaxWarpMmaHeadDim = (\d+);", heuristics)
-    assert limit is not None, "heuristics.h no longer names kMaxWarpMmaHeadDim"
-    assert ops.CUDA_MMA_SYNC_MAX_HEAD_DIM == int(limit.group(1))

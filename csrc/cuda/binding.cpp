@@ -161,9 +161,6 @@ Call prepare_call(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tens
     p.scale = static_cast<float>(scale);
     p.softcap = static_cast<float>(softcap);
     call.paths = kernel_paths_for(q.get_device());
-    TORCH_CHECK_VALUE(mtr::head_dim_on_paths(p.head_dim, call.paths), kOpName, ": head_dim ", text(p.head_dim),
-                      " runs on the wgmma kernels alone (compute capability 9.0, DS_MTRAINING_CUDA_MMA unset): the "
-                      "mma.sync kernels' tiles outgrow shared memory above head_dim ", text(mtr::kMaxWarpMmaHeadDim));
     p.warpgroup_mma = call.paths.warpgroup_mma;
     p.specialized_query = call.paths.query == "specialized";
     return call;

@@ -33,15 +33,6 @@ struct KernelOverrides {
     bool plain_query;
 };
 
-// Head dims above this run on the wgmma path alone: mma.sync's CTAs own whole 128-row blocks, whose
-// tiles at head_dim 256 outgrow shared memory (an sm_80 CTA has 163 KB).
-constexpr int kMaxWarpMmaHeadDim = 128;
-
-// Whether the kernels take `head_dim` on these paths (the instantiated head dims aside).
-inline bool head_dim_on_paths(int head_dim, const KernelPaths& paths) {
-    return head_dim <= kMaxWarpMmaHeadDim || paths.warpgroup_mma;
-}
-
 // The paths of a device of compute capability `major`, after the overrides.
 inline KernelPaths choose_kernel_paths(int major, const KernelOverrides& overrides) {
     const bool hopper = major == 9;

@@ -9,7 +9,7 @@
 //    Chunking bounds the longest CTA (sink columns are read by every query block).
 //  * The slash pass adds the scratch rows of its block's vertical keys head by head and chunk by
 //    chunk (a fixed order), after its own rows are written: deterministic, no atomics.
-//  * Above head_dim 128 (wgmma path only) each CTA of either pass owns one column part of dK/dV
+//  * Above head_dim 128 each CTA of either pass owns one column part of dK/dV
 //    (kColumns wide) and recomputes S and dP in full: dK and dV over all 256 columns would need
 //    256 accumulator registers per thread. The parts are neighbouring CTAs (blockIdx.x % kParts).
 #pragma once
@@ -28,7 +28,8 @@ namespace mtr {
 
 template <typename Arch, typename T, int D, int BS, bool kVertical>
 struct KeyKernelConfig {
-    static constexpr int kKeyRows = kVertical ? kKeyTile : Arch::template kCtaRows<BS, 1>;  // key rows per CTA
+    static constexpr int kKeyRows = kVertical ? kKeyTile : Arch::template kCtaRows<BS, 1, D>;  // key rows per CTA
+    static constexpr int kStages = Arch::template kStages<D>;  // q/dout step buffers
     static constexpr int kSplits = BS / kKeyRows;  // slash pass: CTAs per key block
     static constexpr int kWarps = kKeyRows / 16;
     static constexpr int kThreads = kWarps * 32;
@@ -36,12 +37,10 @@ struct KeyKernelConfig {
     static constexpr int kColumns = D > 128 ? 128 : D;  // dK/dV columns per CTA
     static constexpr int kParts = D / kColumns;         // CTAs per key row range
     static_assert(kThreads >= kQueryStep && kThreads >= kKeyTile, "too few threads for the per-step loads");
-    static_assert(kParts == 1 || std::is_same_v<Arch, WarpgroupMma>,
-                  "column parts read B tiles at a column offset, which only the wgmma path's accumulate takes");
 
     static size_t smem_bytes(int bit_words) {
-        return Arch::kTileAlignment + sizeof(T) * (2 * static_cast<size_t>(kKeyRows) * D + 4 * kStepElements) +
-               sizeof(float) * 4 * kQueryStep + sizeof(uint64_t) * 2 + sizeof(int) * (kKeyTile + 2 * kQueryStep) +
+        return Arch::kTileAlignment + sizeof(T) * (2 * static_cast<size_t>(kKeyRows) * D + 2 * kStages * kStepElements) +
+               sizeof(float) * 2 * kStages * kQueryStep + sizeof(uint64_t) * 2 + sizeof(int) * (kKeyTile + kStages * kQueryStep) +
                sizeof(uint32_t) * bit_words;
     }
 };
@@ -153,13 +152,13 @@ __global__ void __launch_bounds__(KeyKernelConfig<Arch, T, D, BS, kVertical>::kT
     T* key_tile = reinterpret_cast<T*>(smem);
     T* value_tile = key_tile + kKeyRows * D;
     T* query_tiles = value_tile + kKeyRows * D;
-    T* dout_tiles = query_tiles + 2 * Config::kStepElements;
-    float* lse_tiles = reinterpret_cast<float*>(dout_tiles + 2 * Config::kStepElements);
-    float* delta_tiles = lse_tiles + 2 * kQueryStep;
-    uint64_t* step_barriers = reinterpret_cast<uint64_t*>(delta_tiles + 2 * kQueryStep);
+    T* dout_tiles = query_tiles + Config::kStages * Config::kStepElements;
+    float* lse_tiles = reinterpret_cast<float*>(dout_tiles + Config::kStages * Config::kStepElements);
+    float* delta_tiles = lse_tiles + Config::kStages * kQueryStep;
+    uint64_t* step_barriers = reinterpret_cast<uint64_t*>(delta_tiles + Config::kStages * kQueryStep);
     int* tile_keys = reinterpret_cast<int*>(step_barriers + 2);
     int* step_start_tiles = tile_keys + kKeyTile;  // document masking: each step query's document start
-    uint32_t* bits = reinterpret_cast<uint32_t*>(step_start_tiles + 2 * kQueryStep);
+    uint32_t* bits = reinterpret_cast<uint32_t*>(step_start_tiles + Config::kStages * kQueryStep);
 
     const int group = p.heads / p.kv_heads;
     const int query_blocks = (p.seq_q + BS - 1) / BS;
@@ -278,7 +277,7 @@ __global__ void __launch_bounds__(KeyKernelConfig<Arch, T, D, BS, kVertical>::kT
         mask.apply(s, step, key_first, row0, p.seq_q, straddles(step) ? step_start_tiles + buffer * kQueryStep : nullptr);
         softmax.dscores(s, dp, lse, delta, logits);
         // dV += P^T dO, dK += dS^T Q (this part's columns)
-        Arch::template accumulate_pair<1, kColumns>(dv, s, dout_tile + part_offset, dk, dp, query_tile + part_offset);
+        Arch::template accumulate_pair<1, kColumns, D>(dv, s, dout_tile + part_offset, dk, dp, query_tile + part_offset);
     };
 
     if constexpr (kVertical) {
@@ -288,7 +287,8 @@ __global__ void __launch_bounds__(KeyKernelConfig<Arch, T, D, BS, kVertical>::kT
                                         p.local_offsets + static_cast<size_t>(bh_vertical) * p.slash_len,
                                         p.num_offsets[bh_vertical]);
             VerticalStepSource<BS> source{tile_keys, key_count, bits, head, end_block, p.seq_q, query_rank_after, first_block};
-            run_two_stage_pipeline<QueryStep, Arch::kAsyncProxy>([&](QueryStep& step) { return source.next(step); }, issue, compute);
+            run_pipeline<QueryStep, Arch::kAsyncProxy, Config::kStages>([&](QueryStep& step) { return source.next(step); },
+                                                                        issue, compute);
         }
         const size_t entry0 =
             (static_cast<size_t>(chunk) * p.batch * p.heads + bh_vertical) * p.vertical_len + first_entry;
@@ -302,7 +302,8 @@ __global__ void __launch_bounds__(KeyKernelConfig<Arch, T, D, BS, kVertical>::kT
         SlashStepSource<BS> source{p.local_offsets + batch_heads * p.slash_len, p.num_offsets + batch_heads,
                                    p.slash_len, kv_head * group, group, key_first / BS, key_first,
                                    query_end, query_blocks, p.seq_q, p.q_rank == p.k_rank};
-        run_two_stage_pipeline<QueryStep, Arch::kAsyncProxy>([&](QueryStep& step) { return source.next(step); }, issue, compute);
+        run_pipeline<QueryStep, Arch::kAsyncProxy, Config::kStages>([&](QueryStep& step) { return source.next(step); },
+                                                                    issue, compute);
         auto key_out_row = [&](float* base, int row) -> float* {
             return row < key_count
                 ? base + ((static_cast<size_t>(batch) * p.seq_k + key_first + row) * p.kv_heads + kv_head) * D + part * kColumns

@@ -5,7 +5,6 @@
 
 #include <type_traits>
 
-#include "heuristics.h"
 #include "key_kernel.cuh"
 #include "query_kernel.cuh"
 #include "specialized_query_kernel.cuh"
@@ -138,25 +137,20 @@ cudaError_t backward_kernels(const AttentionParams& p, cudaStream_t stream, cuda
 }
 
 // Calls run(Arch{}, std::integral_constant<int, BS>{}) for the params' tensor-core path and index
-// block size: the one place forward and backward pick their kernels' instantiation. Head dims
-// above kMaxWarpMmaHeadDim exist on the wgmma path alone (the binding refuses the others first).
-template <int D, typename Run>
+// block size: the one place forward and backward pick their kernels' instantiation.
+template <typename Run>
 cudaError_t with_path_and_block(const AttentionParams& p, Run run) {
     auto with_block = [&](auto arch) {
         return p.block_size == 64 ? run(arch, std::integral_constant<int, 64>{}) : run(arch, std::integral_constant<int, 128>{});
     };
-    if constexpr (D > kMaxWarpMmaHeadDim) {
-        return p.warpgroup_mma ? with_block(WarpgroupMma{}) : cudaErrorNotSupported;
-    } else {
-        return p.warpgroup_mma ? with_block(WarpgroupMma{}) : with_block(WarpMma{});
-    }
+    return p.warpgroup_mma ? with_block(WarpgroupMma{}) : with_block(WarpMma{});
 }
 
 template <DType dtype, int kHeadDim>
 cudaError_t run_forward(const AttentionParams& p, cudaStream_t stream) {
     using T = typename ElementOf<dtype>::type;
     if (p.head_dim != kHeadDim) return cudaErrorInvalidValue;
-    return with_path_and_block<kHeadDim>(p, [&](auto arch, auto block) {
+    return with_path_and_block(p, [&](auto arch, auto block) {
         return forward_with<decltype(arch), T, kHeadDim, decltype(block)::value>(p, stream);
     });
 }
@@ -185,7 +179,7 @@ cudaError_t run_backward(const AttentionParams& p, cudaStream_t stream, cudaStre
         const cudaError_t status = run_delta<dtype, kHeadDim>(p, stream);
         if (status != cudaSuccess) return status;
     }
-    return with_path_and_block<kHeadDim>(p, [&](auto arch, auto block) {
+    return with_path_and_block(p, [&](auto arch, auto block) {
         return backward_kernels<decltype(arch), T, kHeadDim, decltype(block)::value>(p, stream, dq_stream);
     });
 }

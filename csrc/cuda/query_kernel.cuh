@@ -19,7 +19,8 @@ namespace mtr {
 
 template <typename Arch, typename T, int D, int BS, int MA, bool kBackward>
 struct QueryKernelConfig {
-    static constexpr int kRows = Arch::template kCtaRows<BS, MA>;  // query rows per CTA: all or part of a block
+    static constexpr int kRows = Arch::template kCtaRows<BS, MA, D>;  // query rows per CTA: all or part of a block
+    static constexpr int kStages = Arch::template kStages<D>;  // K/V tile buffers
     static constexpr int kSplits = BS / kRows;                   // CTAs per query block
     static constexpr int kWarps = kRows / (16 * MA);
     static constexpr int kThreads = kWarps * 32;
@@ -31,8 +32,9 @@ struct QueryKernelConfig {
     static_assert(kThreads >= kKeyTile, "too few threads to copy a gathered tile's keys");
 
     static size_t smem_bytes(int bit_words) {
-        return Arch::kTileAlignment + sizeof(T) * (static_cast<size_t>(kQueryTiles) * kRows * D + 4 * kKeyTileElements) +
-               sizeof(uint64_t) * 2 + sizeof(int) * (kListCapacity + 32 + 2 * kKeyTile) + sizeof(uint32_t) * bit_words;
+        return Arch::kTileAlignment +
+               sizeof(T) * (static_cast<size_t>(kQueryTiles) * kRows * D + 2 * kStages * kKeyTileElements) +
+               sizeof(uint64_t) * 2 + sizeof(int) * (kListCapacity + 32 + kStages * kKeyTile) + sizeof(uint32_t) * bit_words;
     }
 };
 
@@ -64,14 +66,14 @@ __global__ void __launch_bounds__(QueryKernelConfig<Arch, T, D, BS, MA, kBackwar
     T* q_tile = reinterpret_cast<T*>(smem);
     T* dout_tile = q_tile + Config::kRows * D;  // backward only
     T* key_tiles = q_tile + Config::kQueryTiles * Config::kRows * D;
-    T* value_tiles = key_tiles + 2 * Config::kKeyTileElements;
-    uint64_t* tile_barriers = reinterpret_cast<uint64_t*>(value_tiles + 2 * Config::kKeyTileElements);
+    T* value_tiles = key_tiles + Config::kStages * Config::kKeyTileElements;
+    uint64_t* tile_barriers = reinterpret_cast<uint64_t*>(value_tiles + Config::kStages * Config::kKeyTileElements);
     int* key_list = reinterpret_cast<int*>(tile_barriers + 2);
     int* warp_counts = key_list + Config::kListCapacity;
     // document masking: each buffer's gathered keys, copied at issue (key_list may be refilled
     // for the next tile before this one is computed)
     int* gathered_keys = warp_counts + 32;
-    uint32_t* bits = reinterpret_cast<uint32_t*>(gathered_keys + 2 * kKeyTile);
+    uint32_t* bits = reinterpret_cast<uint32_t*>(gathered_keys + Config::kStages * kKeyTile);
 
     const int cta = static_cast<int>(gridDim.x - 1 - blockIdx.x);  // late blocks read the most: start them first
     const int query_block = cta / Config::kSplits;
@@ -164,7 +166,7 @@ __global__ void __launch_bounds__(QueryKernelConfig<Arch, T, D, BS, MA, kBackwar
                                             key_tile, value_tile);
     };
 
-    run_two_stage_pipeline<KeyTile, Arch::kAsyncProxy>(
+    run_pipeline<KeyTile, Arch::kAsyncProxy, Config::kStages>(
         [&](KeyTile& tile) { return source.next(tile, p, bits, key_list, warp_counts); }, issue, compute);
 
     store_query_outputs<Arch, T, MA, D, kBackward>(p, acc, softmax, query_first, row0, q_head, lse_row);

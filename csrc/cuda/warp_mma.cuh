@@ -286,20 +286,21 @@ __device__ __forceinline__ void pack_a_fragment(uint32_t (&a)[4], const float (&
     a[3] = Mma<T>::pack(p[2 * kc + 1][2], p[2 * kc + 1][3]);
 }
 
-// acc[ma] (16 rows x D) += P[ma] (16 rows x 64, fp32 accumulators rounded to T) * B (64 x D tile):
-// O += P V, dQ += dS K, dV += P^T dO, dK += dS^T Q.
-template <int MA, int D, typename T>
-__device__ __forceinline__ void gemm_pb(float (&acc)[MA][D / 8][4], const float (&p)[MA][8][4], const T* b_tile) {
-    const LaneAddresses b_lane = b_trans_addresses<D>(b_tile);
+// acc[ma] (16 rows x N) += P[ma] (16 rows x 64, fp32 accumulators rounded to T) * B (64 x N, the
+// columns of a [64][kStride] tile from b_tile, a multiple of 64 columns in): O += P V, dQ += dS K,
+// dV += P^T dO, dK += dS^T Q.
+template <int MA, int N, int kStride, typename T>
+__device__ __forceinline__ void gemm_pb(float (&acc)[MA][N / 8][4], const float (&p)[MA][8][4], const T* b_tile) {
+    const LaneAddresses b_lane = b_trans_addresses<kStride>(b_tile);
 #pragma unroll
     for (int kc = 0; kc < 4; ++kc) {
         uint32_t a[MA][4];
 #pragma unroll
         for (int ma = 0; ma < MA; ++ma) pack_a_fragment<T>(a[ma], p[ma], kc);
 #pragma unroll
-        for (int dp = 0; dp < D / 16; ++dp) {
+        for (int dp = 0; dp < N / 16; ++dp) {
             uint32_t b[4];
-            ldmatrix_x4_trans(b, fragment_address<D>(b_lane, dp, kc * 16));
+            ldmatrix_x4_trans(b, fragment_address<kStride>(b_lane, dp, kc * 16));
 #pragma unroll
             for (int ma = 0; ma < MA; ++ma) {
                 Mma<T>::run(acc[ma][2 * dp], a[ma], b[0], b[1]);
@@ -320,8 +321,13 @@ struct WarpMma {
     static constexpr bool kAsyncProxy = false;
     static constexpr bool kTma = false;
     static constexpr int kTileAlignment = 128;
-    template <int BS, int MA>
-    static constexpr int kCtaRows = BS;  // a CTA owns a whole block (rows or keys)
+    // A CTA owns a whole block (rows or keys); above head_dim 128, 64 rows of it (its tiles would
+    // outgrow an sm_80 CTA's 163 KB of shared memory), one 16-row slice per warp (MA = 1).
+    template <int BS, int MA, int D>
+    static constexpr int kCtaRows = D > 128 ? 64 : BS;
+    // Pipeline stages (run_pipeline): one above head_dim 128, for the same shared memory.
+    template <int D>
+    static constexpr int kStages = D > 128 ? 1 : 2;
     // A warp owns 16 MA consecutive rows: slice ma starts at first_row + 16 ma.
     static constexpr int kSliceStride = 16;
     template <int MA>
@@ -344,17 +350,18 @@ struct WarpMma {
         scores<MA, D>(s0, a0, row0, b0);
         scores<MA, D>(s1, a1, row0, b1);
     }
-    template <int MA, int D, typename T>
-    static __device__ __forceinline__ void accumulate(float (&acc)[MA][D / 8][4], const float (&p)[MA][8][4],
+    // accumulate: acc (N columns) += P B, B the N columns from b_tile of a [64][kStride] tile.
+    template <int MA, int N, int kStride = N, typename T>
+    static __device__ __forceinline__ void accumulate(float (&acc)[MA][N / 8][4], const float (&p)[MA][8][4],
                                                       const T* b_tile) {
-        gemm_pb<MA, D>(acc, p, b_tile);
+        gemm_pb<MA, N, kStride>(acc, p, b_tile);
     }
-    template <int MA, int D, typename T>
-    static __device__ __forceinline__ void accumulate_pair(float (&acc0)[MA][D / 8][4], const float (&p0)[MA][8][4],
-                                                           const T* b0, float (&acc1)[MA][D / 8][4],
+    template <int MA, int N, int kStride = N, typename T>
+    static __device__ __forceinline__ void accumulate_pair(float (&acc0)[MA][N / 8][4], const float (&p0)[MA][8][4],
+                                                           const T* b0, float (&acc1)[MA][N / 8][4],
                                                            const float (&p1)[MA][8][4], const T* b1) {
-        gemm_pb<MA, D>(acc0, p0, b0);
-        gemm_pb<MA, D>(acc1, p1, b1);
+        gemm_pb<MA, N, kStride>(acc0, p0, b0);
+        gemm_pb<MA, N, kStride>(acc1, p1, b1);
     }
 };
 
@@ -431,13 +438,29 @@ __device__ __forceinline__ void store_rows(const float (&acc)[MA][D / 8][4], int
         }
 }
 
-// Two-stage cp.async pipeline over the items next(item) -> bool yields (uniform over the CTA):
-// item n + 1 loads (issue(item, buffer)) while item n computes (compute(item, buffer)).
-// Groups are committed every iteration, possibly empty, so wait<1> always means "all but the
-// newest group"; groups committed before the call (e.g. a resident tile) complete by the first wait.
-// kAsyncProxy: the tiles are read by wgmma (fence_async_proxy before the barrier).
-template <typename Item, bool kAsyncProxy, typename Next, typename Issue, typename Compute>
-__device__ __forceinline__ void run_two_stage_pipeline(Next&& next, Issue&& issue, Compute&& compute) {
+// The cp.async pipeline over the items next(item) -> bool yields (uniform over the CTA), in
+// kStages buffers. Two stages: item n + 1 loads (issue(item, buffer)) while item n computes
+// (compute(item, buffer)); groups are committed every iteration, possibly empty, so wait<1> always
+// means "all but the newest group". One stage (where shared memory holds one buffer: head_dim 256
+// on mma.sync): each item loads, then computes. Groups committed before the call (e.g. a resident
+// tile) complete by the first wait. kAsyncProxy: the tiles are read by wgmma (fence_async_proxy
+// before the barrier).
+template <typename Item, bool kAsyncProxy, int kStages, typename Next, typename Issue, typename Compute>
+__device__ __forceinline__ void run_pipeline(Next&& next, Issue&& issue, Compute&& compute) {
+    static_assert(kStages == 1 || kStages == 2, "one or two pipeline stages");
+    if constexpr (kStages == 1) {
+        Item current;
+        for (bool has_current = next(current); has_current; has_current = next(current)) {
+            issue(current, 0);
+            cp_async_commit();
+            cp_async_wait<0>();
+            if constexpr (kAsyncProxy) fence_async_proxy();
+            __syncthreads();
+            compute(current, 0);
+            __syncthreads();  // the buffer just read is the next one filled
+        }
+        return;
+    }
     Item current, upcoming;
     bool has_current = next(current);
     if (has_current) issue(current, 0);

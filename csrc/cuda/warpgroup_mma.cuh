@@ -110,8 +110,10 @@ struct WarpgroupMma {
     // (MA = 2 amortises a key tile's loads and bookkeeping over 128 rows). With MA = 1 a 128-block
     // takes two CTAs, which run out of step on an SM where one CTA's two warpgroups would run in
     // lockstep between their shared barriers.
-    template <int BS, int MA>
+    template <int BS, int MA, int D>
     static constexpr int kCtaRows = 64 * MA;
+    template <int D>
+    static constexpr int kStages = 2;  // sm_90's 227 KB hold two at every head_dim
     static constexpr int kSliceStride = 64;
     template <int MA>
     static __device__ __forceinline__ int first_row() { return (threadIdx.x >> 5) * 16; }
@@ -145,8 +147,10 @@ struct WarpgroupMma {
         wgmma_batch([&] { issue_scores<MA, D>(s0, a0, b0); issue_scores<MA, D>(s1, a1, b1); }, s0, s1);
     }
 
-    // acc[ma] (this warp's 16 rows of tile ma x D) += P[ma] (16 rows x 64, rounded to T) B, B a [64][D] tile.
-    template <int MA, int D, typename T>
+    // acc[ma] (this warp's 16 rows of tile ma x D) += P[ma] (16 rows x 64, rounded to T) B, B the
+    // D columns from b_tile of a [64][kStride] tile: a 64-row tile's column atoms follow each other
+    // whatever its width, so kStride changes nothing here (WarpMma's rows are kStride long).
+    template <int MA, int D, int kStride = D, typename T>
     static __device__ __forceinline__ void accumulate(float (&acc)[MA][D / 8][4], const float (&p)[MA][8][4],
                                                       const T* b_tile) {
         uint32_t a[MA][4][4];
@@ -155,7 +159,7 @@ struct WarpgroupMma {
     }
 
     // Two independent accumulations in one batch: acc0 += P0 B0, acc1 += P1 B1.
-    template <int MA, int D, typename T>
+    template <int MA, int D, int kStride = D, typename T>
     static __device__ __forceinline__ void accumulate_pair(float (&acc0)[MA][D / 8][4], const float (&p0)[MA][8][4],
                                                            const T* b0, float (&acc1)[MA][D / 8][4],
                                                            const float (&p1)[MA][8][4], const T* b1) {

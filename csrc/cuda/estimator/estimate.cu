@@ -8,12 +8,6 @@ namespace mtr {
 namespace est {
 namespace {
 
-template <typename T, int D>
-int score_smem(int chunks, bool masses) {
-    return static_cast<int>((chunks + 2) * kTile * D * sizeof(T)) +
-           (masses ? static_cast<int>(kTile * kProbStride * sizeof(float)) : 0);
-}
-
 // run(element, head_dim) for the head dims of estimate_api.cuh's kHeadDims.
 template <typename Run>
 cudaError_t dispatch(Elem elem, int head_dim, Run run) {
@@ -48,6 +42,12 @@ unsigned score_grid(const ScoreParams& p) {
 
 }  // namespace
 
+int score_smem_bytes(int head_dim, int chunks, bool masses) {
+    constexpr int kElementBytes = 2;  // bf16 and fp16
+    return (chunks + 2) * kTile * head_dim * kElementBytes +
+           (masses ? kTile * kProbStride * static_cast<int>(sizeof(float)) : 0);
+}
+
 int select_smem_bytes() { return kRadixBins * 32 * static_cast<int>(sizeof(unsigned long long)); }
 
 // Launches a score pass (row statistics, or masses with the probability tile) for p's dtype and
@@ -58,7 +58,7 @@ cudaError_t launch_score_pass(const ScoreParams& p, Elem elem, cudaStream_t stre
         using T = decltype(element);
         constexpr int D = decltype(dim)::value;
         const auto kernel = kMasses ? masses_kernel<T, D> : row_stats_kernel<T, D>;
-        const int smem = score_smem<T, D>(p.chunks, kMasses);
+        const int smem = score_smem_bytes(D, p.chunks, kMasses);
         cudaError_t s = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
         if (s != cudaSuccess) return s;
         kernel<<<score_grid(p), kScoreThreads, smem, stream>>>(p);

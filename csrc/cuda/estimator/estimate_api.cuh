@@ -153,7 +153,9 @@ struct FinalizeParams {
     int vertical_width = 0;   // >= min(sink_tokens, seq_len) + column_width
 };
 
-// Dynamic shared memory of the select kernel, for the launch checks.
+// Dynamic shared memory of the score kernels (``chunks`` query chunks of 64 rows, pass B with
+// masses = true) and of the select kernel, for the launches and the binding's checks.
+int score_smem_bytes(int head_dim, int chunks, bool masses);
 int select_smem_bytes();
 // Scratch of run_select for `rows` rows (all segments) of at most `n` entries.
 long long select_scratch_bytes(int rows, int n);

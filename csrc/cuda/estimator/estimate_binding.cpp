@@ -66,12 +66,15 @@ ScoreCall checked_pair(const at::Tensor& q_in, const at::Tensor& k_in) {
                       text(k_in.sizes()), " must share batch and head_dim");
     TORCH_CHECK_VALUE(dim == 64 || dim == 128 || dim == 256, kName, ": head_dim must be 64, 128 or 256, got ",
                       text(dim));
-    if (dim == 256) {  // its score tiles take up to 214 KB of shared memory
-        int major = 0;
-        check_launch(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, q_in.get_device()),
-                     "reading the compute capability");
-        TORCH_CHECK_VALUE(major >= 9, kName, ": head_dim 256 needs compute capability 9.0 (shared memory), got ",
-                          text(major), ".x");
+    {  // the score kernels hold the query chunks and two key tiles: at head_dim 256 and last_q 256, 210 KB
+        int limit = 0;
+        check_launch(cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, q_in.get_device()),
+                     "reading the shared memory per block");
+        const int chunks = static_cast<int>(std::min<int64_t>(est::kMaxChunks, (lq + est::kTile - 1) / est::kTile));
+        const int need = est::score_smem_bytes(static_cast<int>(dim), chunks, true);
+        TORCH_CHECK_VALUE(need <= limit, kName, ": head_dim ", text(dim), " over ", text(lq), " query rows (last_q) "
+                          "needs ", text(need / 1024), " KB of shared memory per block, this GPU gives ",
+                          text(limit / 1024), " KB; lower sparse.last_q");
     }
     TORCH_CHECK_VALUE(kv_heads >= 1 && heads % kv_heads == 0, kName, ": query heads (", text(heads),
                       ") must be a multiple of key/value heads (", text(kv_heads), ")");
