@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Bring your own model, on GPUs, in one run: build the ops, then each stage under `timeout`:
 #   tests      tests/test_cuda_families.py: windows through the CUDA kernels against float64,
-#              float32 inputs in bfloat16 with one warning, families in bf16 against SDPA
+#              float32 inputs in bfloat16 with one warning, families in bf16 against SDPA; and
+#              tests/test_cuda_attention.py's head_dim 256 cases and kernel paths (mma.sync at 256)
+#   head_dims  python -m ds_mtraining.bench.kernel --head-dims 64 96 128 256 at 128K, 5%: each
+#              against FlexAttention at the same head_dim (kernel_head_dims.json)
 #   families   python -m ds_mtraining.bench.families at $SEQ_LEN: the family matrix in bf16,
 #              loss and forward+backward time against the same model with SDPA
 #   examples   the examples' documented commands, unchanged but for the GPU count
@@ -45,7 +48,10 @@ examples() {  # every documented command; the first failure's code, after runnin
 export -f examples  # `stage` runs its command under timeout: a new bash
 
 run_stage build 300 "$LOG" python3 -c "from ds_mtraining import ops; ops.op_module('cuda'); ops.op_module('cpu')"
-run_stage tests 240 "$LOG" python3 -m pytest -q -ra tests/test_cuda_families.py
+run_stage tests 300 "$LOG" python3 -m pytest -q -ra tests/test_cuda_families.py tests/test_cuda_attention.py \
+  -k "test_cuda_families or 256 or tensor_core"
+run_stage head_dims 300 "$LOG" python3 -m ds_mtraining.bench.kernel --seq-lens 131072 --densities 0.05 --skip-dense \
+  --repeats 5 --head-dims 64 96 128 256 --out "$OUT/kernel_head_dims.json"
 run_stage families 300 "$LOG" python3 -m ds_mtraining.bench.families --seq_len "${SEQ_LEN:-32768}" --repeats 3 \
   --out "$OUT"
 run_stage examples 400 "$OUT/examples.log" bash -c examples

@@ -8,6 +8,7 @@ replacing ``_import_fa4``."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -250,3 +251,24 @@ def test_bench_kernel_times_each_kernel_once_and_refuses_fa4_where_it_cannot_run
     with pytest.raises(SystemExit, match=r"^bench.kernel: --dense-backend='fa4' cannot run here: compute capability "
                                          r"8.0 is neither Hopper"):
         dense_backends(["sdpa", "fa4"])
+
+
+def test_bench_kernel_head_dim_study_holds_one_run_per_head_dim(tmp_path, monkeypatch):
+    """--head-dims: bench.kernel's run at each head_dim (its own file meanwhile), then one study
+    file with the runs in order, the newest run's commit, and no part file left."""
+    from ds_mtraining.bench import kernel
+    from ds_mtraining.record import write_json
+    seen = []
+
+    def fake_run(args):
+        seen.append((args.head_dim, Path(args.out).name, args.head_dims))
+        record = {"device": "GPU", "commit": f"{args.head_dim:040d}", "dirty": False, "shape": {"head_dim": args.head_dim}}
+        write_json(args.out, record)
+        return record
+    monkeypatch.setattr(kernel, "run", fake_run)
+    args = kernel.build_parser().parse_args(["--head-dims", "64", "256", "--out", str(tmp_path / "study.json")])
+    study = kernel.head_dim_study(args)
+    assert seen == [(64, "study_d64.json", None), (256, "study_d256.json", None)]
+    assert json.loads((tmp_path / "study.json").read_text()) == study
+    assert [r["shape"]["head_dim"] for r in study["runs"]] == [64, 256] and study["commit"] == f"{256:040d}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["study.json"]

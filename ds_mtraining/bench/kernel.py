@@ -33,15 +33,21 @@ its TFLOP/s counted from the document-masked causal entries (the work it does); 
 With ``--kernel-split`` every row also gets ``kernel_ms``: one forward+backward's CUDA time per
 kernel (torch.profiler; ours by pass: forward, dq, dkdv_slash, dkdv_vertical).
 
+With ``--head-dims D ...`` the whole benchmark runs once per head_dim (FlexAttention at the same
+D; a head_dim the kernels lack runs zero-padded, as training runs it), in one process, and the
+JSON is a study: ``{"study", "device", "commit", "dirty", "runs": [one result per head_dim]}``.
+
     python -m ds_mtraining.bench.kernel [--seq-lens 32768 65536 131072] [--densities 0.03 0.05 0.1]
     python -m ds_mtraining.bench.kernel --seq-lens 131072 --documents 4096 32768 --kernel-split
     python -m ds_mtraining.bench.kernel --seq-lens 32768 131072 524288 --dense-backend sdpa fa4 --skip-sparse
+    python -m ds_mtraining.bench.kernel --seq-lens 131072 --densities 0.05 --skip-dense --head-dims 64 96 128 256
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+from pathlib import Path
 
 import torch
 
@@ -422,6 +428,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--kv-heads", type=int, default=2)
     parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--head-dims", type=int, nargs="+", default=None,
+                        help="a study: the benchmark at each of these head dims, one JSON (overrides --head-dim)")
     parser.add_argument("--block-size", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--skip-flex", action="store_true")
@@ -439,13 +447,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def head_dim_study(args) -> dict:
+    """:func:`run` at each of ``args.head_dims`` (each writing its own file next to ``args.out``
+    while it runs, removed once in the study), the study written to ``args.out`` after each."""
+    out, runs = Path(args.out), []
+    for dim in args.head_dims:
+        part = out.with_name(f"{out.stem}_d{dim}{out.suffix}")
+        runs.append(run(argparse.Namespace(**{**vars(args), "head_dim": dim, "head_dims": None, "out": str(part)})))
+        study = {"study": f"bench.kernel at head_dim {', '.join(str(d) for d in args.head_dims)}, one process",
+                 "device": runs[0]["device"], "commit": runs[-1]["commit"], "dirty": runs[-1]["dirty"], "runs": runs}
+        write_json(out, study)
+        part.unlink()
+    return study
+
+
 def main(argv=None):
     args = build_parser().parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("the kernel benchmark needs a CUDA GPU")
     if args.out == build_parser().get_default("out"):
         args.out = str(fresh_output_dir("kernel") / "kernel.json")
-    run(args)
+    if args.head_dims:
+        head_dim_study(args)
+    else:
+        run(args)
 
 
 if __name__ == "__main__":
