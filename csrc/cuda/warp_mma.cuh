@@ -312,8 +312,9 @@ __device__ __forceinline__ void gemm_pb(float (&acc)[MA][N / 8][4], const float 
 
 // The mma.sync path (sm_80 and later): each warp loads its own fragments with ldmatrix from
 // row-swizzled tiles, so tiles need no special alignment and shared memory needs no proxy fence.
-// A policy gives the kernels: the CTA's rows (kCtaRows), a warp's rows (first_row, kSliceStride),
-// the tile layout (tile_offset, row_step_offset, kTileAlignment, kAsyncProxy), whether 64-row
+// A policy gives the kernels: the CTA's rows (kCtaRows) and pipeline stages (kStages) per head_dim,
+// a warp's rows (first_row, kSliceStride), the tile layout (tile_offset, row_step_offset,
+// chunk_step_offset, kTileAlignment, kAsyncProxy), whether 64-row
 // tiles may be copied by TMA (kTma), S = A B^T (scores, which overwrites S), acc += P B
 // (accumulate), and each of the two for two independent products at once (scores_pair,
 // accumulate_pair: one wgmma batch and wait for both).
