@@ -24,6 +24,7 @@ CUDA_DTYPES = (torch.bfloat16, torch.float16)
 # test_tensor_core_paths_agree (which runs it on Hopper through DS_MTRAINING_CUDA_MMA=warp) has passed;
 # then this becomes True. On Hopper head_dim 256 runs on the wgmma kernels, tested.
 CUDA_MMA_SYNC_256 = False
+
 _modules: dict[str, object] = {}
 _lock = threading.Lock()
 

@@ -24,4 +24,3 @@ def test_ops_names_the_generated_head_dims_and_dtypes():
     assert ops.CUDA_HEAD_DIMS == generator.HEAD_DIMS
     names = {"bf16": torch.bfloat16, "fp16": torch.float16}
     assert set(ops.CUDA_DTYPES) == {names[tag] for tag in generator.DTYPES}
-

@@ -324,11 +324,11 @@ def test_the_long_study_end_to_end_on_cpu(tmp_path):
 
 
 class _Scripted:
-    """A TrainingRun whose command is a Python one-liner: the launch's signal handling without a launcher."""
+    """A TrainingLaunch whose command is a Python one-liner: the launch's signal handling without a launcher."""
 
     def __init__(self, tmp_path, code: str, deadline: float | None):
-        from ds_mtraining.bench.quality import TrainingRun
-        self.run = TrainingRun(tmp_path / "c.json", 2, tmp_path / "run", tmp_path / "hf", "cpu", 1, 1, 0, 0, False,
+        from ds_mtraining.bench.quality import TrainingLaunch
+        self.run = TrainingLaunch(tmp_path / "c.json", 2, tmp_path / "run", tmp_path / "hf", "cpu", 1, 1, 0, 0, False,
                                tmp_path / "train.log", deadline)
         self.run.command = lambda port: [sys.executable, "-c", code]
 

@@ -16,8 +16,6 @@
 
 #include <math.h>
 
-#include <type_traits>
-
 #include "epilogue.cuh"
 #include "mask.cuh"
 #include "softmax.cuh"
@@ -34,7 +32,7 @@ struct KeyKernelConfig {
     static constexpr int kWarps = kKeyRows / 16;
     static constexpr int kThreads = kWarps * 32;
     static constexpr int kStepElements = kQueryStep * D;
-    static constexpr int kColumns = D > 128 ? 128 : D;  // dK/dV columns per CTA
+    static constexpr int kColumns = D > kMaxNarrowHeadDim ? kMaxNarrowHeadDim : D;  // dK/dV columns per CTA
     static constexpr int kParts = D / kColumns;         // CTAs per key row range
     static_assert(kThreads >= kQueryStep && kThreads >= kKeyTile, "too few threads for the per-step loads");
 

@@ -80,7 +80,7 @@ __global__ void __launch_bounds__(kDeltaThreads) delta_kernel(const AttentionPar
 // The warp-specialised query kernels exist for the wgmma path at block 128, up to head_dim 128
 // (their stages of Q and K/V tiles outgrow shared memory above).
 template <typename Arch, int D, int BS>
-constexpr bool kHasSpecializedQuery = std::is_same_v<Arch, WarpgroupMma> && BS == 128 && D <= 128;
+constexpr bool kHasSpecializedQuery = std::is_same_v<Arch, WarpgroupMma> && BS == 128 && D <= kMaxNarrowHeadDim;
 
 // The forward: the warp-specialised kernel where it exists and is chosen; else query_kernel, at
 // block 128 with 32 rows per warp (two 16-row slices, MA = 2) amortising each key tile's fragment
@@ -92,7 +92,7 @@ cudaError_t forward_with(const AttentionParams& p, cudaStream_t stream) {
     if constexpr (kHasSpecializedQuery<Arch, D, BS>) {
         if (p.specialized_query) return launch_specialized_query_kernel<T, D, false>(p, stream);
     }
-    if constexpr (BS == 128 && D <= 128) {
+    if constexpr (BS == 128 && D <= kMaxNarrowHeadDim) {
         return launch_query_kernel<Arch, T, D, BS, 2, false>(p, stream);
     } else {
         return launch_query_kernel<Arch, T, D, BS, 1, false>(p, stream);

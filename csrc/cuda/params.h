@@ -10,6 +10,11 @@
 
 namespace mtr {
 
+// Head dims above this are wide (256): a thread cannot hold two 16-row output slices or dK and dV
+// whole, nor an sm_80 CTA two pipeline stages of their tiles, so the kernels take narrower
+// configurations there (launch.cuh, key_kernel.cuh, warp_mma.cuh).
+constexpr int kMaxNarrowHeadDim = 128;
+
 enum class DType { kBF16, kFP16 };
 
 struct AttentionParams {

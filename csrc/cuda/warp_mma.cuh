@@ -325,10 +325,10 @@ struct WarpMma {
     // A CTA owns a whole block (rows or keys); above head_dim 128, 64 rows of it (its tiles would
     // outgrow an sm_80 CTA's 163 KB of shared memory), one 16-row slice per warp (MA = 1).
     template <int BS, int MA, int D>
-    static constexpr int kCtaRows = D > 128 ? 64 : BS;
+    static constexpr int kCtaRows = D > kMaxNarrowHeadDim ? 64 : BS;
     // Pipeline stages (run_pipeline): one above head_dim 128, for the same shared memory.
     template <int D>
-    static constexpr int kStages = D > 128 ? 1 : 2;
+    static constexpr int kStages = D > kMaxNarrowHeadDim ? 1 : 2;
     // A warp owns 16 MA consecutive rows: slice ma starts at first_row + 16 ma.
     static constexpr int kSliceStride = 16;
     template <int MA>

@@ -421,7 +421,7 @@ class StageIncomplete(RuntimeError):
 
 
 @dataclass
-class TrainingRun:
+class TrainingLaunch:
     """One training launch of the long study: ``config`` (a DeepSpeed JSON file) for ``steps``
     steps into ``save_dir``, resumed from its latest checkpoint with ``resume``, exported to
     ``export_hf`` at the end, stopped (saving its step) at ``deadline`` (time.time())."""
@@ -451,7 +451,7 @@ class TrainingRun:
         return command
 
 
-def launch_training(run: TrainingRun) -> bool:
+def launch_training(run: TrainingLaunch) -> bool:
     """Trains ``run`` through the deepspeed launcher; True when it reached its steps and exported,
     False when the deadline stopped it (SIGTERM to its process group: the ranks finish the step,
     save it and exit 143; ``--resume`` continues)."""
@@ -588,7 +588,7 @@ class LongStudy:
         timing_path = folder / "timing.json"
         timing = json.loads(timing_path.read_text()) if timing_path.is_file() else {"train_s": 0.0, "calls": 0}
         began = time.time()
-        finished = self.trainer(TrainingRun(folder / "config.json", steps, run_dir, folder / "hf", self.device,
+        finished = self.trainer(TrainingLaunch(folder / "config.json", steps, run_dir, folder / "hf", self.device,
                                             given["seed"], given["log_interval"], given["save_interval"],
                                             given["profile_step"], resume, folder / "train.log", self.deadline))
         timing.update(train_s=timing["train_s"] + time.time() - began, calls=timing["calls"] + 1)

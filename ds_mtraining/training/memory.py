@@ -444,10 +444,9 @@ def plan_memory(run, ds_config: dict, world_size: int, cuda: bool | None = None,
                 f"{gpu_gib:.1f} GiB), and {numbers(needed)}; use a shorter seq_len, more ranks, a host with more "
                 f"memory or a lower {SECTION}.host_reserve_gib, or set {SECTION}.offload_checkpoints to {fits} to "
                 f"try anyway")
-        else:
-            count = needed
-            choice = (f"auto: the GPU estimate {gpu_need_gib(*estimate(needed)):.1f} of {gpu_gib:.1f} GiB"
-                      + (f"; the host holds {fits}" if needed else ""))
+        count = needed
+        choice = (f"auto: the GPU estimate {gpu_need_gib(*estimate(needed)):.1f} of {gpu_gib:.1f} GiB"
+                  + (f"; the host holds {fits}" if needed else ""))
     plan.offload_choice = choice
     plan.gpu, plan.transients = estimate(count)
     plan.host = {"available_gib": available, "source": source, "optimizer_gib": optimizer_gib,

@@ -8,7 +8,8 @@ namespace mtr {
 namespace est {
 namespace {
 
-// run(element, head_dim) for the head dims of estimate_api.cuh's kHeadDims.
+// run(element, head_dim) for the head dims the estimator is built for, the attention kernels' own
+// (kernel_instances.h; the binding's head_dim check names the same three).
 template <typename Run>
 cudaError_t dispatch(Elem elem, int head_dim, Run run) {
     auto with_element = [&](auto element) {
