@@ -53,8 +53,12 @@ struct Logits {
     }
 
     // d logit / d(scale x) at a prepared logit l: 1 without capping; 0 at a masked one (-inf).
+    // Uncapped, the backward must not pay a select and a multiply per score (5% of the D = 128
+    // backward): SavedSoftmax branches on capped() once per tile around a loop per kCapped, and
+    // TransposedSoftmax predicates the multiply (a second loop there costs the mma.sync key kernels spills).
+    template <bool kCapped>
     __device__ __forceinline__ float slope(float logit) const {
-        if (!capped()) return 1.f;
+        if (!kCapped) return 1.f;
         const float t = fminf(fmaxf(logit * to_tanh, -1.f), 1.f);
         return 1.f - t * t;
     }
@@ -143,6 +147,15 @@ struct SavedSoftmax {
     // s: logits -> dS / scale = P * (dP - delta) * logits.slope, with dp = dO V^T.
     __device__ __forceinline__ void dscores(float (&s)[MA][8][4], const float (&dp)[MA][8][4],
                                             const Logits& logits) const {
+        if (logits.capped())  // uniform
+            dscores<true>(s, dp, logits);
+        else
+            dscores<false>(s, dp, logits);
+    }
+
+    template <bool kCapped>
+    __device__ __forceinline__ void dscores(float (&s)[MA][8][4], const float (&dp)[MA][8][4],
+                                            const Logits& logits) const {
 #pragma unroll
         for (int ma = 0; ma < MA; ++ma)
 #pragma unroll
@@ -152,7 +165,7 @@ struct SavedSoftmax {
                     const int half = c >> 1;
                     const float logit = s[ma][nt][c];
                     const float prob = exp2f(fmaf(logit, scale_log2, -row_lse[ma][half]));
-                    s[ma][nt][c] = prob * (dp[ma][nt][c] - row_delta[ma][half]) * logits.slope(logit);
+                    s[ma][nt][c] = prob * (dp[ma][nt][c] - row_delta[ma][half]) * logits.template slope<kCapped>(logit);
                 }
     }
 };
@@ -178,7 +191,8 @@ struct TransposedSoftmax {
                 const float logit = s[0][nt][c];
                 const float prob = exp2f(fmaf(logit, scale_log2, -lse_log2[c & 1]));
                 s[0][nt][c] = prob;                                                                  // P^T
-                dp[0][nt][c] = prob * (dp[0][nt][c] - delta_col[c & 1]) * logits.slope(logit);  // dS^T / scale
+                dp[0][nt][c] = prob * (dp[0][nt][c] - delta_col[c & 1]);  // dS^T / scale
+                if (logits.capped()) dp[0][nt][c] *= logits.template slope<true>(logit);  // uniform: predicated
             }
         }
     }
