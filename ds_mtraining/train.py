@@ -34,8 +34,9 @@ precision, monitors), an ``"mtraining"`` section, removed before the JSON reache
         "mlp_chunk_tokens": 16384,
         "offload_checkpoints": "auto",  # checkpointed layer inputs of the first N layers to pinned host
                                         # memory: auto (as many as the host holds) | all | none | N
-        "host_reserve_gib": "auto",     # host memory the check leaves free: auto = min(8, a tenth)
+        "host_reserve_gib": "auto",     # host memory the check leaves free: auto = min(6, a twentieth)
         "expandable_segments": true     # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True unless set
+                                        # (with pinned_max_round_threshold_mb:64 where torch has it)
       }
     }
 

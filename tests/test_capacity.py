@@ -11,7 +11,8 @@ PLAN = {"offload_layers": 16, "gpu_total_gib": 139.8,
         "gpu": {"weights_gib": 5.7, "gradients_gib": 0.7, "optimizer_gib": 0.0, "checkpoints_gib": 63.0,
                 "checkpoint_layer_gib": 3.0, "checkpoint_layers_on_gpu": 20},
         "host": {"available_gib": 125.0, "optimizer_gib": 51.7, "checkpoints_gib": 64.0},
-        "transients": {"mlp_intermediates": 1.0, "attention_qkvo": 7.5, "loss_chunk_logits_fp32": 7.0}}
+        "transients": {"mlp_intermediates": 1.0, "attention_qkvo": 7.5, "loss_chunk_logits_fp32": 7.0},
+        "predicted": {"gpu_peak_gib": 84.9, "host_peak_gib": 119.2}}
 
 
 def fake_launcher(calls):
@@ -42,7 +43,7 @@ def test_ladder_powers_of_two_and_half_steps():
 def test_search_up_and_down_resume_breakdown_and_overhead(tmp_path):
     """From 256K MTraining climbs until 1M runs out of memory (max 768K), Ulysses steps down until
     128K trains; the breakdown at 768K: peak 88 GiB - resident 10 - GPU checkpoints 63 = 15 GiB of
-    transient. A second invocation from 1M reads every length from the file (no launch) and adds
+    transient, and the measured peaks over the plan's predicted ones. A second invocation from 1M reads every length from the file (no launch) and adds
     the overhead at 256K: 1.05."""
     calls = []
     argv = ["--cpu", "--models", "qwen2.5-3b", "--modes", "mtraining", "ulysses", "--starting_len", "262144",
@@ -57,6 +58,8 @@ def test_search_up_and_down_resume_breakdown_and_overhead(tmp_path):
     assert parts["peak_gib"] == pytest.approx(40 + 48) and parts["transient_measured_gib"] == pytest.approx(15.0)
     assert parts["largest_transient_analytic"] == {"name": "attention_qkvo", "gib": 7.5}
     assert (parts["checkpoints_host_gib"], parts["optimizer_host_gib"], parts["offloaded_layers"]) == (64.0, 51.7, 16)
+    assert parts["gpu_peak_over_predicted"] == pytest.approx(88 / 84.9)  # measured over the plan's prediction
+    assert parts["host_peak_over_predicted"] == pytest.approx(100 / 119.2)
     assert sparse["lengths"]["786432"]["tokens_per_s"] == pytest.approx(2 ** 18 / 1.05)
     saved = json.loads((tmp_path / "capacity_t.json").read_text())
     assert saved["models"] == json.loads(json.dumps(record["models"]))
@@ -84,7 +87,7 @@ def test_optimizer_too_large_for_the_host_stops_the_search(tmp_path):
         calls.append(config["mtraining"]["seq_len"])
         raise e2e.LaunchFailed("host", "configuration error: host memory: the CPU optimizer needs 134.6 GiB (8.03B "
                                        "parameters x 18 bytes x 1/1 ranks on this node), 0 offloaded layer "
-                                       "checkpoints 0.0 GiB, reserve 8.0 GiB")
+                                       "checkpoints 0.0 GiB, the processes 3.5 GiB, reserve 6.0 GiB")
     record = capacity.Capacity(capacity.parse_args(["--cpu", "--models", "llama-3.1-8b", "--starting_len", "524288",
                                                     "--out", str(tmp_path), "--tag", "t"]), refused).run()
     entry = record["models"]["llama-3.1-8b"]["mtraining"]

@@ -230,61 +230,99 @@ def test_bad_memory_setting_is_one_clear_error(memory, checkpointing, message):
 
 
 def test_host_check_chooses_n_and_refuses_with_the_numbers(monkeypatch):
-    """The Qwen2.5-3B shape at 1M tokens on one GPU (bf16, ZeRO-2 + CPU AdamW): 3.09B parameters x
-    18 bytes = 51.8 GiB of optimizer; a checkpointed input is 1M x 2048 x 2 bytes = 4 GiB (pinned:
-    4 GiB, a power of two). With 125 GiB available (HOST_MEMORY_ENV) and an 8 GiB reserve, the host
-    holds (125 - 51.8 - 8) // 4 = 16 layers. On a 139.8 GiB GPU auto offloads the fewest layers
-    whose GPU estimate fits: 15 at 1M (21 x 4 GiB + 1 layer's copy + 6.5 GiB of weights and
-    buckets + 33.0 GiB of transients = 129.5 GiB, x 1.05 + 4 = 140.0 > 139.8 with 14), none at
-    256K; with a 24 GiB reserve the host holds 12, and the run stops with one line naming the numbers
-(an explicit offload_checkpoints of 12 tries anyway); at 4M even every layer offloaded leaves the
-GPU's estimate too large, one line too. 40 GiB
-    of host refuses before anything else; 17 layers given refuses naming 16."""
+    """The Qwen2.5-3B shape at 1M tokens on one GPU (bf16, ZeRO-2 + CPU AdamW, pinned): 3.09B
+    parameters x 18 bytes = 51.7 GiB of optimizer; a checkpointed input is 1M x 2048 x 2 bytes =
+    4 GiB. With 125 GiB available (HOST_MEMORY_ENV), 3.5 GiB for the process and an 8 GiB reserve,
+    the host holds (125 - 51.7 - 3.5 - 8) // 4 = 15 layers. On a 139.8 GiB GPU auto offloads the
+    fewest layers whose GPU estimate fits: 15 at 1M (21 x 4 GiB + 1 layer's copy + 6.5 GiB of weights
+    and buckets + 33.0 GiB of transients = 127.5 GiB predicted, x 1.05 + 4 = 137.9; 142.1 with 14),
+    none at 256K. Where the CUDA host allocator rounds pinned blocks to powers of two (a torch before
+    2.11), DeepSpeed's three pinned blocks take 16 + 16 + 8 GiB for 11.5 + 11.5 + 5.7: 63.0 GiB, the
+    host holds 12, and the run stops with one line naming the numbers (an explicit
+    offload_checkpoints of 12 tries anyway). At 4M even every layer offloaded leaves the GPU's
+    estimate too large, one line too; 40 GiB of host refuses before anything else; 16 layers given
+    refuses naming 15."""
+    from ds_mtraining.training import memory
     monkeypatch.delenv(ALLOC_CONF, raising=False)  # (a plan for CUDA sets it: not for the tests after this one)
+    monkeypatch.setattr(memory, "exact_pinned_supported", lambda: True)
     monkeypatch.setenv(HOST_MEMORY_ENV, "125")
     run, ds_config = e2e_run(1 << 20, host_reserve_gib=8)
     plan = plan_memory(run, ds_config, 1, cuda=True, gpu_gib=139.8)
     assert plan.parameters == 3_085_938_688 and plan.tiled_mlp and plan.tokens_per_rank == 1 << 20
-    assert plan.host["optimizer_gib"] == pytest.approx(3_085_938_688 * 18 / 2 ** 30)
+    assert plan.host["optimizer_gib"] == pytest.approx(3_085_938_688 * 18 / 2 ** 30) and plan.host["pinned_exact"]
     assert plan.offload_layers == 15 and plan.gpu["checkpoint_layer_gib"] == 4.0 and plan.gpu_total_gib == 139.8
     assert plan.gpu["checkpoint_layers_on_gpu"] == 21
     assert gpu_need_gib(plan.gpu, plan.transients) == pytest.approx(137.9, abs=0.05)
+    assert plan.predicted["gpu_peak_gib"] == pytest.approx((137.9 - 4) / 1.05, abs=0.05)
+    assert plan.predicted["host_peak_gib"] == pytest.approx(3_085_938_688 * 18 / 2 ** 30 + 60 + 3.5)
     line = plan.describe()
-    assert line.startswith("ds_mtraining: memory: tiled MLP (16384-token chunks); checkpoints of the first 15 of "
-                           "36 layers to pinned host memory (auto: the GPU estimate 137.9 of 139.8 GiB; the host "
-                           "holds 16)"), line
+    assert line == ("ds_mtraining: memory: tiled MLP (16384-token chunks); checkpoints of the first 15 of 36 layers "
+                    "to pinned host memory (auto: the GPU estimate 137.9 of 139.8 GiB; the host holds 15); host: "
+                    "optimizer 51.7 + checkpoints 60.0 + processes 3.5 + reserve 8.0 of 125.0 GiB available "
+                    "(DS_MTRAINING_HOST_MEMORY_GIB); PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True,"
+                    "pinned_max_round_threshold_mb:64 (set by ds_mtraining; set the variable to choose another)"), line
+    assert os.environ[ALLOC_CONF] == "expandable_segments:True,pinned_max_round_threshold_mb:64"
     assert plan_memory(e2e_run(1 << 18)[0], ds_config, 1, cuda=True, gpu_gib=139.8).offload_layers == 0
+
+    monkeypatch.delenv(ALLOC_CONF)
+    monkeypatch.setattr(memory, "exact_pinned_supported", lambda: False)
+    rounded = 3_085_938_688 * 8 / 2 ** 30 + 16 + 16 + 8
     with pytest.raises(HostMemoryError, match=(
             r"^host memory: at 1048576 tokens per rank the GPU needs the checkpoints of 15 layers offloaded \(with "
-            r"12, the host's most, its estimate is 150.5 > 139.8 GiB\), and the CPU optimizer needs 51.7 GiB .*, "
-            r"15 offloaded layer checkpoints 60.0 GiB, reserve 24.0 GiB .*: 135.7 GiB > 125.0 GiB available "
+            r"12, the host's most, its estimate is 150.5 > 139.8 GiB\), and the CPU optimizer needs 63.0 GiB \(3.09B "
+            r"parameters x 18 bytes x 1/1 ranks on this node, pinned blocks at the next power of two\), 15 offloaded "
+            r"layer checkpoints 60.0 GiB, the processes 3.5 GiB, reserve 8.0 GiB .*: 134.5 GiB > 125.0 GiB available "
             r"\(DS_MTRAINING_HOST_MEMORY_GIB\); use a shorter seq_len, .* or set mtraining.memory.offload_checkpoints "
             r"to 12 to try anyway$")):
-        plan_memory(e2e_run(1 << 20, host_reserve_gib=24)[0], ds_config, 1, cuda=True, gpu_gib=139.8)
-    tried = plan_memory(e2e_run(1 << 20, host_reserve_gib=24, offload_checkpoints=12)[0], ds_config, 1, cuda=True,
+        plan_memory(run, ds_config, 1, cuda=True, gpu_gib=139.8)
+    assert os.environ[ALLOC_CONF] == "expandable_segments:True"
+    monkeypatch.delenv(ALLOC_CONF)
+    tried = plan_memory(e2e_run(1 << 20, host_reserve_gib=8, offload_checkpoints=12)[0], ds_config, 1, cuda=True,
                         gpu_gib=139.8)
-    assert tried.offload_layers == 12  # the user's N: the host check alone
+    assert tried.offload_layers == 12 and tried.host["optimizer_gib"] == pytest.approx(rounded)  # the user's N
+    monkeypatch.setenv(ALLOC_CONF, "pinned_max_round_threshold_mb:32")  # the user's own: exact pinned blocks
+    assert plan_memory(run, ds_config, 1, cuda=True, gpu_gib=139.8).host["pinned_exact"]
+    monkeypatch.delenv(ALLOC_CONF)
+
+    monkeypatch.setattr(memory, "exact_pinned_supported", lambda: True)
     with pytest.raises(MemoryPlanError, match=r"^GPU memory: at 4194304 tokens per rank the GPU estimate is .* > 139.8 "
                                               r"GiB even with the checkpoints of 35 of 36 layers offloaded; use a "
                                               r"shorter seq_len or more ranks \(sequence parallel\)$"):
         monkeypatch.setenv(HOST_MEMORY_ENV, "1000")
         plan_memory(e2e_run(1 << 22)[0], ds_config, 1, cuda=True, gpu_gib=139.8)
-    monkeypatch.setenv(HOST_MEMORY_ENV, "125")
     monkeypatch.setenv(HOST_MEMORY_ENV, "40")
     with pytest.raises(HostMemoryError, match=r"^host memory: the CPU optimizer needs 51.7 GiB \(3.09B parameters "
                                               r"x 18 bytes x 1/1 ranks on this node\), 0 offloaded layer checkpoints "
-                                              r"0.0 GiB, reserve 8.0 GiB .*: 59.7 GiB > 40.0 GiB available "
-                                              r"\(DS_MTRAINING_HOST_MEMORY_GIB\); use a host with more memory"):
+                                              r"0.0 GiB, the processes 3.5 GiB, reserve 8.0 GiB .*: 63.2 GiB > 40.0 GiB "
+                                              r"available \(DS_MTRAINING_HOST_MEMORY_GIB\); use a host with more "
+                                              r"memory"):
         plan_memory(run, ds_config, 1, cuda=True)
     monkeypatch.setenv(HOST_MEMORY_ENV, "125")
-    run, ds_config = e2e_run(1 << 20, host_reserve_gib=8, offload_checkpoints=17)
-    with pytest.raises(HostMemoryError, match=r"set mtraining.memory.offload_checkpoints to at most 16"):
+    run, ds_config = e2e_run(1 << 20, host_reserve_gib=8, offload_checkpoints=16)
+    with pytest.raises(HostMemoryError, match=r"set mtraining.memory.offload_checkpoints to at most 15"):
         plan_memory(run, ds_config, 1, cuda=True)
     run, ds_config = e2e_run(1 << 20, offload_checkpoints="all", tiled_mlp=False)
     monkeypatch.setenv(HOST_MEMORY_ENV, "1000")
     plan = plan_memory(run, ds_config, 1, cuda=True)
     assert plan.offload_layers == 35 and not plan.tiled_mlp
     assert plan_memory(e2e_run(1 << 20)[0], ds_config, 1, cuda=False).offload_layers == 0  # auto: CUDA only
+
+
+def test_plan_predicts_the_peaks_measured_at_768k(monkeypatch):
+    """The plan against the measured record (capacity_h200_2026-12-03.json, 768K on one H200, a torch
+    that rounded pinned blocks): its predicted GPU and host peaks within 5% of the measured ones,
+    with the same offload choice."""
+    from ds_mtraining.training import memory
+    measured = json.loads((REPO / "benchmarks" / "results" / "capacity_h200_2026-12-03.json").read_text())
+    row = measured["models"]["qwen2.5-3b"]["mtraining"]["lengths"]["786432"]
+    monkeypatch.delenv(ALLOC_CONF, raising=False)
+    monkeypatch.setattr(memory, "exact_pinned_supported", lambda: False)
+    monkeypatch.setenv(HOST_MEMORY_ENV, str(row["plan"]["host"]["available_gib"]))
+    plan = plan_memory(e2e_run(786432)[0], e2e_run(786432)[1], 1, cuda=True, gpu_gib=139.8)
+    assert plan.offload_layers == row["plan"]["offload_layers"] == 5
+    gpu, host = max(row["peak_memory_gib"]), row["host_peak_rss_gib"]
+    assert abs(plan.predicted["gpu_peak_gib"] / gpu - 1) < 0.05, (plan.predicted, gpu)
+    assert abs(plan.predicted["host_peak_gib"] / host - 1) < 0.05, (plan.predicted, host)
 
 
 @pytest.mark.parametrize("checkpointing, offload, expected", [

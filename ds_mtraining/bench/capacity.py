@@ -83,7 +83,8 @@ def optimizer_alone(result: dict) -> bool:
 
 def breakdown(result: dict) -> dict | None:
     """GiB per rank at one length: the analytic resident parts and host parts of its plan, the
-    measured transient and the largest analytic transient."""
+    measured transient and the largest analytic transient, and the plan's predicted peaks (GPU,
+    host) with the measured ones over them."""
     plan = result.get("plan")
     if not plan:
         return None
@@ -92,6 +93,11 @@ def breakdown(result: dict) -> dict | None:
     resident = result.get("resident_memory_gib")
     transient = None if peak is None or resident is None else peak - resident - gpu["checkpoints_gib"]
     largest = max(plan["transients"], key=plan["transients"].get)
+    predicted = plan.get("predicted") or {}
+    host_peak = result.get("host_peak_rss_gib")
+
+    def over(measured, prediction):
+        return measured / prediction if measured and prediction else None
     return {"weights_gib": gpu["weights_gib"], "gradients_gib": gpu["gradients_gib"],
             "optimizer_gpu_gib": gpu["optimizer_gib"], "optimizer_host_gib": host["optimizer_gib"],
             "checkpoints_gpu_gib": gpu["checkpoints_gib"], "checkpoints_host_gib": host["checkpoints_gib"],
@@ -99,7 +105,10 @@ def breakdown(result: dict) -> dict | None:
             "peak_gib": peak, "resident_measured_gib": resident, "transient_measured_gib": transient,
             "largest_transient_analytic": {"name": largest, "gib": plan["transients"][largest]},
             "transients_analytic_gib": plan["transients"], "host_available_gib": host["available_gib"],
-            "host_peak_rss_gib": result.get("host_peak_rss_gib")}
+            "host_peak_rss_gib": host_peak, "predicted_gpu_peak_gib": predicted.get("gpu_peak_gib"),
+            "predicted_host_peak_gib": predicted.get("host_peak_gib"),
+            "gpu_peak_over_predicted": over(peak, predicted.get("gpu_peak_gib")),
+            "host_peak_over_predicted": over(host_peak, predicted.get("host_peak_gib"))}
 
 
 class Capacity:
@@ -145,8 +154,10 @@ class Capacity:
         except e2e.LaunchFailed as error:
             self.say(f"    does not train: {error.kind}: {str(error).splitlines()[0][:200]}")
             return {"fits": False, "failure": error.kind, "error": str(error)[-2000:]}
+        predicted = (result.get("plan") or {}).get("predicted") or {}
         self.say(f"    step {result['step_s']:.2f} s, {result['tokens_per_s']:.0f} tok/s, peak GiB "
-                 f"{result.get('peak_memory_gib')}, host peak GiB {result.get('host_peak_rss_gib')}")
+                 f"{result.get('peak_memory_gib')} (predicted {predicted.get('gpu_peak_gib')}), host peak GiB "
+                 f"{result.get('host_peak_rss_gib')} (predicted {predicted.get('host_peak_gib')})")
         return {"fits": True, **{k: v for k, v in result.items() if k not in ("losses",)}}
 
     def search(self, model: str, mode: str):

@@ -29,8 +29,12 @@
   there with one line naming the numbers and what to change (a run that would be killed minutes
   later by the host's OOM killer or the allocator). A given N beyond the host is one line naming
   the numbers and the setting to change.
-* ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` before CUDA starts, unless the user set
-  the variable (fragmentation at 512K: 11.7 GiB reserved but unallocated at the OOM).
+* ``PYTORCH_CUDA_ALLOC_CONF`` before CUDA starts, unless the user set the variable:
+  ``expandable_segments:True`` (fragmentation at 512K: 11.7 GiB reserved but unallocated at the
+  OOM) and, where torch has it, ``pinned_max_round_threshold_mb``: the CUDA host allocator rounds a
+  pinned block up to a power of two, and DeepSpeed pins the CPU optimizer's fp32 master weights,
+  its fp32 gradients and a training-dtype copy (the 3B shape: 11.5 + 11.5 + 5.7 GiB pinned as 16 +
+  16 + 8, 11.3 GiB of host memory for nothing; a 3 GiB checkpoint as 4).
 * a CUDA out-of-memory error during training becomes one line (:func:`out_of_memory_line`).
 
 The loss never holds [S, vocab]: :mod:`ds_mtraining.loss` chunks it (or liger's fused linear
@@ -53,6 +57,12 @@ SECTION = f"{MTRAINING_KEY}.memory"
 OFFLOAD_WORDS = ("auto", "all", "none")
 ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
 EXPANDABLE = "expandable_segments:True"
+PINNED_ROUND_KEY = "pinned_max_round_threshold_mb"
+PINNED_EXACT = f"{PINNED_ROUND_KEY}:64"  # pinned blocks above 64 MiB at their size, not the next power of two
+# what a rank's process holds on the host beyond the CPU optimizer and the offloaded checkpoints
+# (Python, torch, CUDA's host side, DeepSpeed's staging buffers, the data): on one H200, 3B shape,
+# 256K-768K, the peak resident set less those (at their pinned, rounded sizes) was 3.2-3.3 GiB
+HOST_PROCESS_GIB = 3.5
 # a test hook: the host's available memory in GiB instead of /proc/meminfo's MemAvailable
 HOST_MEMORY_ENV = "DS_MTRAINING_HOST_MEMORY_GIB"
 CPU_ONLY = "no CUDA allocator (CPU)"
@@ -80,7 +90,7 @@ class MemorySettings:
     tiled_mlp: str | bool = "auto"  # auto: on where a rank holds >= 2 chunks of tokens
     mlp_chunk_tokens: int = 16384  # tokens per chunk of the tiled MLP
     offload_checkpoints: str | int = "auto"  # auto (the fewest layers the GPU estimate needs) | all | none | N
-    host_reserve_gib: str | float = "auto"  # host memory left to the processes: auto = min(24, MemTotal / 5)
+    host_reserve_gib: str | float = "auto"  # host memory the plan leaves free: auto = min(6, MemTotal / 20)
     expandable_segments: bool = True  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True unless set
 
     def to_dict(self) -> dict:
@@ -114,8 +124,8 @@ def parse_memory(section: dict, checkpointing: bool) -> MemorySettings:
                           f"gradient_checkpointing to true, or this to 'none'")
     reserve = settings.host_reserve_gib
     if reserve != "auto" and (isinstance(reserve, bool) or not isinstance(reserve, (int, float)) or reserve < 0):
-        raise ConfigError(f"{SECTION}.host_reserve_gib={reserve!r} must be 'auto' (24 GiB, at most a fifth of the "
-                          f"host's memory) or a number of GiB >= 0")
+        raise ConfigError(f"{SECTION}.host_reserve_gib={reserve!r} must be 'auto' (6 GiB, at most a twentieth of "
+                          f"the host's memory) or a number of GiB >= 0")
     if not isinstance(settings.expandable_segments, bool):
         raise ConfigError(f"{SECTION}.expandable_segments={settings.expandable_segments!r} must be true or false")
     return settings
@@ -277,10 +287,13 @@ class MemoryPlan:
     offload_choice: str  # how offload_layers was chosen
     alloc_conf: str  # what PYTORCH_CUDA_ALLOC_CONF is, and who set it
     cuda: bool  # the ranks run on GPUs (else on the CPU: no GPU memory to speak of)
-    host: dict = field(default_factory=dict)  # GiB: available, optimizer, checkpoints, reserve
+    host: dict = field(default_factory=dict)  # GiB: available, optimizer, checkpoints, process, reserve
     gpu: dict = field(default_factory=dict)  # GiB: analytic resident memory per rank
     gpu_total_gib: float | None = None  # the GPU's memory (None on CPU)
     transients: dict = field(default_factory=dict)  # GiB: analytic transients per rank
+    # GiB: the peaks a run should measure, the GPU's per rank (resident + transients, no margin;
+    # None on CPU) and the host's per node (optimizer + checkpoints + processes, no reserve)
+    predicted: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -297,8 +310,9 @@ class MemoryPlan:
         else:
             offload = f"checkpoints {'on the GPU' if self.cuda else 'in memory'} ({self.offload_choice})"
         host = self.host
-        need = (f"host: optimizer {host['optimizer_gib']:.1f} + checkpoints {host['checkpoints_gib']:.1f} + reserve "
-                f"{host['reserve_gib']:.1f} of {host['available_gib']:.1f} GiB available ({host['source']})")
+        need = (f"host: optimizer {host['optimizer_gib']:.1f} + checkpoints {host['checkpoints_gib']:.1f} + processes "
+                f"{host['process_gib']:.1f} + reserve {host['reserve_gib']:.1f} of {host['available_gib']:.1f} GiB "
+                f"available ({host['source']})")
         return f"ds_mtraining: memory: {mlp}; {offload}; {need}; {self.alloc_conf}"
 
 
@@ -312,13 +326,13 @@ def host_available_gib() -> tuple[float, str]:
 
 
 def host_reserve_gib(setting) -> float:
-    """``host_reserve_gib``: as given, or for "auto" 24 GiB, at most a fifth of the host's memory. On one
-    H200 (3B shape, 768K) the process's peak resident set ran 14.4 GiB past the optimizer and the
-    offloaded checkpoints; with 8 GiB reserved, 1M was killed by the host's OOM killer."""
+    """``host_reserve_gib``: as given, or for "auto" 6 GiB, at most a twentieth of the host's memory:
+    what the plan leaves free beyond its prediction (the processes' own memory, HOST_PROCESS_GIB,
+    is counted apart)."""
     if setting != "auto":
         return float(setting)
     import psutil
-    return min(24.0, psutil.virtual_memory().total / GIB / 5)
+    return min(6.0, psutil.virtual_memory().total / GIB / 20)
 
 
 def training_dtype_bytes(ds_config: dict) -> int:
@@ -342,9 +356,23 @@ def optimizer_host_bytes_per_parameter(ds_config: dict) -> int:
     return 4 + states + 4 + training_dtype_bytes(ds_config) + accumulation
 
 
-def pinned_bytes(size: int) -> int:
-    """Bytes the CUDA caching host allocator takes for ``size`` (rounded up to a power of two)."""
-    return 1 << max(0, size - 1).bit_length() if size > 0 else 0
+def pinned_bytes(size: int, exact: bool) -> int:
+    """Bytes the CUDA caching host allocator takes for a pinned block of ``size``: the size with
+    ``pinned_max_round_threshold_mb`` (``exact``), else the next power of two."""
+    return size if exact or size <= 0 else 1 << (size - 1).bit_length()
+
+
+def optimizer_host_bytes(ds_config: dict, parameters: int, world_size: int, exact: bool) -> int:
+    """One rank's host bytes for DeepSpeed's ZeRO-1/2 CPU optimizer: its partition of
+    :func:`optimizer_host_bytes_per_parameter`, with the three blocks DeepSpeed pins where
+    ``offload_optimizer.pin_memory`` is on (fp32 master weights, fp32 gradients, the training-dtype
+    copy) at their pinned sizes."""
+    per_parameter = optimizer_host_bytes_per_parameter(ds_config)
+    partition = -(-parameters // world_size)
+    if not ds_config.get("zero_optimization", {}).get("offload_optimizer", {}).get("pin_memory"):
+        return per_parameter * partition
+    pinned = (4, 4, training_dtype_bytes(ds_config))
+    return (per_parameter - sum(pinned)) * partition + sum(pinned_bytes(b * partition, exact) for b in pinned)
 
 
 # the estimate's margin: measured peaks were up to 4% above it (512K untiled: 135.6 against 130.2
@@ -358,10 +386,16 @@ def gpu_memory_gib() -> float:
     return torch.cuda.get_device_properties(0).total_memory / GIB
 
 
-def gpu_need_gib(gpu: dict, transients: dict) -> float:
-    """The estimate's GPU total with its margin: what stays resident plus every transient."""
+def gpu_peak_gib(gpu: dict, transients: dict) -> float:
+    """The predicted GPU peak per rank: what stays resident plus every transient (at 768K, 1.4% above
+    the peak measured)."""
     resident = sum(gpu[k] for k in ("weights_gib", "gradients_gib", "optimizer_gib", "checkpoints_gib"))
-    return (resident + sum(transients.values())) * GPU_ESTIMATE_FACTOR + GPU_FIXED_GIB
+    return resident + sum(transients.values())
+
+
+def gpu_need_gib(gpu: dict, transients: dict) -> float:
+    """What the plan requires of the GPU: the predicted peak with its margin."""
+    return gpu_peak_gib(gpu, transients) * GPU_ESTIMATE_FACTOR + GPU_FIXED_GIB
 
 
 def plan_memory(run, ds_config: dict, world_size: int, cuda: bool | None = None,
@@ -383,20 +417,24 @@ def plan_memory(run, ds_config: dict, world_size: int, cuda: bool | None = None,
 
     from ds_mtraining.distributed import local_world_size
     local = min(local_world_size() or world_size, world_size)
+    alloc, exact = alloc_conf_setting(settings.expandable_segments, cuda)
     # ZeRO partitions the optimizer over every rank holding a replica (data x sequence parallel)
-    optimizer_gib = optimizer_host_bytes_per_parameter(ds_config) * parameters * local / world_size / GIB
+    optimizer_gib = local * optimizer_host_bytes(ds_config, parameters, world_size, exact) / GIB
+    process_gib = local * HOST_PROCESS_GIB
     reserve = host_reserve_gib(settings.host_reserve_gib)
     available, source = host_available_gib()
-    per_layer_host_gib = local * (pinned_bytes(layer_bytes) if cuda else layer_bytes) / GIB
-    room = available - optimizer_gib - reserve
+    per_layer_host_gib = local * pinned_bytes(layer_bytes, exact) / GIB
+    room = available - optimizer_gib - process_gib - reserve
     fits = max(0, min(layers - 1, int(room // per_layer_host_gib) if per_layer_host_gib else layers - 1))
 
     def numbers(offloaded: int) -> str:
+        rounded = "" if exact else ", pinned blocks at the next power of two"
         return (f"the CPU optimizer needs {optimizer_gib:.1f} GiB ({parameters / 1e9:.2f}B parameters x "
-                f"{optimizer_host_bytes_per_parameter(ds_config)} bytes x {local}/{world_size} ranks on this node), "
-                f"{offloaded} offloaded layer checkpoints {offloaded * per_layer_host_gib:.1f} GiB, reserve "
-                f"{reserve:.1f} GiB ({SECTION}.host_reserve_gib): {optimizer_gib + offloaded * per_layer_host_gib + reserve:.1f} "
-                f"GiB > {available:.1f} GiB available ({source})")
+                f"{optimizer_host_bytes_per_parameter(ds_config)} bytes x {local}/{world_size} ranks on this node"
+                f"{rounded}), {offloaded} offloaded layer checkpoints {offloaded * per_layer_host_gib:.1f} GiB, the "
+                f"processes {process_gib:.1f} GiB, reserve {reserve:.1f} GiB ({SECTION}.host_reserve_gib): "
+                f"{optimizer_gib + offloaded * per_layer_host_gib + process_gib + reserve:.1f} GiB > {available:.1f} "
+                f"GiB available ({source})")
 
     if room < 0:
         raise HostMemoryError(
@@ -417,7 +455,6 @@ def plan_memory(run, ds_config: dict, world_size: int, cuda: bool | None = None,
                 f"or free host memory")
 
     tiled = settings.tiled_mlp if isinstance(settings.tiled_mlp, bool) else tokens >= 2 * settings.mlp_chunk_tokens
-    alloc = alloc_conf_setting(settings.expandable_segments, cuda)
     plan = MemoryPlan(settings=settings.to_dict(), num_layers=layers, parameters=parameters, tokens_per_rank=tokens,
                       tiled_mlp=tiled, mlp_chunk_tokens=settings.mlp_chunk_tokens, offload_layers=count,
                       offload_choice=choice, alloc_conf=alloc, cuda=cuda)
@@ -450,7 +487,10 @@ def plan_memory(run, ds_config: dict, world_size: int, cuda: bool | None = None,
     plan.offload_choice = choice
     plan.gpu, plan.transients = estimate(count)
     plan.host = {"available_gib": available, "source": source, "optimizer_gib": optimizer_gib,
-                 "checkpoints_gib": count * per_layer_host_gib, "reserve_gib": reserve, "ranks_on_node": local}
+                 "checkpoints_gib": count * per_layer_host_gib, "process_gib": process_gib, "reserve_gib": reserve,
+                 "ranks_on_node": local, "pinned_exact": exact}
+    plan.predicted = {"gpu_peak_gib": gpu_peak_gib(plan.gpu, plan.transients) if cuda else None,
+                      "host_peak_gib": optimizer_gib + count * per_layer_host_gib + process_gib}
     return plan
 
 
@@ -489,18 +529,28 @@ def gpu_breakdown(config, ds_config: dict, plan: MemoryPlan, dtype_bytes: int, r
     return gpu, {name: value / GIB for name, value in transients.items()}
 
 
-def alloc_conf_setting(expandable: bool, cuda: bool) -> str:
-    """Sets ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (before CUDA starts) where asked
-    and the user has not set the variable; says what it is."""
+def alloc_conf_setting(expandable: bool, cuda: bool) -> tuple[str, bool]:
+    """Sets ``PYTORCH_CUDA_ALLOC_CONF`` (before CUDA starts) unless the user has: expandable
+    segments where asked, and pinned blocks at their size where torch can (:func:`exact_pinned_supported`).
+    Returns what the variable is, and whether pinned blocks are allocated at their size (on CPU
+    nothing is pinned)."""
     given = os.environ.get(ALLOC_CONF)
     if given is not None:
-        return f"{ALLOC_CONF}={given} (yours)"
+        return f"{ALLOC_CONF}={given} (yours)", PINNED_ROUND_KEY in given
     if not cuda:
-        return CPU_ONLY
-    if not expandable:
-        return f"{ALLOC_CONF} unset ({SECTION}.expandable_segments false)"
-    os.environ[ALLOC_CONF] = EXPANDABLE
-    return f"{ALLOC_CONF}={EXPANDABLE} (set by ds_mtraining; set the variable to choose another)"
+        return CPU_ONLY, True
+    entries = ([EXPANDABLE] if expandable else []) + ([PINNED_EXACT] if exact_pinned_supported() else [])
+    if not entries:
+        return f"{ALLOC_CONF} unset ({SECTION}.expandable_segments false; this torch rounds pinned blocks)", False
+    os.environ[ALLOC_CONF] = ",".join(entries)
+    return f"{ALLOC_CONF}={os.environ[ALLOC_CONF]} (set by ds_mtraining; set the variable to choose another)", \
+        PINNED_EXACT in entries
+
+
+def exact_pinned_supported() -> bool:
+    """Whether this torch's CUDA host allocator takes ``pinned_max_round_threshold_mb`` (2.11 on)."""
+    version = re.match(r"(\d+)\.(\d+)", torch.__version__)
+    return bool(version) and (int(version.group(1)), int(version.group(2))) >= (2, 11)
 
 
 # ----------------------------------------------------------------------------- measured, and the OOM line
