@@ -66,20 +66,13 @@ def check_attention_inputs(q, k, v, index: SparseIndex | None = None, local_inde
 
 def kernel_head_dim(head_dim: int, device_type: str) -> int:
     """The head_dim the kernels run ``head_dim`` at: itself on the CPU; on CUDA the smallest of
-    :data:`ds_mtraining.ops.CUDA_HEAD_DIMS` that holds it (ValueError above the largest, and above
-    128 on a GPU before Hopper until :data:`ds_mtraining.ops.CUDA_MMA_SYNC_256`)."""
+    :data:`ds_mtraining.ops.CUDA_HEAD_DIMS` that holds it (ValueError above the largest)."""
     if device_type != "cuda":
         return head_dim
     fitting = [d for d in ops.CUDA_HEAD_DIMS if d >= head_dim]
     if not fitting:
         raise ValueError(f"head_dim={head_dim}: MTraining's CUDA kernels take head_dim up to "
                          f"{max(ops.CUDA_HEAD_DIMS)}; train this model on CPU")
-    if fitting[0] > 128 and not ops.CUDA_MMA_SYNC_256 and torch.cuda.is_available():
-        major, minor = torch.cuda.get_device_capability()
-        if major < 9:
-            raise ValueError(f"head_dim={head_dim}: MTraining's CUDA kernels for head dims above 128 on GPUs "
-                             f"before Hopper are not yet verified on one (this GPU is {major}.{minor}); train this "
-                             f"model on an H100/H200 or on CPU")
     return fitting[0]
 
 

@@ -19,11 +19,6 @@ from .index import SparseIndex, Stripe
 # takes any head_dim and float32 too
 CUDA_HEAD_DIMS = (64, 128, 256)
 CUDA_DTYPES = (torch.bfloat16, torch.float16)
-# head_dim 256 on the mma.sync kernels (sm_80: 64-row CTAs, one pipeline stage) compiles but has not
-# yet run on a GPU: models with it are refused on GPUs before Hopper until tests/test_cuda_attention.py's
-# test_tensor_core_paths_agree (which runs it on Hopper through DS_MTRAINING_CUDA_MMA=warp) has passed;
-# then this becomes True. On Hopper head_dim 256 runs on the wgmma kernels, tested.
-CUDA_MMA_SYNC_256 = False
 
 _modules: dict[str, object] = {}
 _lock = threading.Lock()

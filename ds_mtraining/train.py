@@ -36,7 +36,7 @@ precision, monitors), an ``"mtraining"`` section, removed before the JSON reache
                                         # memory: auto (as many as the host holds) | all | none | N
         "host_reserve_gib": "auto",     # host memory the check leaves free: auto = min(6, a twentieth)
         "expandable_segments": true     # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True unless set
-                                        # (with pinned_max_round_threshold_mb:64 where torch has it)
+                                        # (pinned blocks at their size: memory.exact_pinning)
       }
     }
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The longest sequence on one GPU (bench.capacity; docs/RESULTS.md, "Capacity on one H200"):
-#   build     the ops a run JIT-compiles (ours for CUDA and the CPU, DeepSpeed's CPU Adam), and
-#             whether this torch takes pinned_max_round_threshold_mb (pinned blocks at their size)
+#   build     the ops a run JIT-compiles (ours for CUDA and the CPU, DeepSpeed's CPU Adam and pin_memory),
+#             and how pinned blocks get their size here (ds_mtraining.training.memory.exact_pinning)
 #   capacity  python -m ds_mtraining.bench.capacity for the 3B shape at SEQ_LEN, STEPS steps, 5%
 #             density, the mtraining.memory defaults (or MEMORY, JSON): peaks against the plan's
 #             predicted ones, tokens/s
@@ -29,11 +29,10 @@ build() {
   python3 -c "
 import time, torch
 from ds_mtraining import ops
-from ds_mtraining.training.memory import exact_pinned_supported
-from deepspeed.ops.op_builder import CPUAdamBuilder
-t = time.time(); ops.op_module('cuda'); ops.op_module('cpu'); CPUAdamBuilder().load()
-print(f'ops built and loaded in {time.time() - t:.1f} s; torch {torch.__version__}: pinned blocks at their size '
-      f'{\"on\" if exact_pinned_supported() else \"off (rounded to powers of two)\"}')"
+from ds_mtraining.training.memory import exact_pinning
+from deepspeed.ops.op_builder import CPUAdamBuilder, PinMemoryBuilder
+t = time.time(); ops.op_module('cuda'); ops.op_module('cpu'); CPUAdamBuilder().load(); PinMemoryBuilder().load()
+print(f'ops built and loaded in {time.time() - t:.1f} s; torch {torch.__version__}: {exact_pinning(True)[0]}')"
 }
 export -f build  # `stage` runs its command under timeout: a new bash
 

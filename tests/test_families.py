@@ -163,20 +163,6 @@ def test_kernel_head_dim(head_dim, device_type, runs_at):
     assert kernel_head_dim(head_dim, device_type) == runs_at
 
 
-def test_a_head_dim_above_128_is_refused_before_hopper_until_verified(monkeypatch):
-    from ds_mtraining import ops
-    from ds_mtraining.attention import kernel_head_dim
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
-    assert not ops.CUDA_MMA_SYNC_256
-    assert kernel_head_dim(128, "cuda") == 128
-    with pytest.raises(ValueError, match=r"^head_dim=192: MTraining's CUDA kernels for head dims above 128 on GPUs "
-                                         r"before Hopper are not yet verified on one \(this GPU is 8.0\)"):
-        kernel_head_dim(192, "cuda")
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    assert kernel_head_dim(192, "cuda") == 256
-
-
 def test_models_md_holds_the_matrix():
     from pathlib import Path
     text = (Path(__file__).resolve().parents[1] / "docs" / "MODELS.md").read_text()

@@ -23,9 +23,9 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2MLP
 
 from ds_mtraining.distributed import run_on_ranks
 from ds_mtraining.training import ConfigError
-from ds_mtraining.training.memory import ALLOC_CONF, HOST_MEMORY_ENV, CheckpointOffload, HostMemoryError, \
-    MemoryPlanError, OutOfMemory, enable_checkpointing, gpu_need_gib, out_of_memory_line, plan_memory, tile_mlps, \
-    tiled_mlp
+from ds_mtraining.training.memory import ALLOC_CONF, HOST_MEMORY_ENV, PIN_BACKEND, CheckpointOffload, \
+    HostMemoryError, MemoryPlanError, OutOfMemory, enable_checkpointing, gpu_need_gib, out_of_memory_line, \
+    plan_memory, tile_mlps, tiled_mlp
 from ds_mtraining.training.run_config import load_run_config, parse_run_config
 from helpers import REPO
 
@@ -206,6 +206,15 @@ def test_offload_restores_each_layer_once_prefetched_and_keeps_none():
 
 
 # ----------------------------------------------------------------------------- settings and the host check
+@pytest.fixture(autouse=True)
+def allocator_environment(monkeypatch):
+    """A plan for CUDA sets PYTORCH_CUDA_ALLOC_CONF, and may set DS_PIN_MEMORY_BACKEND, in this
+    process: each test starts without them and leaves neither behind."""
+    for name in (ALLOC_CONF, PIN_BACKEND):
+        monkeypatch.setenv(name, "")  # (recorded as unset, so that the end of the test unsets it)
+        monkeypatch.delenv(name)
+
+
 def e2e_run(seq_len: int, **memory):
     config = json.loads(E2E_CONFIG.read_text())
     config["mtraining"].update(seq_len=seq_len, sequence_parallel_size=1, memory=memory)
@@ -237,13 +246,14 @@ def test_host_check_chooses_n_and_refuses_with_the_numbers(monkeypatch):
     fewest layers whose GPU estimate fits: 15 at 1M (21 x 4 GiB + 1 layer's copy + 6.5 GiB of weights
     and buckets + 33.0 GiB of transients = 127.5 GiB predicted, x 1.05 + 4 = 137.9; 142.1 with 14),
     none at 256K. Where the CUDA host allocator rounds pinned blocks to powers of two (a torch before
-    2.11), DeepSpeed's three pinned blocks take 16 + 16 + 8 GiB for 11.5 + 11.5 + 5.7: 63.0 GiB, the
-    host holds 12, and the run stops with one line naming the numbers (an explicit
+    2.11) DeepSpeed's own pinning (DS_PIN_MEMORY_BACKEND=native) keeps them at their size where the
+    process may lock memory; where it may not, DeepSpeed's three pinned blocks take 16 + 16 + 8
+    GiB for 11.5 + 11.5 + 5.7: 63.0 GiB, the host holds 12, and the run stops with one line naming
+    the numbers (an explicit
     offload_checkpoints of 12 tries anyway). At 4M even every layer offloaded leaves the GPU's
     estimate too large, one line too; 40 GiB of host refuses before anything else; 16 layers given
     refuses naming 15."""
     from ds_mtraining.training import memory
-    monkeypatch.delenv(ALLOC_CONF, raising=False)  # (a plan for CUDA sets it: not for the tests after this one)
     monkeypatch.setattr(memory, "exact_pinned_supported", lambda: True)
     monkeypatch.setenv(HOST_MEMORY_ENV, "125")
     run, ds_config = e2e_run(1 << 20, host_reserve_gib=8)
@@ -260,12 +270,21 @@ def test_host_check_chooses_n_and_refuses_with_the_numbers(monkeypatch):
                     "to pinned host memory (auto: the GPU estimate 137.9 of 139.8 GiB; the host holds 15); host: "
                     "optimizer 51.7 + checkpoints 60.0 + processes 3.5 + reserve 8.0 of 125.0 GiB available "
                     "(DS_MTRAINING_HOST_MEMORY_GIB); PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True,"
-                    "pinned_max_round_threshold_mb:64 (set by ds_mtraining; set the variable to choose another)"), line
+                    "pinned_max_round_threshold_mb:64 (set by ds_mtraining; set the variable to choose another); "
+                    "pinned blocks at their size (pinned_max_round_threshold_mb:64)"), line
     assert os.environ[ALLOC_CONF] == "expandable_segments:True,pinned_max_round_threshold_mb:64"
     assert plan_memory(e2e_run(1 << 18)[0], ds_config, 1, cuda=True, gpu_gib=139.8).offload_layers == 0
 
     monkeypatch.delenv(ALLOC_CONF)
-    monkeypatch.setattr(memory, "exact_pinned_supported", lambda: False)
+    monkeypatch.setattr(memory, "exact_pinned_supported", lambda: False)  # (torch 2.11)
+    monkeypatch.setattr(memory, "can_lock_memory", lambda: True)  # DeepSpeed's own pinning, at the size asked
+    native = plan_memory(run, ds_config, 1, cuda=True, gpu_gib=139.8)
+    assert native.offload_layers == 15 and native.host["pinned_exact"] and os.environ[PIN_BACKEND] == "native"
+    assert native.describe().endswith("; pinned blocks at their size (DS_PIN_MEMORY_BACKEND=native, DeepSpeed's, "
+                                      "set by ds_mtraining)")
+    monkeypatch.delenv(ALLOC_CONF)
+    monkeypatch.delenv(PIN_BACKEND)
+    monkeypatch.setattr(memory, "can_lock_memory", lambda: False)
     rounded = 3_085_938_688 * 8 / 2 ** 30 + 16 + 16 + 8
     with pytest.raises(HostMemoryError, match=(
             r"^host memory: at 1048576 tokens per rank the GPU needs the checkpoints of 15 layers offloaded \(with "
@@ -275,14 +294,18 @@ def test_host_check_chooses_n_and_refuses_with_the_numbers(monkeypatch):
             r"\(DS_MTRAINING_HOST_MEMORY_GIB\); use a shorter seq_len, .* or set mtraining.memory.offload_checkpoints "
             r"to 12 to try anyway$")):
         plan_memory(run, ds_config, 1, cuda=True, gpu_gib=139.8)
-    assert os.environ[ALLOC_CONF] == "expandable_segments:True"
+    assert os.environ[ALLOC_CONF] == "expandable_segments:True" and PIN_BACKEND not in os.environ
     monkeypatch.delenv(ALLOC_CONF)
     tried = plan_memory(e2e_run(1 << 20, host_reserve_gib=8, offload_checkpoints=12)[0], ds_config, 1, cuda=True,
                         gpu_gib=139.8)
     assert tried.offload_layers == 12 and tried.host["optimizer_gib"] == pytest.approx(rounded)  # the user's N
-    monkeypatch.setenv(ALLOC_CONF, "pinned_max_round_threshold_mb:32")  # the user's own: exact pinned blocks
+    monkeypatch.setenv(ALLOC_CONF, "pinned_max_round_threshold_mb:32")  # the user's own choices
+    assert plan_memory(run, ds_config, 1, cuda=True, gpu_gib=139.8).host["pinned_exact"]
+    monkeypatch.setenv(ALLOC_CONF, "expandable_segments:True")
+    monkeypatch.setenv(PIN_BACKEND, "native")
     assert plan_memory(run, ds_config, 1, cuda=True, gpu_gib=139.8).host["pinned_exact"]
     monkeypatch.delenv(ALLOC_CONF)
+    monkeypatch.delenv(PIN_BACKEND)
 
     monkeypatch.setattr(memory, "exact_pinned_supported", lambda: True)
     with pytest.raises(MemoryPlanError, match=r"^GPU memory: at 4194304 tokens per rank the GPU estimate is .* > 139.8 "
@@ -315,8 +338,8 @@ def test_plan_predicts_the_peaks_measured_at_768k(monkeypatch):
     from ds_mtraining.training import memory
     measured = json.loads((REPO / "benchmarks" / "results" / "capacity_h200_2026-12-03.json").read_text())
     row = measured["models"]["qwen2.5-3b"]["mtraining"]["lengths"]["786432"]
-    monkeypatch.delenv(ALLOC_CONF, raising=False)
     monkeypatch.setattr(memory, "exact_pinned_supported", lambda: False)
+    monkeypatch.setattr(memory, "can_lock_memory", lambda: False)
     monkeypatch.setenv(HOST_MEMORY_ENV, str(row["plan"]["host"]["available_gib"]))
     plan = plan_memory(e2e_run(786432)[0], e2e_run(786432)[1], 1, cuda=True, gpu_gib=139.8)
     assert plan.offload_layers == row["plan"]["offload_layers"] == 5
@@ -334,7 +357,6 @@ def test_a_cpu_run_says_no_gpu_in_its_memory_line(monkeypatch, checkpointing, of
     """The demo's run (2 layers) as on a machine without a GPU: no GPU in the line, whatever the
     settings; each says where the checkpoints are, or that there are none."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.delenv(ALLOC_CONF, raising=False)
     section = dict(json.loads(DEMO_CONFIG.read_text())["mtraining"], gradient_checkpointing=checkpointing,
                    memory={"offload_checkpoints": offload})
     config = dict(json.loads(DEMO_CONFIG.read_text()), mtraining=section)
@@ -363,7 +385,6 @@ def test_cli_refuses_a_host_too_small_in_one_line(tmp_path):
 
 def test_out_of_memory_line_names_length_peak_and_setting(monkeypatch):
     run, ds_config = e2e_run(1 << 20, host_reserve_gib=8)
-    monkeypatch.delenv(ALLOC_CONF, raising=False)  # (a plan for CUDA sets it: not for the tests after this one)
     monkeypatch.setenv(HOST_MEMORY_ENV, "125")
     plan = plan_memory(run, ds_config, 1, cuda=True, gpu_gib=139.8)
     error = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 10.75 GiB. GPU 0 has a total capacity "

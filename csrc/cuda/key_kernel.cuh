@@ -273,7 +273,7 @@ __global__ void __launch_bounds__(KeyKernelConfig<Arch, T, D, BS, kVertical>::kT
         Arch::template scores_pair<1, D>(s, key_tile, query_tile, dp, value_tile, dout_tile, row0);
         logits.prepare(s);
         mask.apply(s, step, key_first, row0, p.seq_q, straddles(step) ? step_start_tiles + buffer * kQueryStep : nullptr);
-        softmax.dscores(s, dp, lse, delta, logits);
+        softmax.template dscores<Arch::kBranchPerTile>(s, dp, lse, delta, logits);
         // dV += P^T dO, dK += dS^T Q (this part's columns)
         Arch::template accumulate_pair<1, kColumns, D>(dv, s, dout_tile + part_offset, dk, dp, query_tile + part_offset);
     };

@@ -53,9 +53,8 @@ struct Logits {
     }
 
     // d logit / d(scale x) at a prepared logit l: 1 without capping; 0 at a masked one (-inf).
-    // Uncapped, the backward must not pay a select and a multiply per score (5% of the D = 128
-    // backward): SavedSoftmax branches on capped() once per tile around a loop per kCapped, and
-    // TransposedSoftmax predicates the multiply (a second loop there costs the mma.sync key kernels spills).
+    // Uncapped, the backward must not pay a select and a multiply per score (4-5% of the D = 128
+    // backward): SavedSoftmax and TransposedSoftmax branch on capped() once per tile.
     template <bool kCapped>
     __device__ __forceinline__ float slope(float logit) const {
         if (!kCapped) return 1.f;
@@ -173,8 +172,26 @@ struct SavedSoftmax {
 struct TransposedSoftmax {
     float scale_log2;  // exponent_scale(scale)
 
+    // How the cap's slope enters dS^T: not at all, always, or predicated per score on capped().
+    enum class Slope { kNone, kCapped, kPredicated };
+
     // Logits S^T -> P^T and dP^T -> dS^T / scale for one 64-query step: lse and delta are the step's
-    // 64 values in shared memory (a thread's columns col0 and col0 + 1 per nt).
+    // 64 values in shared memory (a thread's columns col0 and col0 + 1 per nt). kBranchPerTile: one
+    // uniform branch around a loop per case (the wgmma key kernels: 1.4% of the D = 128 backward on
+    // an H200 over the predicated multiply); else the predicated multiply (the mma.sync key kernels,
+    // where a second loop raises ptxas's spills).
+    template <bool kBranchPerTile>
+    __device__ __forceinline__ void dscores(float (&s)[1][8][4], float (&dp)[1][8][4], const float* lse,
+                                            const float* delta, const Logits& logits) const {
+        if constexpr (!kBranchPerTile)
+            dscores<Slope::kPredicated>(s, dp, lse, delta, logits);
+        else if (logits.capped())  // uniform
+            dscores<Slope::kCapped>(s, dp, lse, delta, logits);
+        else
+            dscores<Slope::kNone>(s, dp, lse, delta, logits);
+    }
+
+    template <Slope kSlope>
     __device__ __forceinline__ void dscores(float (&s)[1][8][4], float (&dp)[1][8][4], const float* lse,
                                             const float* delta, const Logits& logits) const {
 #pragma unroll
@@ -190,9 +207,10 @@ struct TransposedSoftmax {
             for (int c = 0; c < 4; ++c) {
                 const float logit = s[0][nt][c];
                 const float prob = exp2f(fmaf(logit, scale_log2, -lse_log2[c & 1]));
-                s[0][nt][c] = prob;                                                                  // P^T
+                s[0][nt][c] = prob;                                       // P^T
                 dp[0][nt][c] = prob * (dp[0][nt][c] - delta_col[c & 1]);  // dS^T / scale
-                if (logits.capped()) dp[0][nt][c] *= logits.template slope<true>(logit);  // uniform: predicated
+                if (kSlope == Slope::kCapped || (kSlope == Slope::kPredicated && logits.capped()))
+                    dp[0][nt][c] *= logits.template slope<true>(logit);
             }
         }
     }

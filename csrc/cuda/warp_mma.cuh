@@ -315,13 +315,15 @@ __device__ __forceinline__ void gemm_pb(float (&acc)[MA][N / 8][4], const float 
 // A policy gives the kernels: the CTA's rows (kCtaRows) and pipeline stages (kStages) per head_dim,
 // a warp's rows (first_row, kSliceStride), the tile layout (tile_offset, row_step_offset,
 // chunk_step_offset, kTileAlignment, kAsyncProxy), whether 64-row
-// tiles may be copied by TMA (kTma), S = A B^T (scores, which overwrites S), acc += P B
+// tiles may be copied by TMA (kTma), how the key kernel's softmax takes the cap's slope
+// (kBranchPerTile: TransposedSoftmax::dscores), S = A B^T (scores, which overwrites S), acc += P B
 // (accumulate), and each of the two for two independent products at once (scores_pair,
 // accumulate_pair: one wgmma batch and wait for both).
 struct WarpMma {
     static constexpr bool kAsyncProxy = false;
     static constexpr bool kTma = false;
     static constexpr int kTileAlignment = 128;
+    static constexpr bool kBranchPerTile = false;  // a second loop would raise the key kernels' spills
     // A CTA owns a whole block (rows or keys); above head_dim 128, 64 rows of it (its tiles would
     // outgrow an sm_80 CTA's 163 KB of shared memory), one 16-row slice per warp (MA = 1).
     template <int BS, int MA, int D>

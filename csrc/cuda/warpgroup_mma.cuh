@@ -106,6 +106,7 @@ __device__ __forceinline__ void pack_a_fragments(uint32_t (&a)[MA][4][4], const 
 struct WarpgroupMma {
     static constexpr bool kAsyncProxy = true;
     static constexpr int kTileAlignment = 1024;  // the swizzle repeats every 1024 bytes
+    static constexpr bool kBranchPerTile = true;
     // One warpgroup per CTA, 64 MA rows: a warp owns 16 rows of each 64-row wgmma tile ma
     // (MA = 2 amortises a key tile's loads and bookkeeping over 128 rows). With MA = 1 a 128-block
     // takes two CTAs, which run out of step on an SM where one CTA's two warpgroups would run in

@@ -29,12 +29,16 @@
   there with one line naming the numbers and what to change (a run that would be killed minutes
   later by the host's OOM killer or the allocator). A given N beyond the host is one line naming
   the numbers and the setting to change.
-* ``PYTORCH_CUDA_ALLOC_CONF`` before CUDA starts, unless the user set the variable:
-  ``expandable_segments:True`` (fragmentation at 512K: 11.7 GiB reserved but unallocated at the
-  OOM) and, where torch has it, ``pinned_max_round_threshold_mb``: the CUDA host allocator rounds a
-  pinned block up to a power of two, and DeepSpeed pins the CPU optimizer's fp32 master weights,
-  its fp32 gradients and a training-dtype copy (the 3B shape: 11.5 + 11.5 + 5.7 GiB pinned as 16 +
-  16 + 8, 11.3 GiB of host memory for nothing; a 3 GiB checkpoint as 4).
+* ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` before CUDA starts, unless the user set
+  the variable (fragmentation at 512K: 11.7 GiB reserved but unallocated at the OOM).
+* pinned blocks at their size (:func:`exact_pinning`): the CUDA host allocator rounds a pinned
+  block up to a power of two, and DeepSpeed pins the CPU optimizer's fp32 master weights, its fp32
+  gradients and a training-dtype copy (the 3B shape: 11.5 + 11.5 + 5.7 GiB pinned as 16 + 16 + 8,
+  11.3 GiB of host memory for nothing) and the offloaded checkpoints (3 GiB as 4 at 768K). Where
+  torch has ``pinned_max_round_threshold_mb`` it goes into the allocator setting; else, where the
+  process may lock that much memory, DeepSpeed's own pinning (``DS_PIN_MEMORY_BACKEND=native``:
+  page-aligned, mlock'ed and registered with CUDA at the size asked) takes every pin DeepSpeed
+  makes; else the plan counts the rounding.
 * a CUDA out-of-memory error during training becomes one line (:func:`out_of_memory_line`).
 
 The loss never holds [S, vocab]: :mod:`ds_mtraining.loss` chunks it (or liger's fused linear
@@ -59,6 +63,7 @@ ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
 EXPANDABLE = "expandable_segments:True"
 PINNED_ROUND_KEY = "pinned_max_round_threshold_mb"
 PINNED_EXACT = f"{PINNED_ROUND_KEY}:64"  # pinned blocks above 64 MiB at their size, not the next power of two
+PIN_BACKEND = "DS_PIN_MEMORY_BACKEND"  # DeepSpeed's accelerator.pin_memory: "torch" (the default) or "native"
 # what a rank's process holds on the host beyond the CPU optimizer and the offloaded checkpoints
 # (Python, torch, CUDA's host side, DeepSpeed's staging buffers, the data): on one H200, 3B shape,
 # 256K-768K, the peak resident set less those (at their pinned, rounded sizes) was 3.2-3.3 GiB
@@ -286,6 +291,7 @@ class MemoryPlan:
     offload_layers: int
     offload_choice: str  # how offload_layers was chosen
     alloc_conf: str  # what PYTORCH_CUDA_ALLOC_CONF is, and who set it
+    pinning: str  # how pinned blocks are sized (exact_pinning; "" on CPU)
     cuda: bool  # the ranks run on GPUs (else on the CPU: no GPU memory to speak of)
     host: dict = field(default_factory=dict)  # GiB: available, optimizer, checkpoints, process, reserve
     gpu: dict = field(default_factory=dict)  # GiB: analytic resident memory per rank
@@ -313,7 +319,8 @@ class MemoryPlan:
         need = (f"host: optimizer {host['optimizer_gib']:.1f} + checkpoints {host['checkpoints_gib']:.1f} + processes "
                 f"{host['process_gib']:.1f} + reserve {host['reserve_gib']:.1f} of {host['available_gib']:.1f} GiB "
                 f"available ({host['source']})")
-        return f"ds_mtraining: memory: {mlp}; {offload}; {need}; {self.alloc_conf}"
+        pinning = f"; {self.pinning}" if self.pinning else ""
+        return f"ds_mtraining: memory: {mlp}; {offload}; {need}; {self.alloc_conf}{pinning}"
 
 
 def host_available_gib() -> tuple[float, str]:
@@ -417,7 +424,8 @@ def plan_memory(run, ds_config: dict, world_size: int, cuda: bool | None = None,
 
     from ds_mtraining.distributed import local_world_size
     local = min(local_world_size() or world_size, world_size)
-    alloc, exact = alloc_conf_setting(settings.expandable_segments, cuda)
+    pinning, exact, allocator_key = exact_pinning(cuda)
+    alloc = alloc_conf_setting(settings.expandable_segments, cuda, allocator_key)
     # ZeRO partitions the optimizer over every rank holding a replica (data x sequence parallel)
     optimizer_gib = local * optimizer_host_bytes(ds_config, parameters, world_size, exact) / GIB
     process_gib = local * HOST_PROCESS_GIB
@@ -457,7 +465,7 @@ def plan_memory(run, ds_config: dict, world_size: int, cuda: bool | None = None,
     tiled = settings.tiled_mlp if isinstance(settings.tiled_mlp, bool) else tokens >= 2 * settings.mlp_chunk_tokens
     plan = MemoryPlan(settings=settings.to_dict(), num_layers=layers, parameters=parameters, tokens_per_rank=tokens,
                       tiled_mlp=tiled, mlp_chunk_tokens=settings.mlp_chunk_tokens, offload_layers=count,
-                      offload_choice=choice, alloc_conf=alloc, cuda=cuda)
+                      offload_choice=choice, alloc_conf=alloc, pinning=pinning, cuda=cuda)
 
     def estimate(offloaded: int) -> tuple[dict, dict]:
         plan.offload_layers = offloaded
@@ -529,28 +537,70 @@ def gpu_breakdown(config, ds_config: dict, plan: MemoryPlan, dtype_bytes: int, r
     return gpu, {name: value / GIB for name, value in transients.items()}
 
 
-def alloc_conf_setting(expandable: bool, cuda: bool) -> tuple[str, bool]:
+def alloc_conf_setting(expandable: bool, cuda: bool, exact_pinned: bool) -> str:
     """Sets ``PYTORCH_CUDA_ALLOC_CONF`` (before CUDA starts) unless the user has: expandable
-    segments where asked, and pinned blocks at their size where torch can (:func:`exact_pinned_supported`).
-    Returns what the variable is, and whether pinned blocks are allocated at their size (on CPU
-    nothing is pinned)."""
+    segments where asked, ``pinned_max_round_threshold_mb`` where :func:`exact_pinning` chose it;
+    says what it is."""
     given = os.environ.get(ALLOC_CONF)
     if given is not None:
-        return f"{ALLOC_CONF}={given} (yours)", PINNED_ROUND_KEY in given
+        return f"{ALLOC_CONF}={given} (yours)"
     if not cuda:
-        return CPU_ONLY, True
-    entries = ([EXPANDABLE] if expandable else []) + ([PINNED_EXACT] if exact_pinned_supported() else [])
+        return CPU_ONLY
+    entries = ([EXPANDABLE] if expandable else []) + ([PINNED_EXACT] if exact_pinned else [])
     if not entries:
-        return f"{ALLOC_CONF} unset ({SECTION}.expandable_segments false; this torch rounds pinned blocks)", False
+        return f"{ALLOC_CONF} unset ({SECTION}.expandable_segments false)"
     os.environ[ALLOC_CONF] = ",".join(entries)
-    return f"{ALLOC_CONF}={os.environ[ALLOC_CONF]} (set by ds_mtraining; set the variable to choose another)", \
-        PINNED_EXACT in entries
+    return f"{ALLOC_CONF}={os.environ[ALLOC_CONF]} (set by ds_mtraining; set the variable to choose another)"
+
+
+def exact_pinning(cuda: bool) -> tuple[str, bool, bool]:
+    """How pinned blocks get their size (before CUDA starts): the user's choice where made
+    (``pinned_max_round_threshold_mb`` in ``PYTORCH_CUDA_ALLOC_CONF``, or ``DS_PIN_MEMORY_BACKEND``);
+    else torch's allocator setting where torch has it; else DeepSpeed's native pinning (set here)
+    where the process may lock the memory. Returns (what was chosen, whether pinned blocks are at
+    their size, whether the allocator setting is to carry ``pinned_max_round_threshold_mb``)."""
+    if not cuda:
+        return "", True, False
+    given, backend = os.environ.get(ALLOC_CONF), os.environ.get(PIN_BACKEND)
+    if backend is not None or (given is not None and PINNED_ROUND_KEY in given):
+        exact = backend == "native" or (given is not None and PINNED_ROUND_KEY in given)
+        return f"pinned blocks {'at their size' if exact else 'at powers of two'} (yours)", exact, False
+    if exact_pinned_supported():
+        if given is not None:  # the user's allocator setting, without the key
+            return f"pinned blocks at powers of two (add {PINNED_EXACT} to your {ALLOC_CONF})", False, False
+        return f"pinned blocks at their size ({PINNED_EXACT})", True, True
+    if can_lock_memory() and native_pinning_builds():
+        os.environ[PIN_BACKEND] = "native"
+        return f"pinned blocks at their size ({PIN_BACKEND}=native, DeepSpeed's, set by ds_mtraining)", True, False
+    return "pinned blocks at powers of two (this torch rounds them, and no memory can be locked)", False, False
 
 
 def exact_pinned_supported() -> bool:
-    """Whether this torch's CUDA host allocator takes ``pinned_max_round_threshold_mb`` (2.11 on)."""
+    """Whether this torch's CUDA host allocator takes ``pinned_max_round_threshold_mb`` (2.13
+    does; 2.11 refuses the key at CUDA's start)."""
     version = re.match(r"(\d+)\.(\d+)", torch.__version__)
-    return bool(version) and (int(version.group(1)), int(version.group(2))) >= (2, 11)
+    return bool(version) and (int(version.group(1)), int(version.group(2))) >= (2, 13)
+
+
+def native_pinning_builds() -> bool:
+    """Whether DeepSpeed's pin_memory op (the native pinning's) can be built here."""
+    try:
+        from deepspeed.ops.op_builder import PinMemoryBuilder
+    except ImportError:
+        return False
+    return PinMemoryBuilder().is_compatible(verbose=False)
+
+
+def can_lock_memory() -> bool:
+    """Whether this process may mlock any amount: RLIMIT_MEMLOCK unlimited, or CAP_IPC_LOCK."""
+    if resource.getrlimit(resource.RLIMIT_MEMLOCK)[0] == resource.RLIM_INFINITY:
+        return True
+    try:
+        with open("/proc/self/status") as status:
+            effective = next(int(line.split()[1], 16) for line in status if line.startswith("CapEff:"))
+    except (OSError, StopIteration, ValueError):
+        return False
+    return bool(effective >> 14 & 1)  # CAP_IPC_LOCK
 
 
 # ----------------------------------------------------------------------------- measured, and the OOM line
