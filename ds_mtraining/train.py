@@ -116,7 +116,7 @@ from ds_mtraining.training.model import (MTrainingCausalLM, build_model, model_c
 from ds_mtraining.training.profile import describe, profile_path, profiled, summarise, write_summary
 from ds_mtraining.training.progress import Progress, describe_run, monitor_dir, with_default_monitor
 from ds_mtraining.training.run_config import ULYSSES, RunConfig, load_run_config
-from ds_mtraining.training.step_checks import NonFinite, StepChecks
+from ds_mtraining.training.step_checks import NonFinite, StepChecks, loss_scale_exhausted
 from ds_mtraining.training.watchdog import Watchdog
 
 
@@ -394,7 +394,8 @@ def start_loop(t: TrainingRun, startup: StartupClock):
 def run_step(t: TrainingRun) -> tuple:
     """Step ``t.step + 1``: a new step for the once-per-step checks (:func:`ds_mtraining.step.new_step`),
     the statistics reset (recorded in a logged step's first micro-batch), then :func:`train_step`,
-    profiled at ``--profile_step``; a CUDA out-of-memory error becomes one line (:class:`OutOfMemory`).
+    profiled at ``--profile_step``; a CUDA out-of-memory error becomes one line (:class:`OutOfMemory`),
+    and so does an fp16 loss scaler out of scales (:class:`NonFinite`).
     Returns (the micro-batches' losses, the profiler or None, the memory resident before the step)."""
     new_step()
     t.stats.reset()
@@ -406,6 +407,8 @@ def run_step(t: TrainingRun) -> tuple:
                                             t.stats, t.offload, t.at)
     except torch.OutOfMemoryError as error:
         raise OutOfMemory(out_of_memory_line(error, t.run, t.plan, t.step + 1)) from None
+    except Exception as error:  # noqa: BLE001 - DeepSpeed's fp16 scaler raises a bare Exception
+        raise loss_scale_exhausted(error, t.step + 1) or error
     return losses, profiler, resident
 
 

@@ -184,6 +184,35 @@ def test_a_nan_loss_stops_the_run_and_no_later_checkpoint_is_written(tmp_path):
     assert tags(save_dir) == ["step1"] and [step for step, _ in losses(save_dir)] == [1]
 
 
+def test_an_fp16_loss_scaler_out_of_scales_stops_in_one_line(monkeypatch):
+    """DeepSpeed's own fp16 scaler overflowing at its minimum scale raises a bare Exception inside
+    the step: run_step turns it into NonFinite (the entry point's one line, as for a NaN loss),
+    naming the step and the fix; any other error of the step passes unchanged."""
+    from types import SimpleNamespace
+
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+
+    import ds_mtraining.train as train_module
+    from ds_mtraining.training.step_checks import NonFinite
+    scaler = DynamicLossScaler(init_scale=1.0, scale_window=1000, min_scale=1.0, delayed_shift=1,
+                               consecutive_hysteresis=False)
+    run = SimpleNamespace(step=6, stats=SimpleNamespace(reset=lambda: None, enabled=False), batches=None,
+                          engine=SimpleNamespace(gradient_accumulation_steps=lambda: 1),
+                          position=0, offload=None, at=None, args=SimpleNamespace(log_interval=1, profile_step=0))
+    monkeypatch.setattr(train_module, "train_step", lambda *args: scaler.update_scale(True))
+    with pytest.raises(NonFinite, match=r"^fp16 gradients overflow at the loss scaler's minimum scale "
+                                        r"\(fp16.min_loss_scale\) at step 7; the run stops without saving it: train in "
+                                        r"bf16 \(\"bf16\": \{\"enabled\": true\} in place of \"fp16\"\), or lower the "
+                                        r"learning rate$"):
+        train_module.run_step(run)
+
+    def other(*args):
+        raise KeyError("a batch")
+    monkeypatch.setattr(train_module, "train_step", other)
+    with pytest.raises(KeyError, match="a batch"):
+        train_module.run_step(run)
+
+
 # ----------------------------------------------------------------------------- a crafted checkpoint
 class Crafted:
     """What a crafted checkpoint holds: unpickling it runs a command."""

@@ -7,7 +7,8 @@ norm (``engine.was_step_applied()``), starts a streak; a streak longer than
 ``mtraining.max_nonfinite_steps`` stops the run with :class:`NonFinite` (one line: the step, the
 ranks, the value). No checkpoint is written during a streak: a save that falls in one is made
 at the first finite step after it, and a run that ends in one raises. In fp16 a skipped step is
-the loss scaler's normal business (DeepSpeed stops at its minimum scale), not a streak.
+the loss scaler's normal business, not a streak; a scaler out of scales to try (DeepSpeed raises
+at its minimum) stops the run with :class:`NonFinite` too (:func:`loss_scale_exhausted`).
 """
 from __future__ import annotations
 
@@ -19,10 +20,22 @@ import torch.distributed as dist
 from . import MTRAINING_KEY
 
 VALUES = {1: "nan", 2: "inf", 3: "-inf"}  # a rank's non-finite loss, as the all-reduce carries it
+# what DeepSpeed's fp16 DynamicLossScaler raises when the gradients overflow at its minimum scale
+AT_MIN_LOSS_SCALE = "Current loss scale already at minimum"
 
 
 class NonFinite(RuntimeError):
     """The run stops on non-finite values; the message is its one line."""
+
+
+def loss_scale_exhausted(error: Exception, step: int) -> NonFinite | None:
+    """The one line for DeepSpeed's fp16 loss scaler raising at its minimum scale (every rank
+    finds the same overflow in the same step); None for another error."""
+    if AT_MIN_LOSS_SCALE not in str(error):
+        return None
+    return NonFinite(f"fp16 gradients overflow at the loss scaler's minimum scale (fp16.min_loss_scale) at step "
+                     f"{step}; the run stops without saving it: train in bf16 (\"bf16\": {{\"enabled\": true}} in "
+                     f"place of \"fp16\"), or lower the learning rate")
 
 
 def loss_code(losses: list[torch.Tensor]) -> int:
