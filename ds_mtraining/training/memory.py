@@ -577,7 +577,9 @@ def exact_pinning(cuda: bool) -> tuple[str, bool, bool]:
 
 def exact_pinned_supported() -> bool:
     """Whether this torch's CUDA host allocator takes ``pinned_max_round_threshold_mb`` (2.13
-    does; 2.11 refuses the key at CUDA's start)."""
+    does; 2.11 refuses the key at CUDA's start). On an H100 machine with torch 2.11, 5 GiB + 1 MiB
+    pinned took 8.00 GiB of resident memory through torch's allocator and 5.00 GiB through
+    DeepSpeed's native pinning (copies to the GPU at 51 GiB/s)."""
     version = re.match(r"(\d+)\.(\d+)", torch.__version__)
     return bool(version) and (int(version.group(1)), int(version.group(2))) >= (2, 13)
 
