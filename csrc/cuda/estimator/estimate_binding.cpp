@@ -2,6 +2,7 @@
 // scratch allocation on the caller's stream (no host synchronisation anywhere), then the launchers.
 #include <torch/extension.h>
 
+#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
@@ -13,6 +14,7 @@
 #include <vector>
 
 #include "estimate_api.cuh"
+#include "kernel_instances.h"
 #include "mtraining/checks.h"
 #include "estimate.h"
 
@@ -64,12 +66,11 @@ ScoreCall checked_pair(const at::Tensor& q_in, const at::Tensor& k_in) {
     const int64_t sk = k_in.size(1), kv_heads = k_in.size(2);
     TORCH_CHECK_VALUE(k_in.size(0) == batch && k_in.size(3) == dim, kName, ": q ", text(q_in.sizes()), " and k ",
                       text(k_in.sizes()), " must share batch and head_dim");
-    TORCH_CHECK_VALUE(dim == 64 || dim == 128 || dim == 256, kName, ": head_dim must be 64, 128 or 256, got ",
-                      text(dim));
+    TORCH_CHECK_VALUE(std::find(std::begin(mtr::kKernelHeadDims), std::end(mtr::kKernelHeadDims), dim) !=
+                          std::end(mtr::kKernelHeadDims),
+                      kName, ": head_dim must be one the attention kernels take (kernel_instances.h), got ", text(dim));
     {  // the score kernels hold the query chunks and two key tiles: at head_dim 256 and last_q 256, 210 KB
-        int limit = 0;
-        check_launch(cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, q_in.get_device()),
-                     "reading the shared memory per block");
+        const int limit = static_cast<int>(at::cuda::getDeviceProperties(q_in.get_device())->sharedMemPerBlockOptin);
         const int chunks = static_cast<int>(std::min<int64_t>(est::kMaxChunks, (lq + est::kTile - 1) / est::kTile));
         const int need = est::score_smem_bytes(static_cast<int>(dim), chunks, true);
         TORCH_CHECK_VALUE(need <= limit, kName, ": head_dim ", text(dim), " over ", text(lq), " query rows (last_q) "
