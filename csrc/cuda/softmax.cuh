@@ -54,7 +54,7 @@ struct Logits {
 
     // d logit / d(scale x) at a prepared logit l: 1 without capping; 0 at a masked one (-inf).
     // Uncapped, the backward must not pay a select and a multiply per score (4-5% of the D = 128
-    // backward): SavedSoftmax and TransposedSoftmax branch on capped() once per tile.
+    // backward): SavedSoftmax branches on capped() once per tile, TransposedSoftmax as its Arch says.
     template <bool kCapped>
     __device__ __forceinline__ float slope(float logit) const {
         if (!kCapped) return 1.f;
