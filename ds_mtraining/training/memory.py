@@ -65,9 +65,10 @@ PINNED_ROUND_KEY = "pinned_max_round_threshold_mb"
 PINNED_EXACT = f"{PINNED_ROUND_KEY}:64"  # pinned blocks above 64 MiB at their size, not the next power of two
 PIN_BACKEND = "DS_PIN_MEMORY_BACKEND"  # DeepSpeed's accelerator.pin_memory: "torch" (the default) or "native"
 # what a rank's process holds on the host beyond the CPU optimizer and the offloaded checkpoints
-# (Python, torch, CUDA's host side, DeepSpeed's staging buffers, the data): on one H200, 3B shape,
-# 256K-768K, the peak resident set less those (at their pinned, rounded sizes) was 3.2-3.3 GiB
-HOST_PROCESS_GIB = 3.5
+# (Python, torch, CUDA's host side, DeepSpeed's staging buffers, the data), GiB: on one H200, 3B
+# shape, 256K-768K, the peak resident set less those (at their pinned, rounded sizes) was 3.2-3.3;
+# a CPU rank of scripts/train_demo.sh (2 ranks, the tiny model) peaked at 1.05
+HOST_PROCESS_GIB = {"cuda": 3.5, "cpu": 1.25}
 # a test hook: the host's available memory in GiB instead of /proc/meminfo's MemAvailable
 HOST_MEMORY_ENV = "DS_MTRAINING_HOST_MEMORY_GIB"
 CPU_ONLY = "no CUDA allocator (CPU)"
@@ -428,7 +429,7 @@ def plan_memory(run, ds_config: dict, world_size: int, cuda: bool | None = None,
     alloc = alloc_conf_setting(settings.expandable_segments, cuda, allocator_key)
     # ZeRO partitions the optimizer over every rank holding a replica (data x sequence parallel)
     optimizer_gib = local * optimizer_host_bytes(ds_config, parameters, world_size, exact) / GIB
-    process_gib = local * HOST_PROCESS_GIB
+    process_gib = local * HOST_PROCESS_GIB["cuda" if cuda else "cpu"]
     reserve = host_reserve_gib(settings.host_reserve_gib)
     available, source = host_available_gib()
     per_layer_host_gib = local * pinned_bytes(layer_bytes, exact) / GIB
