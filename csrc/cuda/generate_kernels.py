@@ -1,5 +1,6 @@
 """Writes the attention kernels' instantiations: one .cu per (dtype, head_dim, direction) under
-csrc/cuda/instantiations/, and kernel_instances.h, the list binding.cpp dispatches over.
+csrc/cuda/instantiations/, and kernel_instances.h, the lists binding.cpp and the fused estimator
+dispatch over.
 
     python csrc/cuda/generate_kernels.py            # rewrite them
     python csrc/cuda/generate_kernels.py --check    # exit 1 if a file differs (tests/test_cuda_kernel_list.py)
@@ -42,8 +43,10 @@ def instantiation(direction: str, tag: str, dim: int) -> str:
 def list_header() -> str:
     pairs = " ".join(f"X({DTYPES[tag]}, {dim})" for tag in DTYPES for dim in HEAD_DIMS)
     dims = ", ".join(str(dim) for dim in HEAD_DIMS)
+    each_dim = " ".join(f"X({dim})" for dim in HEAD_DIMS)
     return (f"{GENERATED}// The (dtype, head_dim) pairs the attention kernels are instantiated for.\n#pragma once\n\n"
-            f"// X(mtr::DType enumerator, head_dim) for each pair\n#define MTR_FOR_EACH_KERNEL(X) {pairs}\n\n"
+            f"// X(mtr::DType enumerator, head_dim) for each pair\n#define MTR_FOR_EACH_KERNEL(X) {pairs}\n"
+            f"// X(head_dim) for each head_dim (the fused estimator's too)\n#define MTR_FOR_EACH_HEAD_DIM(X) {each_dim}\n\n"
             f"namespace mtr {{\nconstexpr int kKernelHeadDims[] = {{{dims}}};\n}}  // namespace mtr\n")
 
 

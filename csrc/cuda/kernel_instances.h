@@ -4,6 +4,8 @@
 
 // X(mtr::DType enumerator, head_dim) for each pair
 #define MTR_FOR_EACH_KERNEL(X) X(kBF16, 64) X(kBF16, 128) X(kBF16, 256) X(kFP16, 64) X(kFP16, 128) X(kFP16, 256)
+// X(head_dim) for each head_dim (the fused estimator's too)
+#define MTR_FOR_EACH_HEAD_DIM(X) X(64) X(128) X(256)
 
 namespace mtr {
 constexpr int kKernelHeadDims[] = {64, 128, 256};

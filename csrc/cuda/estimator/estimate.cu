@@ -2,6 +2,7 @@
 // a stream in, no ATen (the binding is estimate_binding.cpp).
 #include <type_traits>
 
+#include "../kernel_instances.h"
 #include "estimate_kernels.cuh"
 
 namespace mtr {
@@ -9,14 +10,15 @@ namespace est {
 namespace {
 
 // run(element, head_dim) for the head dims the estimator is built for, the attention kernels' own
-// (kernel_instances.h; the binding's head_dim check names the same three).
+// (kernel_instances.h, which the binding's head_dim check reads too).
 template <typename Run>
 cudaError_t dispatch(Elem elem, int head_dim, Run run) {
     auto with_element = [&](auto element) {
         switch (head_dim) {
-            case 64: return run(element, std::integral_constant<int, 64>{});
-            case 128: return run(element, std::integral_constant<int, 128>{});
-            case 256: return run(element, std::integral_constant<int, 256>{});
+#define MTR_HEAD_DIM_CASE(D) \
+    case D: return run(element, std::integral_constant<int, D>{});
+            MTR_FOR_EACH_HEAD_DIM(MTR_HEAD_DIM_CASE)
+#undef MTR_HEAD_DIM_CASE
             default: return cudaErrorInvalidValue;
         }
     };
