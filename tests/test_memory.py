@@ -245,14 +245,13 @@ def test_host_check_chooses_n_and_refuses_with_the_numbers(monkeypatch):
     the host holds (125 - 51.7 - 3.5 - 8) // 4 = 15 layers. On a 139.8 GiB GPU auto offloads the
     fewest layers whose GPU estimate fits: 15 at 1M (21 x 4 GiB + 1 layer's copy + 6.5 GiB of weights
     and buckets + 33.0 GiB of transients = 127.5 GiB predicted, x 1.05 + 4 = 137.9; 142.1 with 14),
-    none at 256K. Where the CUDA host allocator rounds pinned blocks to powers of two (a torch before
-    2.11) DeepSpeed's own pinning (DS_PIN_MEMORY_BACKEND=native) keeps them at their size where the
-    process may lock memory; where it may not, DeepSpeed's three pinned blocks take 16 + 16 + 8
-    GiB for 11.5 + 11.5 + 5.7: 63.0 GiB, the host holds 12, and the run stops with one line naming
-    the numbers (an explicit
-    offload_checkpoints of 12 tries anyway). At 4M even every layer offloaded leaves the GPU's
-    estimate too large, one line too; 40 GiB of host refuses before anything else; 16 layers given
-    refuses naming 15."""
+    none at 256K. Where torch's host allocator cannot be told to keep pinned blocks at their size
+    (before 2.13), DeepSpeed's own pinning (DS_PIN_MEMORY_BACKEND=native) does it where the process
+    may lock memory; where it may not, DeepSpeed's three pinned blocks take 16 + 16 + 8 GiB for
+    11.5 + 11.5 + 5.7: 63.0 GiB, the host holds 12, and the run stops with one line naming the
+    numbers (an explicit offload_checkpoints of 12 tries anyway). At 4M even every layer offloaded
+    leaves the GPU's estimate too large, one line too; 40 GiB of host refuses before anything else;
+    16 layers given refuses naming 15."""
     from ds_mtraining.training import memory
     monkeypatch.setattr(memory, "exact_pinned_supported", lambda: True)
     monkeypatch.setenv(HOST_MEMORY_ENV, "125")
@@ -276,7 +275,7 @@ def test_host_check_chooses_n_and_refuses_with_the_numbers(monkeypatch):
     assert plan_memory(e2e_run(1 << 18)[0], ds_config, 1, cuda=True, gpu_gib=139.8).offload_layers == 0
 
     monkeypatch.delenv(ALLOC_CONF)
-    monkeypatch.setattr(memory, "exact_pinned_supported", lambda: False)  # (torch 2.11)
+    monkeypatch.setattr(memory, "exact_pinned_supported", lambda: False)  # (torch 2.11, as on the GPU machines)
     monkeypatch.setattr(memory, "can_lock_memory", lambda: True)  # DeepSpeed's own pinning, at the size asked
     native = plan_memory(run, ds_config, 1, cuda=True, gpu_gib=139.8)
     assert native.offload_layers == 15 and native.host["pinned_exact"] and os.environ[PIN_BACKEND] == "native"
