@@ -436,14 +436,16 @@ def plan_memory(run, ds_config: dict, world_size: int, cuda: bool | None = None,
     room = available - optimizer_gib - process_gib - reserve
     fits = max(0, min(layers - 1, int(room // per_layer_host_gib) if per_layer_host_gib else layers - 1))
 
+    def host_peak(offloaded: int) -> float:  # what the node's processes hold at most, the reserve aside
+        return optimizer_gib + offloaded * per_layer_host_gib + process_gib
+
     def numbers(offloaded: int) -> str:
         rounded = "" if exact else ", pinned blocks at the next power of two"
         return (f"the CPU optimizer needs {optimizer_gib:.1f} GiB ({parameters / 1e9:.2f}B parameters x "
                 f"{optimizer_host_bytes_per_parameter(ds_config)} bytes x {local}/{world_size} ranks on this node"
                 f"{rounded}), {offloaded} offloaded layer checkpoints {offloaded * per_layer_host_gib:.1f} GiB, the "
                 f"processes {process_gib:.1f} GiB, reserve {reserve:.1f} GiB ({SECTION}.host_reserve_gib): "
-                f"{optimizer_gib + offloaded * per_layer_host_gib + process_gib + reserve:.1f} GiB > {available:.1f} "
-                f"GiB available ({source})")
+                f"{host_peak(offloaded) + reserve:.1f} GiB > {available:.1f} GiB available ({source})")
 
     if room < 0:
         raise HostMemoryError(
@@ -499,7 +501,7 @@ def plan_memory(run, ds_config: dict, world_size: int, cuda: bool | None = None,
                  "checkpoints_gib": count * per_layer_host_gib, "process_gib": process_gib, "reserve_gib": reserve,
                  "ranks_on_node": local, "pinned_exact": exact}
     plan.predicted = {"gpu_peak_gib": gpu_peak_gib(plan.gpu, plan.transients) if cuda else None,
-                      "host_peak_gib": optimizer_gib + count * per_layer_host_gib + process_gib}
+                      "host_peak_gib": host_peak(count)}
     return plan
 
 
@@ -563,8 +565,9 @@ def exact_pinning(cuda: bool) -> tuple[str, bool, bool]:
     if not cuda:
         return "", True, False
     given, backend = os.environ.get(ALLOC_CONF), os.environ.get(PIN_BACKEND)
-    if backend is not None or (given is not None and PINNED_ROUND_KEY in given):
-        exact = backend == "native" or (given is not None and PINNED_ROUND_KEY in given)
+    given_key = given is not None and PINNED_ROUND_KEY in given
+    if backend is not None or given_key:
+        exact = backend == "native" or given_key
         return f"pinned blocks {'at their size' if exact else 'at powers of two'} (yours)", exact, False
     if exact_pinned_supported():
         if given is not None:  # the user's allocator setting, without the key
