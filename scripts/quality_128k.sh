@@ -16,7 +16,9 @@
 #                the goals: quality_128k_<device>_<date>.json, its PNGs and study.tar.gz in $OUT.
 #
 # The study lives in STUDY on the machine; every 30 s and at the end study.tar.gz in $OUT holds all
-# of it but the models and checkpoints (0.1-1 GB each: more than a call brings back). On a fresh
+# of it but the models and checkpoints (0.1-1 GB each: more than a call brings back). $OUT gets six
+# files (the log, the JSON, three PNGs, the archive) and a call brings back eight: a wrapper that adds
+# more (fa4_check.sh's FA4_COMMAND adds three) loses one, maybe the archive. On a fresh
 # machine (a later session), put that archive in .quality_state/ and add ".quality_state" to carry:
 # the study continues from it, training again (same settings, seed and data) the models it needs,
 # and the evaluations keep their trials (each row names the model it ran on).

@@ -5,6 +5,7 @@ quality study's driver (bench.quality long) end to end on CPU at toy lengths."""
 import json
 import re
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -280,6 +281,11 @@ def test_the_long_study_end_to_end_on_cpu(tmp_path):
              "--profile_step", "2", "--density_target", "0.9", "--eval_lengths", "512,1024", "--depths", "0,1",
              "--trials", "1", "--max_trials", "2", "--loss_windows", "1", "--buckets", "4")
     assert call(*first, stages="pretrain") is None and trained == [("pretrain", False)]
+    with warnings.catch_warnings():  # compared part-way through (as a device call's end does): no arm yet
+        warnings.simplefilter("error")
+        partial = call(stages="compare")
+    assert partial["arms"] == {"dense": None, "sparse": None, "static": None} and len(partial["plots"]) == 3
+    assert "MTraining's density n/a at the end | held-out loss **n/a** of dense" in partial["results_row"]
     with pytest.raises(ValueError, match=r"other settings: --steps 3 \(the study's: 2\)"):
         call("--steps", "3")
     results = call()  # the rest: budget, arms, evaluations, compare

@@ -943,7 +943,7 @@ def long_plots(results: dict, out: Path, tag: str) -> list[str]:
     axes[1].axhline(GOALS["density"], color="gray", ls="--", lw=0.8, label="10%")
     axes[1].set(xlabel="step of the arm", ylabel="computed / causal entries", title="attention density in training")
     for ax in axes:
-        ax.legend(fontsize=7)
+        _legend(ax)
         ax.grid(alpha=0.3)
     fig.tight_layout()
     names.append(_save(fig, plt, out / f"quality_{tag}_curves.png"))
@@ -973,7 +973,7 @@ def long_plots(results: dict, out: Path, tag: str) -> list[str]:
                    ylabel="accuracy" if not column else None)
         for ax in (top, bottom):
             ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=7)
+    _legend(axes[0][0])
     fig.tight_layout()
     names.append(_save(fig, plt, out / f"quality_{tag}_tasks.png"))
 
@@ -994,11 +994,17 @@ def long_plots(results: dict, out: Path, tag: str) -> list[str]:
         axes[1][column].set(title=f"index density per layer, {_k(n)}", xlabel="layer",
                             ylabel="computed / causal entries" if not column else None)
         for ax in axes[:, column]:
-            ax.legend(fontsize=7)
+            _legend(ax)
             ax.grid(alpha=0.3)
     fig.tight_layout()
     names.append(_save(fig, plt, out / f"quality_{tag}_loss.png"))
     return names
+
+
+def _legend(ax):
+    """The axes' legend, where it has labelled lines (a study part-way through has none yet)."""
+    if ax.get_legend_handles_labels()[1]:
+        ax.legend(fontsize=7)
 
 
 def _save(fig, plt, path: Path) -> str:
@@ -1030,7 +1036,7 @@ def results_row(results: dict, command: str, json_name: str, device: str = "one 
     missed = [name for name, g in goals.items() if isinstance(g, dict) and g.get("pass") is False]
     return (f"| <a id=\"quality-{_k(length).lower()}\"></a>{_model_name(params['model'])} continued at {_k(length)} for "
             f"{params['steps']} steps from one dense {_k(params['pretrain_seq_len'])} stage ({params['pretrain_steps']} "
-            f"steps), {device}; MTraining's density {density if density is None else f'{density:.3f}'} at the end | "
+            f"steps), {device}; MTraining's density {'n/a' if density is None else f'{density:.3f}'} at the end | "
             f"held-out loss **{_percent(goals['sparse_heldout_loss_gap_le_0.01']['value'])}** of dense, last "
             f"position bucket {_percent(goals['sparse_last_bucket_loss_gap_le_0.02']['value'])} (dense evaluation); "
             f"tasks at {_k(length)} (MTraining vs dense): {tasks or 'n/a'}; static sinks + window: {static or 'n/a'}; "
