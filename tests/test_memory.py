@@ -209,7 +209,9 @@ def test_offload_restores_each_layer_once_prefetched_and_keeps_none():
 @pytest.fixture(autouse=True)
 def allocator_environment(monkeypatch):
     """A plan for CUDA sets PYTORCH_CUDA_ALLOC_CONF, and may set DS_PIN_MEMORY_BACKEND, in this
-    process: each test starts without them and leaves neither behind."""
+    process: each test starts without them (and without a plan's record of them) and leaves neither behind."""
+    from ds_mtraining.training import memory
+    monkeypatch.setattr(memory, "SET_BY_PLAN", {})
     for name in (ALLOC_CONF, PIN_BACKEND):
         monkeypatch.setenv(name, "")  # (recorded as unset, so that the end of the test unsets it)
         monkeypatch.delenv(name)
@@ -274,15 +276,15 @@ def test_host_check_chooses_n_and_refuses_with_the_numbers(monkeypatch):
     assert os.environ[ALLOC_CONF] == "expandable_segments:True,pinned_max_round_threshold_mb:64"
     assert plan_memory(e2e_run(1 << 18)[0], ds_config, 1, cuda=True, gpu_gib=139.8).offload_layers == 0
 
-    monkeypatch.delenv(ALLOC_CONF)
+    # each plan below replaces the settings the one before it put in this process's environment
     monkeypatch.setattr(memory, "exact_pinned_supported", lambda: False)  # (torch 2.11, as on the GPU machines)
     monkeypatch.setattr(memory, "can_lock_memory", lambda: True)  # DeepSpeed's own pinning, at the size asked
     native = plan_memory(run, ds_config, 1, cuda=True, gpu_gib=139.8)
     assert native.offload_layers == 15 and native.host["pinned_exact"] and os.environ[PIN_BACKEND] == "native"
-    assert native.describe().endswith("; pinned blocks at their size (DS_PIN_MEMORY_BACKEND=native, DeepSpeed's, "
-                                      "set by ds_mtraining)")
-    monkeypatch.delenv(ALLOC_CONF)
-    monkeypatch.delenv(PIN_BACKEND)
+    assert os.environ[ALLOC_CONF] == "expandable_segments:True"  # without the key that torch 2.11 refuses
+    assert native.describe().endswith("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (set by ds_mtraining; set the "
+                                      "variable to choose another); pinned blocks at their size "
+                                      "(DS_PIN_MEMORY_BACKEND=native, DeepSpeed's, set by ds_mtraining)")
     monkeypatch.setattr(memory, "can_lock_memory", lambda: False)
     rounded = 3_085_938_688 * 8 / 2 ** 30 + 16 + 16 + 8
     with pytest.raises(HostMemoryError, match=(
@@ -294,11 +296,11 @@ def test_host_check_chooses_n_and_refuses_with_the_numbers(monkeypatch):
             r"to 12 to try anyway$")):
         plan_memory(run, ds_config, 1, cuda=True, gpu_gib=139.8)
     assert os.environ[ALLOC_CONF] == "expandable_segments:True" and PIN_BACKEND not in os.environ
-    monkeypatch.delenv(ALLOC_CONF)
     tried = plan_memory(e2e_run(1 << 20, host_reserve_gib=8, offload_checkpoints=12)[0], ds_config, 1, cuda=True,
                         gpu_gib=139.8)
     assert tried.offload_layers == 12 and tried.host["optimizer_gib"] == pytest.approx(rounded)  # the user's N
-    monkeypatch.setenv(ALLOC_CONF, "pinned_max_round_threshold_mb:32")  # the user's own choices
+    memory.SET_BY_PLAN.clear()  # the user's own choices, as made before the process started
+    monkeypatch.setenv(ALLOC_CONF, "pinned_max_round_threshold_mb:32")
     assert plan_memory(run, ds_config, 1, cuda=True, gpu_gib=139.8).host["pinned_exact"]
     monkeypatch.setenv(ALLOC_CONF, "expandable_segments:True")
     monkeypatch.setenv(PIN_BACKEND, "native")

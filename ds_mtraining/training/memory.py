@@ -73,6 +73,9 @@ HOST_PROCESS_GIB = {"cuda": 3.5, "cpu": 1.25}
 HOST_MEMORY_ENV = "DS_MTRAINING_HOST_MEMORY_GIB"
 CPU_ONLY = "no CUDA allocator (CPU)"
 CHECKPOINTING_OFF = "checkpointing off"  # the offload choice without activation checkpointing
+# the allocator settings a plan in this process put in the environment: a later plan replaces them
+# (they are not the user's choice)
+SET_BY_PLAN: dict[str, str] = {}
 
 
 class MemoryPlanError(ConfigError):
@@ -544,16 +547,32 @@ def alloc_conf_setting(expandable: bool, cuda: bool, exact_pinned: bool) -> str:
     """Sets ``PYTORCH_CUDA_ALLOC_CONF`` (before CUDA starts) unless the user has: expandable
     segments where asked, ``pinned_max_round_threshold_mb`` where :func:`exact_pinning` chose it;
     says what it is."""
-    given = os.environ.get(ALLOC_CONF)
+    given = users_setting(ALLOC_CONF)
     if given is not None:
         return f"{ALLOC_CONF}={given} (yours)"
     if not cuda:
         return CPU_ONLY
     entries = ([EXPANDABLE] if expandable else []) + ([PINNED_EXACT] if exact_pinned else [])
     if not entries:
+        set_by_plan(ALLOC_CONF, None)
         return f"{ALLOC_CONF} unset ({SECTION}.expandable_segments false)"
-    os.environ[ALLOC_CONF] = ",".join(entries)
+    set_by_plan(ALLOC_CONF, ",".join(entries))
     return f"{ALLOC_CONF}={os.environ[ALLOC_CONF]} (set by ds_mtraining; set the variable to choose another)"
+
+
+def users_setting(name: str) -> str | None:
+    """The environment's ``name``, unless unset or a plan in this process set it (:func:`set_by_plan`)."""
+    value = os.environ.get(name)
+    return None if value is None or SET_BY_PLAN.get(name) == value else value
+
+
+def set_by_plan(name: str, value: str | None):
+    """Sets (None: unsets) an allocator setting of the user's process, remembered as the plan's."""
+    if value is None:
+        os.environ.pop(name, None)
+        SET_BY_PLAN.pop(name, None)
+    else:
+        os.environ[name] = SET_BY_PLAN[name] = value
 
 
 def exact_pinning(cuda: bool) -> tuple[str, bool, bool]:
@@ -564,17 +583,18 @@ def exact_pinning(cuda: bool) -> tuple[str, bool, bool]:
     their size, whether the allocator setting is to carry ``pinned_max_round_threshold_mb``)."""
     if not cuda:
         return "", True, False
-    given, backend = os.environ.get(ALLOC_CONF), os.environ.get(PIN_BACKEND)
+    given, backend = users_setting(ALLOC_CONF), users_setting(PIN_BACKEND)
     given_key = given is not None and PINNED_ROUND_KEY in given
     if backend is not None or given_key:
         exact = backend == "native" or given_key
         return f"pinned blocks {'at their size' if exact else 'at powers of two'} (yours)", exact, False
+    set_by_plan(PIN_BACKEND, None)  # an earlier plan's choice in this process: chosen again below
     if exact_pinned_supported():
         if given is not None:  # the user's allocator setting, without the key
             return f"pinned blocks at powers of two (add {PINNED_EXACT} to your {ALLOC_CONF})", False, False
         return f"pinned blocks at their size ({PINNED_EXACT})", True, True
     if can_lock_memory() and native_pinning_builds():
-        os.environ[PIN_BACKEND] = "native"
+        set_by_plan(PIN_BACKEND, "native")
         return f"pinned blocks at their size ({PIN_BACKEND}=native, DeepSpeed's, set by ds_mtraining)", True, False
     return "pinned blocks at powers of two (this torch rounds them, and no memory can be locked)", False, False
 
