@@ -43,8 +43,8 @@ def test_ladder_powers_of_two_and_half_steps():
 def test_search_up_and_down_resume_breakdown_and_overhead(tmp_path):
     """From 256K MTraining climbs until 1M runs out of memory (max 768K), Ulysses steps down until
     128K trains; the breakdown at 768K: peak 88 GiB - resident 10 - GPU checkpoints 63 = 15 GiB of
-    transient, and the measured peaks over the plan's predicted ones. A second invocation from 1M reads every length from the file (no launch) and adds
-    the overhead at 256K: 1.05."""
+    transient, and the measured peaks over the plan's predicted ones. A second invocation from 1M
+    reads every length from the file (no launch) and adds the overhead at 256K: 1.05."""
     calls = []
     argv = ["--cpu", "--models", "qwen2.5-3b", "--modes", "mtraining", "ulysses", "--starting_len", "262144",
             "--max_len", "2097152", "--density", "0.05", "--out", str(tmp_path), "--tag", "t"]

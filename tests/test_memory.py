@@ -342,7 +342,8 @@ def test_plan_predicts_the_peaks_measured_at_768k(monkeypatch):
     monkeypatch.setattr(memory, "exact_pinned_supported", lambda: False)
     monkeypatch.setattr(memory, "can_lock_memory", lambda: False)
     monkeypatch.setenv(HOST_MEMORY_ENV, str(row["plan"]["host"]["available_gib"]))
-    plan = plan_memory(e2e_run(786432)[0], e2e_run(786432)[1], 1, cuda=True, gpu_gib=139.8)
+    run, ds_config = e2e_run(786432)
+    plan = plan_memory(run, ds_config, 1, cuda=True, gpu_gib=139.8)
     assert plan.offload_layers == row["plan"]["offload_layers"] == 5
     gpu, host = max(row["peak_memory_gib"]), row["host_peak_rss_gib"]
     assert abs(plan.predicted["gpu_peak_gib"] / gpu - 1) < 0.05, (plan.predicted, gpu)
