@@ -5,10 +5,11 @@
 #   capacity  python -m ds_mtraining.bench.capacity for the 3B shape at SEQ_LEN, WARMUP + STEPS steps,
 #             5% density, the mtraining.memory defaults (or MEMORY, JSON): peaks against the plan's
 #             predicted ones, tokens/s
-# A fresh machine spends about two minutes in the builds; the 3B start-up takes about two more and
-# a 1M step two or more, so the run outlasts one device call: it runs in a process session of its
-# own (setsid: it outlives the call while the machine is warm), each call waits for it until
-# BUDGET_S, and the same command, called again at once, waits on (or collects what it left):
+# On a fresh machine the builds take as long as the CUDA op's (the host-side ops build beside it),
+# the 3B start-up about two minutes and a 1M step two or more, so the run outlasts one device
+# call: it runs in a process session of its own (setsid: it outlives the call while the machine
+# is warm), each call waits for it until BUDGET_S, and the same command, called again at once,
+# waits on it (or collects what it left):
 #   run(command="bash scripts/capacity_check.sh", carry=[".whl"], needs_h200=true)   # until it prints the result
 # $OUT (default ./capacity_out) gets capacity_check.log, the run's log (capacity.log), and once it
 # has ended the result capacity_<TAG>.json and its PNG, its train.log and summary.txt (printed last);
