@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The longest sequence on one GPU (bench.capacity; docs/RESULTS.md, "Capacity on one H200"):
-#   build     the ops a run JIT-compiles (ours for CUDA and the CPU, DeepSpeed's CPU Adam and pin_memory),
+#   build     the ops a run JIT-compiles (ours for CUDA, DeepSpeed's CPU Adam and pin_memory),
 #             and how pinned blocks get their size here (ds_mtraining.training.memory.exact_pinning)
 #   capacity  python -m ds_mtraining.bench.capacity for the 3B shape at SEQ_LEN, WARMUP + STEPS steps,
 #             5% density, the mtraining.memory defaults (or MEMORY, JSON): peaks against the plan's
@@ -32,10 +32,9 @@ gpus=$(python3 -c "import torch; print(torch.cuda.device_count())" 2>/dev/null |
 build() {  # the host-side ops build beside the CUDA op (the longest), each in its own process
   python3 -c "
 import time
-from ds_mtraining import ops
 from deepspeed.ops.op_builder import CPUAdamBuilder, PinMemoryBuilder
-t = time.time(); ops.op_module('cpu'); CPUAdamBuilder().load(); PinMemoryBuilder().load()
-print(f'host ops (ours for the CPU, CPU Adam, pin_memory) built and loaded in {time.time() - t:.1f} s')" &
+t = time.time(); CPUAdamBuilder().load(); PinMemoryBuilder().load()
+print(f'host ops (CPU Adam, pin_memory) built and loaded in {time.time() - t:.1f} s')" &
   local host=$!
   python3 -c "
 import time, torch
