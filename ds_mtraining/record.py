@@ -101,6 +101,16 @@ def result_path(name: str, device_tag: str | None = None, date: str | None = Non
     return Path(folder if folder is not None else RESULTS) / f"{name}_{device_tag}_{date}.json"
 
 
+def plot_path(result, kind: str) -> Path:
+    """A plot beside the result JSON ``result``, named by the same rule with its ``kind`` before the
+    device: ``quality_128k_h100_2026-12-07.json``, ``"curves"`` -> ``quality_128k_curves_h100_2026-12-07.png``."""
+    parsed = _parse_result_name(Path(result).name)
+    if parsed is None:
+        raise ValueError(f"{Path(result).name} is not named by result_path's rule (<name>_<device>_<YYYY-MM-DD>.json)")
+    name, device_tag, date = parsed
+    return Path(result).with_name(f"{name}_{kind}_{device_tag}_{date}.png")
+
+
 def _parse_result_name(filename: str) -> tuple[str, str, str] | None:
     """``kernel_1m_h200_2026-12-01.json`` -> ``("kernel_1m", "h200", "2026-12-01")``, or None where
     the name does not follow :func:`result_path`'s rule."""

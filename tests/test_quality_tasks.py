@@ -185,6 +185,10 @@ def test_wilson_interval_by_hand():
     low, high = wilson_interval(0, 50)  # 0 of n: [0, z^2 / (n + z^2)]
     assert low == pytest.approx(0.0, abs=1e-12) and high == pytest.approx(3.8415 / 53.8415, rel=1e-4)
     assert wilson_interval(50, 50)[1] == 1.0
+    for trials in range(1, 301):  # the share lies inside its interval, also where rounding leans out
+        for successes in {0, 1, trials // 2, trials - 1, trials}:
+            low, high = wilson_interval(successes, trials)
+            assert 0.0 <= low <= successes / trials <= high <= 1.0, (successes, trials, low, high)
 
 
 @pytest.mark.parametrize("accuracy, trials", [(0.5, 2398), (0.9, 868), (0.0, 93), (1.0, 93), (0.97, 303)])

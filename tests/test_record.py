@@ -103,6 +103,13 @@ def test_result_path_naming(tmp_path):
     assert record._tag_of("cpu (x86_64, 2 cores)") == "cpu"
 
 
+def test_plot_names_follow_the_rule():
+    result = result_path("quality_128k", "h100", "2026-12-07")
+    assert record.plot_path(result, "curves") == result.with_name("quality_128k_curves_h100_2026-12-07.png")
+    with pytest.raises(ValueError):
+        record.plot_path(result.with_name("quality_128k.json"), "curves")
+
+
 def test_the_results_folder_follows_the_rule():
     names = [p.name for p in (REPO / "benchmarks" / "results").glob("*.json")]
     assert names and [n for n in names if record._parse_result_name(n) is None] == []

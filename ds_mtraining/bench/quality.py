@@ -59,7 +59,7 @@ from pathlib import Path
 import numpy as np
 
 from ..distributed.spawn import free_port
-from ..record import result_path, write_json, write_result
+from ..record import plot_path, result_path, write_json, write_result
 from ..ruler import TASKS as RULER_TASKS
 from .launch import launcher_env, metric_path, read_metric, run_in_lanes, run_logged, training_command
 
@@ -914,10 +914,11 @@ def long_comparisons(evals: dict, baseline: str = "dense:dense") -> dict:
     return found
 
 
-def long_plots(results: dict, out: Path, tag: str) -> list[str]:
+def long_plots(results: dict, path: Path) -> list[str]:
     """Loss curves (pretraining and arms) and density in training; accuracy by task and length
     (95% intervals) and by depth at the longest length; loss by position and each layer's density
-    per length. [] with one line where matplotlib is missing."""
+    per length: three PNGs beside the result JSON ``path`` (``record.plot_path``). [] with one line
+    where matplotlib is missing."""
     try:
         import matplotlib
     except ImportError:
@@ -946,7 +947,7 @@ def long_plots(results: dict, out: Path, tag: str) -> list[str]:
         _legend(ax)
         ax.grid(alpha=0.3)
     fig.tight_layout()
-    names.append(_save(fig, plt, out / f"quality_{tag}_curves.png"))
+    names.append(_save(fig, plt, plot_path(path, "curves")))
 
     tasks, evals = results["params"]["ruler_tasks"], {k: v for k, v in results["evals"].items() if v}
     lengths, longest = results["params"]["eval_lengths"], str(max(results["params"]["eval_lengths"]))
@@ -975,7 +976,7 @@ def long_plots(results: dict, out: Path, tag: str) -> list[str]:
             ax.grid(alpha=0.3)
     _legend(axes[0][0])
     fig.tight_layout()
-    names.append(_save(fig, plt, out / f"quality_{tag}_tasks.png"))
+    names.append(_save(fig, plt, plot_path(path, "tasks")))
 
     fig, axes = plt.subplots(2, len(lengths), figsize=(4.5 * len(lengths), 7), squeeze=False)
     for column, n in enumerate(lengths):
@@ -997,7 +998,7 @@ def long_plots(results: dict, out: Path, tag: str) -> list[str]:
             _legend(ax)
             ax.grid(alpha=0.3)
     fig.tight_layout()
-    names.append(_save(fig, plt, out / f"quality_{tag}_loss.png"))
+    names.append(_save(fig, plt, plot_path(path, "loss")))
     return names
 
 
@@ -1077,7 +1078,7 @@ def long_main(args, trainer=launch_training, say=print) -> dict | None:
         tag = args.tag or study.out.name
         path = result_path(f"quality_{tag}", folder=out)
         command = os.environ.get("QUALITY_128K_COMMAND") or " ".join(["python -m ds_mtraining.bench.quality"] + sys.argv[1:])
-        results["plots"] = long_plots(results, out, tag)
+        results["plots"] = long_plots(results, path)
         device = _device_name()
         results["results_row"] = results_row(results, command, path.name, "CPU" if device == "cpu" else f"one {device}")
         results["stages_done"] = [s for s in LONG_STAGES if s != "compare" and study.done(s)]

@@ -49,14 +49,15 @@ def score(task: str, generated: str, answer: list) -> bool:
 
 # ----------------------------------------------------------------------------- intervals
 def wilson_interval(successes: int, trials: int, z: float = Z95) -> tuple[float, float]:
-    """The Wilson score interval of a binomial share (95% by default); (0, 1) with no trials."""
+    """The Wilson score interval of a binomial share (95% by default); (0, 1) with no trials. It
+    holds the share itself exactly (rounding put 0 of 50's lower bound at 7e-18, above the share)."""
     if trials <= 0:
         return 0.0, 1.0
     p, n = successes / trials, trials
     denominator = 1 + z * z / n
     centre = (p + z * z / (2 * n)) / denominator
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denominator
-    return max(0.0, centre - half), min(1.0, centre + half)
+    return min(p, max(0.0, centre - half)), max(p, min(1.0, centre + half))
 
 
 def wilson_width(accuracy: float, trials: int, z: float = Z95) -> float:
