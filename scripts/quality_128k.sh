@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call of the 128K quality study (issue 52: python -m ds_mtraining.bench.quality long) on
-# one GPU: a dense stage at 4K, then dense (FlashAttention-4), MTraining and static continued to 128K
-# from its export on one token stream, evaluated at 32K/64K/128K (held-out loss by position, the
+# one GPU: dense stages at 4K and 32K, then dense (FlashAttention-4), MTraining and static continued to
+# 128K from the 32K export on one token stream, evaluated at 32K/64K/128K (held-out loss by position, the
 # RULER-style tasks, each MTraining layer's density), compared. Each call runs the stages not done
 # yet until BUDGET_S, stopping in time with what it did saved (training: the step in flight
 # checkpointed; evaluation: its trials), so the same command, called again, continues:
@@ -23,7 +23,7 @@
 # the study continues from it, training again (same settings, seed and data) the models it needs,
 # and the evaluations keep their trials (each row names the model it ran on).
 #
-# Env: BUDGET_S (560: seconds of this call), STAGES (all, or e.g. "pretrain,budget,dense"),
+# Env: BUDGET_S (560: seconds of this call), STAGES (all, or e.g. "pretrain,extend,budget,dense"),
 #      STUDY (/tmp/quality_128k), DATA (data/quality: built from the standard library when missing),
 #      TAG (128k), DEVICE (cuda:0; cpu: a dry run of the script with a toy study in STUDY_ARGS), STUDY_ARGS (more options of `bench.quality long`, fixed by the study's first call:
 #      --steps, --max_trials, ...)

@@ -33,9 +33,9 @@ study takes the largest step count whose runs (measured seconds per step and lau
 from :mod:`ds_mtraining.eval.corpus` (``train.parquet`` for training, ``heldout.parquet`` for
 evaluation: no held-out text is trained on).
 
-``long`` is the long-context study (:class:`LongStudy`, one GPU, ``scripts/quality_128k.sh``): a
-dense stage at 4K, the slash budget, then dense (FlashAttention-4), MTraining and static arms
-continued to 128K from its export on one token stream, evaluated at 32K/64K/128K (loss by
+``long`` is the long-context study (:class:`LongStudy`, one GPU, ``scripts/quality_128k.sh``):
+dense stages at 4K and 32K, the slash budget, then dense (FlashAttention-4), MTraining and static
+arms continued to 128K from the 32K export on one token stream, evaluated at 32K/64K/128K (loss by
 position, the RULER-style tasks of :mod:`ds_mtraining.ruler` with Wilson intervals, each layer's
 density; the MTraining arm with sparse and with dense attention), compared against the goals. Its
 stages run per call and resume in one folder (``study.json``); docs/BENCHMARKS.md has the commands.
@@ -397,13 +397,15 @@ def plot(results: dict, out: Path, tag: str) -> list[str]:
 
 
 # ----------------------------------------------------------------------------- the long-context study
-# Issue 52: one dense stage at a short length, then dense (FA4 on Hopper), MTraining and static arms
-# continued to 128K from its export on the same token stream; evaluation at several lengths.
-LONG_STAGES = ("pretrain", "budget", "dense", "sparse", "static", "eval", "compare")
+# Issue 52: dense stages at a short and a middle length, then dense (FA4 on Hopper), MTraining and
+# static arms continued to 128K from the last one's export on the same token stream; evaluation at
+# several lengths.
+LONG_STAGES = ("pretrain", "extend", "budget", "dense", "sparse", "static", "eval", "compare")
 LONG_EVALS = ("dense:dense", "sparse:sparse", "sparse:dense", "static:dense")
 LONG_DEFAULTS = {  # a study's settings, fixed by its first call (study.json); the 128K study on one H200
     "config": "ds_configs/quality_128k.json", "pretrain_config": "ds_configs/quality_pretrain_4k_tasks.json",
-    "pretrain_steps": 1000, "steps": 150, "seed": 1234, "log_interval": 5, "save_interval": 50,
+    "pretrain_steps": 1000, "extend_config": "ds_configs/quality_extend_32k_tasks.json", "extend_steps": 900,
+    "steps": 150, "seed": 1234, "log_interval": 5, "save_interval": 50,
     "profile_step": 8, "density_target": 0.08, "eval_lengths": [32768, 65536, 131072],
     "depths": [0.0, 0.25, 0.5, 0.75, 1.0], "ruler_tasks": list(RULER_TASKS), "trials": 4,
     "target_width": 0.04, "max_trials": 600, "loss_windows": 4, "buckets": 16, "evals": list(LONG_EVALS),
@@ -489,10 +491,11 @@ def _sparse_spec(section: dict) -> dict:
 
 class LongStudy:
     """The stages of one long-context study in one folder (``--out``), each call running the stages
-    it names that are not done yet: ``pretrain`` (dense, short), ``budget`` (the slash budget for
-    --density_target on the pretrained model at the study's length), ``dense`` / ``sparse`` /
-    ``static`` (continued from the pretrained export at the study's length, same seed: the same
-    token stream; static at sparse's final density), ``eval`` (``ds_mtraining.eval`` of each
+    it names that are not done yet: ``pretrain`` (dense, short), ``extend`` (dense, continued from
+    it at a middle length, where the model learns to retrieve before the study's length; none with
+    --extend_steps 0), ``budget`` (the slash budget for --density_target on the model the arms start
+    from, at the study's length), ``dense`` / ``sparse`` / ``static`` (continued from that model's
+    export at the study's length, same seed: the same token stream; static at sparse's final density), ``eval`` (``ds_mtraining.eval`` of each
     ``arm:attention`` of --evals: loss by position and the RULER-style tasks at --eval_lengths) and
     ``compare`` (the result JSON, goals and plots). A call with --time_budget stops at its deadline
     with what it did saved (training: its step checkpointed; evaluation: its trials), and the next
@@ -528,7 +531,9 @@ class LongStudy:
             return settings
         values = {**LONG_DEFAULTS, **given}
         settings = {"given": values, "base": json.loads(Path(values["config"]).read_text()),
-                    "pretrain": json.loads(Path(values["pretrain_config"]).read_text()), "budget": None}
+                    "pretrain": json.loads(Path(values["pretrain_config"]).read_text()),
+                    "extend": json.loads(Path(values["extend_config"]).read_text()) if values["extend_steps"] else None,
+                    "budget": None}
         write_json(path, settings)
         return settings
 
@@ -545,7 +550,9 @@ class LongStudy:
         return self.data / name
 
     def done(self, stage: str) -> bool:
-        if stage in ("pretrain", *MODES):
+        if stage == "extend" and not self.settings["extend"]:
+            return True
+        if stage in ("pretrain", "extend", *MODES):
             return (self.out / stage / "done.json").is_file()
         if stage == "budget":
             return self.settings["budget"] is not None or self.settings["given"]["density_target"] is None
@@ -605,11 +612,22 @@ class LongStudy:
                              str(self._data_file("train.parquet")))
         self._train("pretrain", config, given["pretrain_steps"])
 
-    def _pretrained(self) -> str:
-        if not (self.out / "pretrain" / "done.json").is_file():
-            raise ValueError("the arms continue from the pretrained model: run the pretrain stage first")
-        self._ensure_model("pretrain")
-        return str((self.out / "pretrain" / "hf").resolve())
+    def stage_extend(self):
+        given = self.settings["given"]
+        config = mode_config(self.settings["extend"], "dense", given["extend_steps"],
+                             str(self._data_file("train.parquet")), model=self._export("pretrain"))
+        self._train("extend", config, given["extend_steps"])
+
+    def _export(self, stage: str) -> str:
+        """The exported model of a training stage that is done (trained again where this machine lacks it)."""
+        if not (self.out / stage / "done.json").is_file():
+            raise ValueError(f"the next stage continues from the {stage} stage's model: run that stage first")
+        self._ensure_model(stage)
+        return str((self.out / stage / "hf").resolve())
+
+    def _start_model(self) -> str:
+        """The model the budget is chosen on and the arms continue from: the last dense stage's."""
+        return self._export("extend" if self.settings["extend"] else "pretrain")
 
     def _ensure_model(self, stage: str):
         """A stage done in an earlier session whose exported model is not here (a bare machine: the
@@ -632,9 +650,9 @@ class LongStudy:
     def stage_budget(self):
         given = self.settings["given"]
         self.say(f"budget: the most generous slash budget of density <= {given['density_target']} on the "
-                 f"pretrained model at {self.settings['base']['mtraining']['seq_len']} tokens")
+                 f"model the arms start from, at {self.settings['base']['mtraining']['seq_len']} tokens")
         device = "cuda" if self.device.startswith("cuda") else "cpu"
-        choice = choose_budget(self._pretrained(), self.settings["base"], str(self._data_file("train.parquet")),
+        choice = choose_budget(self._start_model(), self.settings["base"], str(self._data_file("train.parquet")),
                                given["density_target"], device)
         self.settings["budget"] = choice
         self._save_settings()
@@ -653,7 +671,7 @@ class LongStudy:
                 self._save_settings()
             density = self.settings["static_density"]
         config = mode_config(self._base(), mode, given["steps"], str(self._data_file("train.parquet")), density,
-                             self._pretrained())
+                             self._start_model())
         self._train(mode, config, given["steps"])
 
     def stage_dense(self):
@@ -864,10 +882,13 @@ def long_results(study: Path) -> dict:
     """Everything a study folder holds so far (stages not run: absent or None): the arms' training,
     the evaluations, the goals (:func:`long_goals`) and the comparisons at every length."""
     settings = json.loads((study / "study.json").read_text())
+    extend = settings["extend"]
     params = {**settings["given"], "seq_len": settings["base"]["mtraining"]["seq_len"],
               "pretrain_seq_len": settings["pretrain"]["mtraining"]["seq_len"],
+              "extend_seq_len": extend["mtraining"]["seq_len"] if extend else None,
               "model": settings["base"]["mtraining"]["model"], "budget": settings["budget"]}
     results = {"params": params, "pretrain": arm_results(study / "pretrain"),
+               "extend": arm_results(study / "extend") if extend else None,
                "arms": {mode: arm_results(study / mode) for mode in MODES},
                "evals": {spec: eval_results(study / spec.split(":")[0] / f"eval_{spec.split(':')[1]}")
                          for spec in settings["given"]["evals"]}}
@@ -930,10 +951,12 @@ def long_plots(results: dict, path: Path) -> list[str]:
     styles = {"dense": "-", "sparse": "--"}
     names = []
     fig, axes = plt.subplots(1, 2, figsize=(12, 4))
-    offset = (results["pretrain"] or {}).get("train_steps", [0])[-1]
-    if results["pretrain"]:
-        axes[0].plot(results["pretrain"]["train_steps"], results["pretrain"]["train_loss"], color="gray", lw=1,
-                     label=f"pretrain ({results['params']['pretrain_seq_len']} tokens)")
+    offset = 0
+    for stage, color in (("pretrain", "gray"), ("extend", "tab:green")):  # the dense stages, one after the other
+        if results.get(stage):
+            axes[0].plot(np.array(results[stage]["train_steps"]) + offset, results[stage]["train_loss"], color=color,
+                         lw=1, label=f"{stage} ({results[stage]['seq_len']} tokens)")
+            offset += results[stage]["train_steps"][-1]
     for mode, arm in results["arms"].items():
         if arm:
             axes[0].plot(np.array(arm["train_steps"]) + offset, arm["train_loss"], color=colors[mode], lw=1,
@@ -1036,14 +1059,18 @@ def results_row(results: dict, command: str, json_name: str, device: str = "one 
     density = goals["sparse_density_le_0.1"]["value"]
     missed = [name for name, g in goals.items() if isinstance(g, dict) and g.get("pass") is False]
     return (f"| <a id=\"quality-{_k(length).lower()}\"></a>{_model_name(params['model'])} continued at {_k(length)} for "
-            f"{params['steps']} steps from one dense {_k(params['pretrain_seq_len'])} stage ({params['pretrain_steps']} "
-            f"steps), {device}; MTraining's density {'n/a' if density is None else f'{density:.3f}'} at the end | "
+            f"{params['steps']} steps from dense stages at {_k(params['pretrain_seq_len'])} ({params['pretrain_steps']} "
+            f"steps){_extend_words(params)}, {device}; MTraining's density {'n/a' if density is None else f'{density:.3f}'} at the end | "
             f"held-out loss **{_percent(goals['sparse_heldout_loss_gap_le_0.01']['value'])}** of dense, last "
             f"position bucket {_percent(goals['sparse_last_bucket_loss_gap_le_0.02']['value'])} (dense evaluation); "
             f"tasks at {_k(length)} (MTraining vs dense): {tasks or 'n/a'}; static sinks + window: {static or 'n/a'}; "
             f"tokens/s {'n/a' if ratio is None else f'{ratio:.2f}x'} dense's (attention "
             f"{_share(arms.get('dense'))} / {_share(arms.get('sparse'))} of the step, dense / MTraining)"
             f"{'; goals missed: ' + ', '.join(missed) if missed else ''} | `{command}` | `{json_name}` |")
+
+
+def _extend_words(params: dict) -> str:
+    return f" and {_k(params['extend_seq_len'])} ({params['extend_steps']} steps)" if params.get("extend_seq_len") else ""
 
 
 def _model_name(model) -> str:
