@@ -23,7 +23,7 @@
 # the study continues from it, training again (same settings, seed and data) the models it needs,
 # and the evaluations keep their trials (each row names the model it ran on).
 #
-# Env: BUDGET_S (560: seconds of this call), STAGES (all, or e.g. "pretrain,extend,budget,dense"),
+# Env: BUDGET_S (560: seconds of this call), STAGES (all, or e.g. "pretrain,extend,probe,budget"),
 #      STUDY (/tmp/quality_128k), DATA (data/quality: built from the standard library when missing),
 #      TAG (128k), DEVICE (cuda:0; cpu: a dry run of the script with a toy study in STUDY_ARGS), STUDY_ARGS (more options of `bench.quality long`, fixed by the study's first call:
 #      --steps, --max_trials, ...)

@@ -249,7 +249,8 @@ def _toy_config(seq_len: int) -> dict:
 @pytest.mark.usefixtures("built_ops")  # built before the rank starts
 def test_the_long_study_end_to_end_on_cpu(tmp_path):
     """bench.quality long at toy size on CPU: pretrain (512 tokens), extend (768 tokens, from its
-    export), the slash budget, the three arms (1024 tokens) from extend's export on one token stream, static at sparse's final density, each
+    export), the probe of extend's model at 768, the slash budget, the three arms (1024 tokens) from
+    extend's export on one token stream, static at sparse's final density, each
     evaluation at two lengths, compare; a call skips what an earlier call did, study.json refuses
     other settings, the result JSON holds the goals with margins, the rows, the plots and a
     RESULTS row. Trained in-process on one spawned rank (the launcher's startup would take most
@@ -282,7 +283,7 @@ def test_the_long_study_end_to_end_on_cpu(tmp_path):
 
     first = ("--config", str(tmp_path / "base.json"), "--pretrain_config", str(tmp_path / "pretrain.json"),
              "--pretrain_steps", "2", "--extend_config", str(tmp_path / "extend.json"), "--extend_steps", "2",
-             "--steps", "2", "--log_interval", "1", "--save_interval", "0",
+             "--probe_trials", "2", "--steps", "2", "--log_interval", "1", "--save_interval", "0",
              "--profile_step", "2", "--density_target", "0.9", "--eval_lengths", "512,1024", "--depths", "0,1",
              "--trials", "1", "--max_trials", "2", "--loss_windows", "1", "--buckets", "4")
     assert call(*first, stages="pretrain") is None and trained == [("pretrain", False)]
@@ -301,6 +302,9 @@ def test_the_long_study_end_to_end_on_cpu(tmp_path):
     assert configs.pop("extend")["model"] == str((out / "pretrain" / "hf").resolve())
     assert {c["model"] for c in configs.values()} == {str((out / "extend" / "hf").resolve())}
     assert results["extend"]["seq_len"] == 768 and results["extend"]["train_steps"][-1] == 2
+    probe = results["probe"]  # extend's model at its own length, before the arms
+    assert probe["model_of"] == "extend" and probe["length"] == 768 and list(probe["loss"]) == ["768"]
+    assert {task: cell["768"]["trials"] for task, cell in probe["tasks"].items()} == {task: 2 for task in TASKS}
     assert configs["static"]["static"]["density"] == pytest.approx(
         quality.tail_mean(read_metric(out / "sparse" / "run", "density")[1]))
     budget = json.loads((out / "study.json").read_text())["budget"]
@@ -329,11 +333,12 @@ def test_the_long_study_end_to_end_on_cpu(tmp_path):
         (e.split(":")[0], e.split(":")[1], n) for e in quality.LONG_EVALS for n in (512, 1024)}
     assert all((out / name).is_file() for name in record["plots"]) and len(record["plots"]) == 3
     assert record["results_row"].startswith("| <a id=\"quality-1k\"></a>tiny-qwen2 continued at 1K for 2 steps from "
-                                            "dense stages at 512 (2 steps) and 768 (2 steps), CPU;")
+                                            "dense stages at 512 (2 steps) and 768 (2 steps), CPU (the 768 model before "
+                                            "them: passkey ")
     assert "quality_toy_cpu_" in record["results_row"]
     # a later call skips every stage done
     count = len(trained)
-    assert call(stages="pretrain,extend,budget,dense,sparse,static,eval") is None and len(trained) == count
+    assert call(stages="pretrain,extend,probe,budget,dense,sparse,static,eval") is None and len(trained) == count
     assert all(len(ev["models"]) == 1 for ev in evals.values())
 
 

@@ -400,12 +400,12 @@ def plot(results: dict, out: Path, tag: str) -> list[str]:
 # Issue 52: dense stages at a short and a middle length, then dense (FA4 on Hopper), MTraining and
 # static arms continued to 128K from the last one's export on the same token stream; evaluation at
 # several lengths.
-LONG_STAGES = ("pretrain", "extend", "budget", "dense", "sparse", "static", "eval", "compare")
+LONG_STAGES = ("pretrain", "extend", "probe", "budget", "dense", "sparse", "static", "eval", "compare")
 LONG_EVALS = ("dense:dense", "sparse:sparse", "sparse:dense", "static:dense")
 LONG_DEFAULTS = {  # a study's settings, fixed by its first call (study.json); the 128K study on one H200
     "config": "ds_configs/quality_128k.json", "pretrain_config": "ds_configs/quality_pretrain_4k_tasks.json",
     "pretrain_steps": 1000, "extend_config": "ds_configs/quality_extend_32k_tasks.json", "extend_steps": 900,
-    "steps": 150, "seed": 1234, "log_interval": 5, "save_interval": 50,
+    "probe_trials": 40, "steps": 150, "seed": 1234, "log_interval": 5, "save_interval": 50,
     "profile_step": 8, "density_target": 0.08, "eval_lengths": [32768, 65536, 131072],
     "depths": [0.0, 0.25, 0.5, 0.75, 1.0], "ruler_tasks": list(RULER_TASKS), "trials": 4,
     "target_width": 0.04, "max_trials": 600, "loss_windows": 4, "buckets": 16, "evals": list(LONG_EVALS),
@@ -493,7 +493,8 @@ class LongStudy:
     """The stages of one long-context study in one folder (``--out``), each call running the stages
     it names that are not done yet: ``pretrain`` (dense, short), ``extend`` (dense, continued from
     it at a middle length, where the model learns to retrieve before the study's length; none with
-    --extend_steps 0), ``budget`` (the slash budget for --density_target on the model the arms start
+    --extend_steps 0), ``probe`` (that model's tasks at its own length, up to --probe_trials each:
+    a task it does not solve there, the arms will not solve at the study's length), ``budget`` (the slash budget for --density_target on the model the arms start
     from, at the study's length), ``dense`` / ``sparse`` / ``static`` (continued from that model's
     export at the study's length, same seed: the same token stream; static at sparse's final density), ``eval`` (``ds_mtraining.eval`` of each
     ``arm:attention`` of --evals: loss by position and the RULER-style tasks at --eval_lengths) and
@@ -552,6 +553,9 @@ class LongStudy:
     def done(self, stage: str) -> bool:
         if stage == "extend" and not self.settings["extend"]:
             return True
+        if stage == "probe":
+            return not self.settings["given"]["probe_trials"] or (self._eval_folder(self._probe_spec()) /
+                                                                  "done.json").is_file()
         if stage in ("pretrain", "extend", *MODES):
             return (self.out / stage / "done.json").is_file()
         if stage == "budget":
@@ -625,9 +629,30 @@ class LongStudy:
         self._ensure_model(stage)
         return str((self.out / stage / "hf").resolve())
 
+    def _start_stage(self) -> str:
+        """The dense stage whose model the budget is chosen on and the arms continue from: the last one."""
+        return "extend" if self.settings["extend"] else "pretrain"
+
     def _start_model(self) -> str:
-        """The model the budget is chosen on and the arms continue from: the last dense stage's."""
-        return self._export("extend" if self.settings["extend"] else "pretrain")
+        return self._export(self._start_stage())
+
+    def _probe_spec(self) -> str:
+        return f"{self._start_stage()}:dense"
+
+    def stage_probe(self):
+        """The start model's tasks (and loss) at its own length, before the arms spend their time."""
+        stage = self._start_stage()
+        length = self.settings[stage]["mtraining"]["seq_len"]
+        self._export(stage)
+        self.say(f"probe: the {stage} model's tasks at its own length, {length} tokens")
+        self._evaluate(self._probe_spec(), length, self.settings["given"]["probe_trials"])
+        folder = self._eval_folder(self._probe_spec())
+        write_json(folder / "done.json", _json(folder / f"done_{length}.json"))
+        tasks = (eval_results(folder) or {}).get("tasks", {})
+        solved = {task: cell[str(length)]["accuracy"] for task, cell in tasks.items() if str(length) in cell}
+        self.say("probe: " + ", ".join(f"{task} {100 * a:.0f}%" for task, a in solved.items())
+                 + "".join(f"; {task} below 50%: the arms' comparison on it will say little"
+                           for task, a in solved.items() if a < 0.5))
 
     def _ensure_model(self, stage: str):
         """A stage done in an earlier session whose exported model is not here (a bare machine: the
@@ -683,9 +708,10 @@ class LongStudy:
     def stage_static(self):
         self._arm("static")
 
-    def eval_argv(self, spec: str, length: int, time_budget: float | None) -> list[str]:
+    def eval_argv(self, spec: str, length: int, time_budget: float | None, max_trials: int | None = None) -> list[str]:
         """The ``ds_mtraining.eval`` command line of one ``arm:attention`` evaluation at ``length``
-        (its held-out stream and prompts depend on that length alone: the same for every arm)."""
+        (its held-out stream and prompts depend on that length alone: the same for every arm;
+        ``max_trials``: the study's --max_trials when None)."""
         given = self.settings["given"]
         arm, attention = spec.split(":")
         lengths = str(length)
@@ -695,7 +721,7 @@ class LongStudy:
                 "--loss_windows", str(given["loss_windows"]), "--buckets", str(given["buckets"]),
                 "--ruler_tasks", ",".join(given["ruler_tasks"]), "--depths", ",".join(str(d) for d in given["depths"]),
                 "--trials", str(given["trials"]), "--target_width", str(given["target_width"]),
-                "--max_trials", str(given["max_trials"]), "--data", str(self._data_file("heldout.parquet")),
+                "--max_trials", str(max_trials or given["max_trials"]), "--data", str(self._data_file("heldout.parquet")),
                 "--tokenizer", "bytes" if self._base()["mtraining"].get("tokenizer", "bytes") == "bytes" else "auto",
                 "--device", "cuda" if self.device.startswith("cuda") else "cpu", "--seed", str(given["seed"]),
                 "--dense_kernel", given["dense_kernel"], "--no_progress"]
@@ -705,7 +731,6 @@ class LongStudy:
         """The evaluations of --evals, the longest length first across all of them (the goals' length
         is measured first where a session's time runs out), in this process; each keeps its trials
         in its folder, so a call that runs out of time leaves them for the next."""
-        from ..eval.cli import build_parser, check_args, run_eval
         given = self.settings["given"]
         for length in sorted(given["eval_lengths"], reverse=True):
             for spec in given["evals"]:
@@ -716,25 +741,33 @@ class LongStudy:
                     self.say(f"eval {spec}: the {arm} arm is not trained yet; skipped")
                     continue
                 self._ensure_model(arm)
-                left = self._left()
-                if left is not None and left <= 0:
-                    raise StageIncomplete(f"eval {spec}: the call's time is spent; the next call continues")
                 self.say(f"eval {spec}: loss and tasks at {length} tokens")
-                began = time.time()
-                parser = build_parser()
-                args = parser.parse_args(self.eval_argv(spec, length, left))
-                check_args(parser, args)
-                summary = run_eval(args)
-                timing_path = folder / "timing.json"
-                spent = (_json(timing_path) or {"eval_s": 0.0})["eval_s"] + time.time() - began
-                write_json(timing_path, {"eval_s": spent})
-                _release_memory()
-                if not summary.get("ruler_complete") or str(length) not in summary.get("loss_by_length", {}):
-                    raise StageIncomplete(f"eval {spec}: stopped at the deadline, its trials kept in {folder}; the "
-                                          f"next call continues")
-                write_json(folder / f"done_{length}.json", {"eval_s": spent})
+                spent = self._evaluate(spec, length)
                 if all((folder / f"done_{n}.json").is_file() for n in given["eval_lengths"]):
                     write_json(folder / "done.json", {"eval_s": spent})
+
+    def _evaluate(self, spec: str, length: int, max_trials: int | None = None) -> float:
+        """One ``ds_mtraining.eval`` of ``spec`` at ``length`` in this process, until the call's
+        deadline (its trials kept: StageIncomplete, and the next call continues); marks the length
+        done and returns the evaluation's seconds over all calls."""
+        from ..eval.cli import build_parser, check_args, run_eval
+        folder, left = self._eval_folder(spec), self._left()
+        if left is not None and left <= 0:
+            raise StageIncomplete(f"eval {spec}: the call's time is spent; the next call continues")
+        began = time.time()
+        parser = build_parser()
+        args = parser.parse_args(self.eval_argv(spec, length, left, max_trials))
+        check_args(parser, args)
+        summary = run_eval(args)
+        timing_path = folder / "timing.json"
+        spent = (_json(timing_path) or {"eval_s": 0.0})["eval_s"] + time.time() - began
+        write_json(timing_path, {"eval_s": spent})
+        _release_memory()
+        if not summary.get("ruler_complete") or str(length) not in summary.get("loss_by_length", {}):
+            raise StageIncomplete(f"eval {spec}: stopped at the deadline, its trials kept in {folder}; the "
+                                  f"next call continues")
+        write_json(folder / f"done_{length}.json", {"eval_s": spent})
+        return spent
 
     def stage_compare(self):
         self.results = long_results(self.out)
@@ -800,6 +833,13 @@ def eval_results(folder: Path) -> dict | None:
                                   "edges": cell["edges"], "mean_loss": cell["mean_loss"],
                                   "tokens": int(sum(cell["tokens"])), "layer_density": cell.get("layer_density")}
     return result
+
+
+def probe_results(study: Path, settings: dict) -> dict | None:
+    """The probe of the model the arms start from (its tasks and loss at its own length), or None."""
+    stage = "extend" if settings["extend"] else "pretrain"
+    found = eval_results(study / stage / "eval_dense") if settings["given"]["probe_trials"] else None
+    return found and {"model_of": stage, "length": settings[stage]["mtraining"]["seq_len"], **found}
 
 
 def _goal(passed, value, limit, margin, change: str, **extra) -> dict:
@@ -889,6 +929,7 @@ def long_results(study: Path) -> dict:
               "model": settings["base"]["mtraining"]["model"], "budget": settings["budget"]}
     results = {"params": params, "pretrain": arm_results(study / "pretrain"),
                "extend": arm_results(study / "extend") if extend else None,
+               "probe": probe_results(study, settings),
                "arms": {mode: arm_results(study / mode) for mode in MODES},
                "evals": {spec: eval_results(study / spec.split(":")[0] / f"eval_{spec.split(':')[1]}")
                          for spec in settings["given"]["evals"]}}
@@ -1060,7 +1101,7 @@ def results_row(results: dict, command: str, json_name: str, device: str = "one 
     missed = [name for name, g in goals.items() if isinstance(g, dict) and g.get("pass") is False]
     return (f"| <a id=\"quality-{_k(length).lower()}\"></a>{_model_name(params['model'])} continued at {_k(length)} for "
             f"{params['steps']} steps from dense stages at {_k(params['pretrain_seq_len'])} ({params['pretrain_steps']} "
-            f"steps){_extend_words(params)}, {device}; MTraining's density {'n/a' if density is None else f'{density:.3f}'} at the end | "
+            f"steps){_extend_words(params)}, {device}{_probe_words(results.get('probe'))}; MTraining's density {'n/a' if density is None else f'{density:.3f}'} at the end | "
             f"held-out loss **{_percent(goals['sparse_heldout_loss_gap_le_0.01']['value'])}** of dense, last "
             f"position bucket {_percent(goals['sparse_last_bucket_loss_gap_le_0.02']['value'])} (dense evaluation); "
             f"tasks at {_k(length)} (MTraining vs dense): {tasks or 'n/a'}; static sinks + window: {static or 'n/a'}; "
@@ -1071,6 +1112,16 @@ def results_row(results: dict, command: str, json_name: str, device: str = "one 
 
 def _extend_words(params: dict) -> str:
     return f" and {_k(params['extend_seq_len'])} ({params['extend_steps']} steps)" if params.get("extend_seq_len") else ""
+
+
+def _probe_words(probe) -> str:
+    """The start model's task accuracy at its own length, before the arms: where the arms could learn from."""
+    if not probe:
+        return ""
+    length = str(probe["length"])
+    solved = ", ".join(f"{task} {100 * cell[length]['accuracy']:.0f}%" for task, cell in probe["tasks"].items()
+                       if length in cell)
+    return f" (the {_k(probe['length'])} model before them: {solved or 'n/a'})"
 
 
 def _model_name(model) -> str:
