@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from helpers import text_tokens
 from ds_mtraining.data import ByteTokenizer, DataConfigError, PackedSequences, check_data_spec
@@ -388,3 +389,32 @@ def test_dense_kernel_auto_is_sdpa_on_cpu_and_layer_densities_are_per_layer():
     assert layer_densities([0.1, 0.2, 0.3, 0.3, 0.4, 0.5], 3) == pytest.approx([0.2, 0.3, 0.4])
     with pytest.raises(ValueError, match="not whole forwards of 3 layers"):
         layer_densities([0.1, 0.2], 3)
+
+
+@pytest.mark.usefixtures("built_ops")
+def test_static_evaluation_serves_sinks_and_the_local_window():
+    """--attention static: at density 1 the window covers the prompt and the logits are dense
+    attention's (SDPA, float32, the reference); at a one-block window a token between the sinks
+    and the last block leaves the last position's logits exactly as they were (each layer sees its
+    own block and the sinks, so no depth reaches it), where dense attention's move."""
+    from helpers import tiny_model
+    from ds_mtraining.config import SparseConfig
+    from ds_mtraining.eval.runtime import set_attention
+    sparse, ids = SparseConfig(block_size=64), text_tokens(256)[None]
+    changed = ids.clone()
+    changed[0, 100] = (changed[0, 100] + 1) % 256  # block 1 of 4, past the 4 sinks
+
+    def logits(mode, tokens, density=None):
+        model = tiny_model("qwen2", attn="sdpa")
+        set_attention(model, mode, sparse, "sdpa", density)
+        with torch.no_grad():
+            return model(input_ids=tokens).logits[0].double()
+
+    dense = logits("dense", ids)
+    assert torch.allclose(logits("static", ids, 1.0), dense, atol=2e-5, rtol=1e-4)
+    window = logits("static", ids, 0.05)
+    assert torch.allclose(window[:64], dense[:64], atol=2e-5, rtol=1e-4)  # the first block: causal, all inside
+    assert torch.equal(logits("static", changed, 0.05)[-1], window[-1])
+    assert (logits("dense", changed)[-1] - dense[-1]).abs().max() > 1e-4
+    with pytest.raises(ValueError, match="static_density"):
+        set_attention(tiny_model("qwen2"), "static", sparse)

@@ -401,7 +401,7 @@ def plot(results: dict, out: Path, tag: str) -> list[str]:
 # static arms continued to 128K from the last one's export on the same token stream; evaluation at
 # several lengths.
 LONG_STAGES = ("pretrain", "extend", "probe", "budget", "dense", "sparse", "static", "eval", "compare")
-LONG_EVALS = ("dense:dense", "sparse:sparse", "sparse:dense", "static:dense")
+LONG_EVALS = ("dense:dense", "sparse:sparse", "sparse:dense", "static:static")  # static served as it trained
 LONG_DEFAULTS = {  # a study's settings, fixed by its first call (study.json); the 128K study on one H200
     "config": "ds_configs/quality_128k.json", "pretrain_config": "ds_configs/quality_pretrain_4k_tasks.json",
     "pretrain_steps": 1000, "extend_config": "ds_configs/quality_extend_32k_tasks.json", "extend_steps": 900,
@@ -725,6 +725,10 @@ class LongStudy:
                 "--tokenizer", "bytes" if self._base()["mtraining"].get("tokenizer", "bytes") == "bytes" else "auto",
                 "--device", "cuda" if self.device.startswith("cuda") else "cpu", "--seed", str(given["seed"]),
                 "--dense_kernel", given["dense_kernel"], "--no_progress"]
+        if attention == "static":
+            if self.settings.get("static_density") is None:
+                raise ValueError(f"eval {spec}: static attention serves the static arm's density; train it first")
+            argv += ["--static_density", str(self.settings["static_density"])]
         return argv + (["--time_budget", f"{time_budget:.0f}"] if time_budget is not None else [])
 
     def stage_eval(self):
@@ -904,7 +908,7 @@ def long_goals(results: dict) -> dict:
         None if widest is None else GOALS["interval_width"] - widest[2]["width"],
         "more trials: --max_trials (eval.ruler.trials_for_width gives the count at an accuracy)",
         widest=None if widest is None else {"eval": widest[0], "task": widest[1], "trials": widest[2]["trials"]})
-    static = evals.get("static:dense")
+    static = evals.get("static:static")
     for task in results["params"]["ruler_tasks"]:
         d = (dense or {}).get("tasks", {}).get(task, {}).get(length)
         t = (static or {}).get("tasks", {}).get(task, {}).get(length)

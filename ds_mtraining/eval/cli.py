@@ -73,8 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tasks", type=_tasks, default=",".join(DEFAULT_TASKS),
                         help="comma-separated subset of " + ",".join(TASKS))
     parser.add_argument("--out", default=None, help="output directory (default: ./eval_results/<timestamp>)")
-    parser.add_argument("--attention", choices=("dense", "sparse"), default="dense",
-                        help="dense attention (as the paper evaluates) or MTraining's sparse prefill (one process)")
+    parser.add_argument("--attention", choices=("dense", "sparse", "static"), default="dense",
+                        help="dense attention (as the paper evaluates), MTraining's sparse prefill (one process), "
+                             "or the static baseline's sinks + local window at --static_density")
+    parser.add_argument("--static_density", type=float, default=None,
+                        help="with --attention static: the static pattern's share of the causal entries (the "
+                             "density the model trained at)")
     parser.add_argument("--dense_kernel", choices=("sdpa", "fa4", "auto"), default="sdpa",
                         help="the prefill's kernel under dense attention: SDPA, FlashAttention-4, or auto (FA4 on "
                              "Hopper where it runs, else SDPA: mtraining.dense_backend's rule)")
@@ -127,7 +131,9 @@ def check_args(parser, args):
     args.ruler_lengths = args.ruler_lengths or args.lengths
     if args.max_trials is not None and args.max_trials < 1 or not 0 < args.target_width <= 1:
         parser.error("--max_trials must be >= 1 and --target_width lie in (0, 1]")
-    if args.attention == "sparse":
+    if (args.attention == "static") != (args.static_density is not None):
+        parser.error("--attention static and --static_density (the density the model trained at) go together")
+    if args.attention in ("sparse", "static"):
         from .runtime import sparse_config
         block = sparse_config(args.sparse_config).block_size
         lengths = {"--lengths": args.lengths, "--loss_length": [args.loss_length],
@@ -135,7 +141,7 @@ def check_args(parser, args):
         for flag, values in lengths.items():
             bad = [n for n in values if n % block]
             if bad:
-                parser.error(f"{flag} {bad}: sparse attention needs multiples of the block size {block}")
+                parser.error(f"{flag} {bad}: {args.attention} attention needs multiples of the block size {block}")
 
 
 def fresh_directory(out: str | None) -> Path:
@@ -172,7 +178,7 @@ def run_eval(args, console=None) -> dict:
     sparse = sparse_config(args.sparse_config)
     model = load_model(args.model, device, dtype)
     tokenizer = load_eval_tokenizer(args.tokenizer, args.model)
-    stats = set_attention(model, args.attention, sparse, args.dense_kernel)
+    stats = set_attention(model, args.attention, sparse, args.dense_kernel, args.static_density)
     deadline = None if args.time_budget is None else time.time() + args.time_budget
     loss_lengths = args.loss_lengths or [args.loss_length]
     need = max(max(args.lengths) * 2, (max(loss_lengths) + 1) * args.loss_windows, args.recall_length)

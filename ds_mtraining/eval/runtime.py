@@ -17,11 +17,12 @@ from ..dense_backend import resolve_dense_backend
 from ..data import ByteTokenizer, HFTokenizer, datasets_offline, folder_spec, load_documents, stdlib_documents
 from ..hf import attention_modules, fa4_attention_forward, mtraining_attention_forward, use_mtraining_attention
 from ..layer import AttentionStats, MTrainingAttentionSettings
+from ..static import StaticPattern
 
 SPARSE_PREFILL = "mtraining_prefill"
 DENSE_PREFILL = "mtraining_dense_prefill"
 DENSE_KERNEL_ATTRIBUTE = "mtraining_dense_kernel"
-EVAL_ATTENTION = ("dense", "sparse")
+EVAL_ATTENTION = ("dense", "sparse", "static")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
@@ -107,12 +108,15 @@ def sparse_config(spec: str | None) -> SparseConfig:
     return SparseConfig.from_dict(values, where="--sparse_config")
 
 
-def set_attention(model, mode: str, sparse: SparseConfig | None = None, dense_kernel: str = "sdpa") -> AttentionStats | None:
+def set_attention(model, mode: str, sparse: SparseConfig | None = None, dense_kernel: str = "sdpa",
+                  static_density: float | None = None) -> AttentionStats | None:
     """``"dense"``: exact causal attention (as the paper evaluates): transformers' SDPA, or with
     ``dense_kernel`` "fa4" / "auto" (:func:`~ds_mtraining.dense_backend.resolve_dense_backend`'s
     rule) FlashAttention-4 for each prefill. ``"sparse"``: MTraining's estimated sparse attention
     for every prefill (single process, :func:`use_mtraining_attention`), dense SDPA while
-    decoding; returns the statistics the sparse calls record."""
+    decoding; returns the statistics the sparse calls record. ``"static"``: sinks + a local window
+    at ``static_density`` (:class:`~ds_mtraining.static.StaticPattern`, the sparse path's kernels)
+    for every prefill, as a model trained with it is served."""
     if mode not in EVAL_ATTENTION:
         raise ValueError(f"attention {mode!r} is unknown; use one of {list(EVAL_ATTENTION)}")
     if mode == "dense":
@@ -123,8 +127,13 @@ def set_attention(model, mode: str, sparse: SparseConfig | None = None, dense_ke
             setattr(module, DENSE_KERNEL_ATTRIBUTE, kernel)
         model.set_attn_implementation("sdpa" if kernel == "sdpa" else DENSE_PREFILL)
         return None
+    sparse, pattern = sparse or SparseConfig(), None
+    if mode == "static":
+        if static_density is None:
+            raise ValueError("static attention needs the density the model trained at (static_density)")
+        pattern = StaticPattern(density=static_density, sink_tokens=sparse.sink_tokens)
     stats = AttentionStats()
-    use_mtraining_attention(model, MTrainingAttentionSettings(sparse or SparseConfig(), stats=stats))
+    use_mtraining_attention(model, MTrainingAttentionSettings(sparse, stats=stats, pattern=pattern))
     model.set_attn_implementation(SPARSE_PREFILL)
     return stats
 
