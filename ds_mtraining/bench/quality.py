@@ -493,14 +493,16 @@ class LongStudy:
     """The stages of one long-context study in one folder (``--out``), each call running the stages
     it names that are not done yet: ``pretrain`` (dense, short), ``extend`` (dense, continued from
     it at a middle length, where the model learns to retrieve before the study's length; none with
-    --extend_steps 0), ``probe`` (that model's tasks at its own length, up to --probe_trials each:
-    a task it does not solve there, the arms will not solve at the study's length), ``budget`` (the slash budget for --density_target on the model the arms start
-    from, at the study's length), ``dense`` / ``sparse`` / ``static`` (continued from that model's
-    export at the study's length, same seed: the same token stream; static at sparse's final density), ``eval`` (``ds_mtraining.eval`` of each
-    ``arm:attention`` of --evals: loss by position and the RULER-style tasks at --eval_lengths) and
-    ``compare`` (the result JSON, goals and plots). A call with --time_budget stops at its deadline
-    with what it did saved (training: its step checkpointed; evaluation: its trials), and the next
-    call continues; ``study.json`` keeps the settings of the first call."""
+    --extend_steps 0), ``probe`` (that model's tasks at its own length, up to --probe_trials each: a
+    task it does not solve there, the arms will not solve at the study's length), ``budget`` (the
+    slash budget for --density_target on the model the arms start from, at the study's length),
+    ``dense`` / ``sparse`` / ``static`` (continued from that model's export at the study's length,
+    same seed: the same token stream; static at sparse's final density), ``eval``
+    (``ds_mtraining.eval`` of each ``arm:attention`` of --evals: loss by position and the
+    RULER-style tasks at --eval_lengths) and ``compare`` (the result JSON, goals and plots). A call
+    with --time_budget stops at its deadline with what it did saved (training: its step
+    checkpointed; evaluation: its trials), and the next call continues; ``study.json`` keeps the
+    settings of the first call."""
 
     def __init__(self, args, trainer=launch_training, say=print):
         self.out = Path(args.out)
@@ -629,19 +631,15 @@ class LongStudy:
         self._ensure_model(stage)
         return str((self.out / stage / "hf").resolve())
 
-    def _start_stage(self) -> str:
-        """The dense stage whose model the budget is chosen on and the arms continue from: the last one."""
-        return "extend" if self.settings["extend"] else "pretrain"
-
     def _start_model(self) -> str:
-        return self._export(self._start_stage())
+        return self._export(start_stage(self.settings))
 
     def _probe_spec(self) -> str:
-        return f"{self._start_stage()}:dense"
+        return f"{start_stage(self.settings)}:dense"
 
     def stage_probe(self):
         """The start model's tasks (and loss) at its own length, before the arms spend their time."""
-        stage = self._start_stage()
+        stage = start_stage(self.settings)
         length = self.settings[stage]["mtraining"]["seq_len"]
         self._export(stage)
         self.say(f"probe: the {stage} model's tasks at its own length, {length} tokens")
@@ -721,7 +719,8 @@ class LongStudy:
                 "--loss_windows", str(given["loss_windows"]), "--buckets", str(given["buckets"]),
                 "--ruler_tasks", ",".join(given["ruler_tasks"]), "--depths", ",".join(str(d) for d in given["depths"]),
                 "--trials", str(given["trials"]), "--target_width", str(given["target_width"]),
-                "--max_trials", str(max_trials or given["max_trials"]), "--data", str(self._data_file("heldout.parquet")),
+                "--max_trials", str(max_trials or given["max_trials"]),
+                "--data", str(self._data_file("heldout.parquet")),
                 "--tokenizer", "bytes" if self._base()["mtraining"].get("tokenizer", "bytes") == "bytes" else "auto",
                 "--device", "cuda" if self.device.startswith("cuda") else "cpu", "--seed", str(given["seed"]),
                 "--dense_kernel", given["dense_kernel"], "--no_progress"]
@@ -839,9 +838,14 @@ def eval_results(folder: Path) -> dict | None:
     return result
 
 
+def start_stage(settings: dict) -> str:
+    """The dense stage whose model the budget is chosen on and the arms continue from: the last one."""
+    return "extend" if settings["extend"] else "pretrain"
+
+
 def probe_results(study: Path, settings: dict) -> dict | None:
     """The probe of the model the arms start from (its tasks and loss at its own length), or None."""
-    stage = "extend" if settings["extend"] else "pretrain"
+    stage = start_stage(settings)
     found = eval_results(study / stage / "eval_dense") if settings["given"]["probe_trials"] else None
     return found and {"model_of": stage, "length": settings[stage]["mtraining"]["seq_len"], **found}
 
@@ -1104,8 +1108,9 @@ def results_row(results: dict, command: str, json_name: str, device: str = "one 
     density = goals["sparse_density_le_0.1"]["value"]
     missed = [name for name, g in goals.items() if isinstance(g, dict) and g.get("pass") is False]
     return (f"| <a id=\"quality-{_k(length).lower()}\"></a>{_model_name(params['model'])} continued at {_k(length)} for "
-            f"{params['steps']} steps from dense stages at {_k(params['pretrain_seq_len'])} ({params['pretrain_steps']} "
-            f"steps){_extend_words(params)}, {device}{_probe_words(results.get('probe'))}; MTraining's density {'n/a' if density is None else f'{density:.3f}'} at the end | "
+            f"{params['steps']} steps from dense stages at {_k(params['pretrain_seq_len'])} "
+            f"({params['pretrain_steps']} steps){_extend_words(params)}, {device}{_probe_words(results.get('probe'))}; MTraining's density "
+            f"{'n/a' if density is None else f'{density:.3f}'} at the end | "
             f"held-out loss **{_percent(goals['sparse_heldout_loss_gap_le_0.01']['value'])}** of dense, last "
             f"position bucket {_percent(goals['sparse_last_bucket_loss_gap_le_0.02']['value'])} (dense evaluation); "
             f"tasks at {_k(length)} (MTraining vs dense): {tasks or 'n/a'}; static sinks + window: {static or 'n/a'}; "
@@ -1115,7 +1120,9 @@ def results_row(results: dict, command: str, json_name: str, device: str = "one 
 
 
 def _extend_words(params: dict) -> str:
-    return f" and {_k(params['extend_seq_len'])} ({params['extend_steps']} steps)" if params.get("extend_seq_len") else ""
+    if not params.get("extend_seq_len"):
+        return ""
+    return f" and {_k(params['extend_seq_len'])} ({params['extend_steps']} steps)"
 
 
 def _probe_words(probe) -> str:
