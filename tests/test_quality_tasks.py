@@ -267,7 +267,7 @@ def test_the_long_study_end_to_end_on_cpu(tmp_path):
     data.mkdir()
     Dataset.from_list(documents[:3]).to_parquet(str(data / "train.parquet"))
     Dataset.from_list(documents[3:]).to_parquet(str(data / "heldout.parquet"))
-    for name, length in (("base", 1024), ("pretrain", 512), ("extend", 768)):
+    for name, length in (("base", 1024), ("pretrain", 512)):
         (tmp_path / f"{name}.json").write_text(json.dumps(_toy_config(length)))
     trained, out = [], tmp_path / "study"
 
@@ -283,7 +283,7 @@ def test_the_long_study_end_to_end_on_cpu(tmp_path):
         return quality.long_main(args, trainer=trainer, say=lambda line: None)
 
     first = ("--config", str(tmp_path / "base.json"), "--pretrain_config", str(tmp_path / "pretrain.json"),
-             "--pretrain_steps", "2", "--extend_config", str(tmp_path / "extend.json"), "--extend_steps", "2",
+             "--pretrain_steps", "2", "--extend_len", "768", "--extend_steps", "2",
              "--probe_trials", "2", "--steps", "2", "--log_interval", "1", "--save_interval", "0",
              "--profile_step", "2", "--density_target", "0.9", "--eval_lengths", "512,1024", "--depths", "0,1",
              "--trials", "1", "--max_trials", "2", "--loss_windows", "1", "--buckets", "4")

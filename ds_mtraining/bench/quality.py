@@ -404,7 +404,7 @@ LONG_STAGES = ("pretrain", "extend", "probe", "budget", "dense", "sparse", "stat
 LONG_EVALS = ("dense:dense", "sparse:sparse", "sparse:dense", "static:static")  # static served as it trained
 LONG_DEFAULTS = {  # a study's settings, fixed by its first call (study.json); the 128K study on one H200
     "config": "ds_configs/quality_128k.json", "pretrain_config": "ds_configs/quality_pretrain_4k_tasks.json",
-    "pretrain_steps": 1000, "extend_config": "ds_configs/quality_extend_32k_tasks.json", "extend_steps": 900,
+    "pretrain_steps": 1000, "extend_len": 32768, "extend_steps": 900,
     "probe_trials": 40, "steps": 150, "seed": 1234, "log_interval": 5, "save_interval": 50,
     "profile_step": 8, "density_target": 0.08, "eval_lengths": [32768, 65536, 131072],
     "depths": [0.0, 0.25, 0.5, 0.75, 1.0], "ruler_tasks": list(RULER_TASKS), "trials": 4,
@@ -484,6 +484,13 @@ def launch_training(run: TrainingLaunch) -> bool:
     raise RuntimeError(f"training {run.save_dir} failed (exit {process.returncode}); last lines of {run.log}:\n{tail}")
 
 
+def _at_length(config: dict, seq_len: int) -> dict:
+    """``config`` (a DeepSpeed JSON with an ``mtraining`` section) at another sequence length."""
+    config = json.loads(json.dumps(config))
+    config["mtraining"]["seq_len"] = seq_len
+    return config
+
+
 def _sparse_spec(section: dict) -> dict:
     """A run's ``mtraining`` section's sparse settings as SparseConfig fields (with its stripe block)."""
     return {**section["sparse"], "block_size": section.get("stripe_block", 128)}
@@ -533,9 +540,10 @@ class LongStudy:
                                  + "; leave them out, or give a new --out")
             return settings
         values = {**LONG_DEFAULTS, **given}
-        settings = {"given": values, "base": json.loads(Path(values["config"]).read_text()),
+        base = json.loads(Path(values["config"]).read_text())
+        settings = {"given": values, "base": base,
                     "pretrain": json.loads(Path(values["pretrain_config"]).read_text()),
-                    "extend": json.loads(Path(values["extend_config"]).read_text()) if values["extend_steps"] else None,
+                    "extend": _at_length(base, values["extend_len"]) if values["extend_steps"] else None,
                     "budget": None}
         write_json(path, settings)
         return settings
