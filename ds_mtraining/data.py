@@ -25,7 +25,10 @@ Sources (the ``mtraining.data`` section of the DeepSpeed JSON, see :func:`load_d
   0.25}``, turns those shares of the samples into the RULER-style tasks of
   :mod:`ds_mtraining.ruler` in the same way (their answer at the end); with ``passkey_fraction``
   they sum to at most 1, and a sample is one task or none (one seeded draw per sample: a config
-  without ``task_fractions`` keeps its exact samples).
+  without ``task_fractions`` keeps its exact samples). ``"task_questions"`` (default 1) is their
+  ``passkey_questions``: that many questions a sample, each answered (a model learns retrieval
+  from many answers a sample: a dense stage before a long one; keep both at 1 when training
+  sparse, docs/CONFIG.md says why).
 
 Tokenizers: ``"bytes"`` (default), :class:`ByteTokenizer` (UTF-8 bytes 0..255 plus an end-of-
 document token 256, implemented here, nothing to download), or the path of a local tokenizer
@@ -154,7 +157,8 @@ def check_data_spec(spec: dict | None, key: str = "mtraining.data") -> dict:
     returns it with defaults filled in."""
     spec = dict(spec or {"source": "stdlib"})
     known = {"source", "files", "format", "text_field", "saved_dataset", "split", "document_chars",
-             "max_documents", "passkey_fraction", "passkey_questions", "task_fractions", "samples", "vocab_size"}
+             "max_documents", "passkey_fraction", "passkey_questions", "task_fractions", "task_questions", "samples",
+             "vocab_size"}
     unknown = sorted(set(spec) - known)
     if unknown:
         raise DataConfigError(f"unknown key(s) {unknown} in '{key}'; valid keys are {sorted(known)}")
@@ -178,10 +182,11 @@ def check_data_spec(spec: dict | None, key: str = "mtraining.data") -> dict:
     if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 <= fraction <= 1.0:
         raise DataConfigError(f"{key}.passkey_fraction={fraction!r} must be a number in [0, 1] (the share "
                               f"of samples carrying a passkey retrieval task)")
-    questions = spec.get("passkey_questions", 1)
-    if type(questions) is not int or questions < 1:
-        raise DataConfigError(f"{key}.passkey_questions={questions!r} must be a positive integer (how many "
-                              f"times a passkey sample asks for its key)")
+    for name, what in (("passkey_questions", "a passkey sample asks for its key"),
+                       ("task_questions", "a task_fractions sample asks one of its questions")):
+        questions = spec.get(name, 1)
+        if type(questions) is not int or questions < 1:
+            raise DataConfigError(f"{key}.{name}={questions!r} must be a positive integer (how many times {what})")
     check_task_fractions(spec, key)
     if "files" in spec:
         files = [spec["files"]] if isinstance(spec["files"], str) else list(spec["files"])
@@ -323,10 +328,12 @@ class PackedSequences:
     With ``passkey_fraction`` > 0 (and the ``tokenizer``), sample i is a passkey sample made from
     its own window with probability ``passkey_fraction``, decided by a generator seeded (seed, i),
     asking ``passkey_questions`` times for its key; with ``task_fractions`` the same draw makes it
-    a sample of one of :mod:`ds_mtraining.ruler`'s other tasks with those probabilities."""
+    a sample of one of :mod:`ds_mtraining.ruler`'s other tasks with those probabilities, asking
+    ``task_questions`` times."""
 
     def __init__(self, tokenized, seq_len: int, passkey_fraction: float = 0.0, tokenizer=None,
-                 seed: int = 0, passkey_questions: int = 1, task_fractions: dict | None = None):
+                 seed: int = 0, passkey_questions: int = 1, task_fractions: dict | None = None,
+                 task_questions: int = 1):
         self.documents = tokenized
         self.seq_len = seq_len
         from .ruler import TASKS  # the tasks in one fixed order: the draw's bounds do not follow the JSON's order
@@ -334,7 +341,7 @@ class PackedSequences:
         if (passkey_fraction or self.task_fractions) and tokenizer is None:
             raise ValueError("passkey and task samples need the tokenizer (to encode the question and the key)")
         self.passkey_fraction, self.tokenizer, self.seed = passkey_fraction, tokenizer, seed
-        self.passkey_questions = passkey_questions
+        self.passkey_questions, self.task_questions = passkey_questions, task_questions
         if passkey_fraction:
             from .passkey import passkey_fixed_tokens
             fixed = passkey_fixed_tokens(tokenizer, questions=passkey_questions)
@@ -344,9 +351,11 @@ class PackedSequences:
                                       f"mtraining.data.passkey_questions or raise seq_len")
         for task in self.task_fractions:
             from .ruler import task_fixed_tokens
-            if task_fixed_tokens(task, tokenizer) > seq_len:
-                raise DataConfigError(f"a {task} sample's fixed text takes {task_fixed_tokens(task, tokenizer)} tokens, "
-                                      f"more than mtraining.seq_len={seq_len}; raise seq_len")
+            fixed = task_fixed_tokens(task, tokenizer, questions=task_questions)
+            if fixed > seq_len:
+                raise DataConfigError(f"a {task} sample's fixed text ({task_questions} question(s)) takes {fixed} "
+                                      f"tokens, more than mtraining.seq_len={seq_len}; lower "
+                                      f"mtraining.data.task_questions or raise seq_len")
         lengths = tokenized["length"].to_numpy().astype(np.int64)
         self.starts = np.concatenate([[0], np.cumsum(lengths)])
         self.total_tokens = int(self.starts[-1])
@@ -395,7 +404,7 @@ class PackedSequences:
             tokens = passkey_training_sample(tokens, self.tokenizer, chosen[1], questions=self.passkey_questions)
         elif chosen is not None:
             from .ruler import task_training_sample
-            tokens = task_training_sample(chosen[0], tokens, self.tokenizer, chosen[1])
+            tokens = task_training_sample(chosen[0], tokens, self.tokenizer, chosen[1], questions=self.task_questions)
         tokens = torch.from_numpy(tokens)
         return tokens[:-1], tokens[1:]
 
@@ -446,7 +455,8 @@ def training_samples(spec: dict, seq_len: int, tokenizer, seed: int, vocab_size:
                                spec.get("samples", DEFAULT_RANDOM_SAMPLES), seed)
     documents = load_documents(spec, key=key)
     return PackedSequences(tokenize_documents(documents, tokenizer), seq_len, spec.get("passkey_fraction", 0.0),
-                           tokenizer, seed, spec.get("passkey_questions", 1), spec.get("task_fractions"))
+                           tokenizer, seed, spec.get("passkey_questions", 1), spec.get("task_fractions"),
+                           spec.get("task_questions", 1))
 
 
 # ----------------------------------------------------------------------------- per-rank batches

@@ -29,6 +29,7 @@ text, one token per character).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -88,10 +89,23 @@ def random_word(rng: np.random.Generator, letters: int, upper: bool = False) -> 
     return "".join(chr(base + int(c)) for c in rng.integers(0, 26, letters))
 
 
-def task_text(task: str, depth: float, rng: np.random.Generator, digits: int = DEFAULT_DIGITS):
-    """The text of one ``multikey``, ``multivalue`` or ``vartrack`` task (keys, values, names and
-    the other pieces' depths drawn from ``rng``): ``(intro, [(depth, piece)], question, answer,
-    items)``, the first piece the one at ``depth``."""
+class TaskText(NamedTuple):
+    """One task's text: ``pieces`` [(depth, text)] go into the filler, the first one at the asked
+    depth; ``question`` and ``answer`` end the prompt, ``items`` are what a right answer holds;
+    ``asks`` [(depth, question, answer)] are every question the text can answer, each from the
+    depth on where all it needs has come (a training sample asks some of them early too)."""
+
+    intro: str
+    pieces: list
+    question: str
+    answer: str
+    items: list
+    asks: list
+
+
+def task_text(task: str, depth: float, rng: np.random.Generator, digits: int = DEFAULT_DIGITS) -> TaskText:
+    """The text of one ``multikey``, ``multivalue`` or ``vartrack`` task, keys, values, names and
+    the other pieces' depths drawn from ``rng``."""
     if not 0.0 <= depth <= 1.0:
         raise ValueError(f"depth={depth} must lie in [0, 1] (share of the filler before the first needle)")
     if task == "multikey":
@@ -99,26 +113,29 @@ def task_text(task: str, depth: float, rng: np.random.Generator, digits: int = D
         values = _distinct(lambda: random_key(rng, digits), MULTIKEY_KEYS)
         depths = [depth] + [float(d) for d in rng.random(MULTIKEY_KEYS - 1)]
         pieces = [(d, MAGIC_NEEDLE.format(key=k, value=v)) for d, k, v in zip(depths, keys, values)]
-        return MAGIC_INTRO, pieces, MULTIKEY_QUESTION.format(key=keys[0]), f" {values[0]}", [values[0]]
+        asks = [(d, MULTIKEY_QUESTION.format(key=k), f" {v}") for d, k, v in zip(depths, keys, values)]
+        return TaskText(MAGIC_INTRO, pieces, *asks[0][1:], [values[0]], asks)
     if task == "multivalue":
         key = random_word(rng, KEY_LETTERS)
         values = _distinct(lambda: random_key(rng, digits), MULTIVALUE_VALUES)
         depths = [depth] + sorted(float(depth + (1 - depth) * d) for d in rng.random(MULTIVALUE_VALUES - 1))
         pieces = [(d, MAGIC_NEEDLE.format(key=key, value=v)) for d, v in zip(depths, values)]
-        return MAGIC_INTRO, pieces, MULTIVALUE_QUESTION.format(key=key), " " + ", ".join(values), values
+        ask = (depths[-1], MULTIVALUE_QUESTION.format(key=key), " " + ", ".join(values))
+        return TaskText(MAGIC_INTRO, pieces, *ask[1:], values, [ask])
     if task == "vartrack":
         names = _distinct(lambda: random_word(rng, NAME_LETTERS, upper=True), VARTRACK_HOPS + 1)
         value = random_key(rng, digits)
         depths = [depth] + sorted(float(depth + (1 - depth) * d) for d in rng.random(VARTRACK_HOPS))
         texts = [VARTRACK_FIRST.format(name=names[0], value=value)] + [
             VARTRACK_NEXT.format(name=name, previous=previous) for previous, name in zip(names, names[1:])]
-        return (VARTRACK_INTRO, list(zip(depths, texts)), VARTRACK_QUESTION.format(value=value),
-                " " + " ".join(names), names)
+        ask = (depths[-1], VARTRACK_QUESTION.format(value=value), " " + " ".join(names))
+        return TaskText(VARTRACK_INTRO, list(zip(depths, texts)), *ask[1:], names, [ask])
     raise ValueError(f"task {task!r} is unknown; the tasks are {list(TASKS)}")
 
 
-def _assemble(task: str, tokenizer, filler: np.ndarray, length: int, depth: float, text, answer: bool) -> TaskPrompt:
-    intro_text, pieces, question_text, answer_text, items = text
+def _assemble(task: str, tokenizer, filler: np.ndarray, length: int, depth: float, text: TaskText,
+              answer: bool) -> TaskPrompt:
+    intro_text, pieces, question_text, answer_text, items, _ = text
     intro, question, answer_ids = (_encode(tokenizer, t) for t in (intro_text, question_text, answer_text))
     piece_ids = [_encode(tokenizer, t) for _, t in pieces]
     fixed = len(intro) + sum(len(p) for p in piece_ids) + len(question) + (len(answer_ids) if answer else 0)
@@ -153,22 +170,36 @@ def task_prompt(task: str, tokenizer, filler: np.ndarray, length: int, depth: fl
 
 
 def task_training_sample(task: str, tokens: np.ndarray, tokenizer, rng: np.random.Generator,
-                         digits: int = DEFAULT_DIGITS) -> np.ndarray:
+                         digits: int = DEFAULT_DIGITS, questions: int = 1) -> np.ndarray:
     """The training window ``tokens`` (L + 1 ids of real text) turned into a sample of ``task`` of
     the same length: the task at a uniform random depth, filler from the window itself, the
-    question and the answer at the end (so the last tokens' labels are the answer)."""
+    question and the answer at the end (so the last tokens' labels are the answer). ``questions``
+    > 1 also asks ``questions - 1`` times in the filler, each question followed by its answer: one
+    of the text's questions drawn at random (multikey: any of its keys), at a uniform random place
+    after all that it needs. A model learns retrieval from many answers a sample, not one."""
+    if questions < 1:
+        raise ValueError(f"questions={questions} must be >= 1")
     tokens = np.asarray(tokens)
     if task == "passkey":
-        return passkey_training_sample(tokens, tokenizer, rng, digits)
+        return passkey_training_sample(tokens, tokenizer, rng, digits, questions)
     depth = float(rng.random())
-    prompt = _assemble(task, tokenizer, tokens, len(tokens), depth, task_text(task, depth, rng, digits), answer=True)
+    text = task_text(task, depth, rng, digits)
+    if questions > 1:  # after the task's pieces in the list: at the same place, the needle comes first
+        asked = rng.integers(0, len(text.asks), questions - 1)
+        places = rng.random(questions - 1)
+        text = text._replace(pieces=text.pieces + [
+            (at + (1 - at) * float(u), question + answer)
+            for (at, question, answer), u in zip((text.asks[a] for a in asked), places)])
+    prompt = _assemble(task, tokenizer, tokens, len(tokens), depth, text, answer=True)
     return prompt.input_ids.astype(tokens.dtype)
 
 
-def task_fixed_tokens(task: str, tokenizer, digits: int = DEFAULT_DIGITS) -> int:
-    """Tokens of a ``task`` training sample that are not filler (intro, needles, question, answer)."""
+def task_fixed_tokens(task: str, tokenizer, digits: int = DEFAULT_DIGITS, questions: int = 1) -> int:
+    """Tokens of a ``task`` training sample that are not filler (intro, needles, questions, answers)."""
     if task == "passkey":
         from .passkey import passkey_fixed_tokens
-        return passkey_fixed_tokens(tokenizer, digits)
-    intro, pieces, question, answer, _ = task_text(task, 0.0, np.random.default_rng(0), digits)
-    return sum(len(_encode(tokenizer, t)) for t in [intro, *(p for _, p in pieces), question, answer])
+        return passkey_fixed_tokens(tokenizer, digits, questions)
+    text = task_text(task, 0.0, np.random.default_rng(0), digits)
+    ask = max(len(_encode(tokenizer, question + answer)) for _, question, answer in text.asks)
+    return (sum(len(_encode(tokenizer, t)) for t in [text.intro, *(p for _, p in text.pieces), text.question,
+                                                      text.answer]) + (questions - 1) * ask)

@@ -9,8 +9,8 @@
 #   here, once:  the corpus (as the 32K study's: docs/BENCHMARKS.md), the wheels in .whl/, and for
 #                FA4 `bash scripts/fa4_stage.sh` (.fa4_part1/, .fa4_part2/)
 #   device:      run(command="bash scripts/fa4_check.sh part1", carry=[".fa4_part1"], timeout_s=120)
-#                run(command="SKIP_TESTS=1 SKIP_BENCH=1 bash scripts/fa4_check.sh part2",
-#                    carry=[".whl", ".fa4_part2"], timeout_s=300)             # FA4 in /tmp/fa4site
+#                run(command="SKIP_TESTS=1 SKIP_BENCH=1 bash scripts/fa4_check.sh part2 && BUDGET_S=540 bash
+#                    scripts/quality_128k.sh", carry=[".whl", ".fa4_part2", "data/quality"], timeout_s=600)
 #                run(command="bash scripts/quality_128k.sh", carry=[".whl", "data/quality"], timeout_s=600)
 #                ... the last again, at once each time (a warm machine keeps /tmp 30 s), until it prints
 #                the goals: quality_128k_<device>_<date>.json, its PNGs and study.tar.gz in $OUT.
@@ -19,7 +19,7 @@
 # of it but the models and checkpoints (0.1-1 GB each: more than a call brings back). $OUT gets six
 # files (the log, the JSON, three PNGs, the archive) and a call brings back eight: a wrapper that adds
 # more (fa4_check.sh's FA4_COMMAND adds three) loses one, maybe the archive. On a fresh
-# machine (a later session), put that archive in .quality_state/ and add ".quality_state" to carry:
+# machine (a later stay), put that archive in .quality_state/ and add ".quality_state" to carry:
 # the study continues from it, training again (same settings, seed and data) the models it needs,
 # and the evaluations keep their trials (each row names the model it ran on).
 #

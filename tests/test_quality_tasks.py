@@ -33,7 +33,7 @@ def oracle_answer(prompt_text: str, task: str) -> str:
     if task == "passkey":
         return " " + re.search(r"The pass key is (\d+)\.", prompt_text).group(1)
     if task == "multikey":
-        key = re.search(r"What is the special magic number for (\w+)\?", prompt_text).group(1)
+        key = re.findall(r"What is the special magic number for (\w+)\?", prompt_text)[-1]
         return " " + re.search(rf"magic numbers for {key} is: (\d+)\.", prompt_text).group(1)
     if task == "multivalue":
         key = re.search(r"What are all the special magic numbers for (\w+)\?", prompt_text).group(1)
@@ -114,6 +114,33 @@ def test_training_samples_keep_the_length_and_end_with_the_answer(task):
     question_end = text.rfind(last_word) + len(last_word)
     assert text[question_end:] == oracle_answer(text[:question_end], task)
     assert task_fixed_tokens(task, TOKENIZER) < len(window)
+
+
+QUESTION_ENDS = {"passkey": r"What is the pass key\? The pass key is",
+                 "multikey": r"The special magic number for \w+ is",
+                 "multivalue": r"The special magic numbers for \w+ are",
+                 "vartrack": r"The variables assigned the value \d+ are"}
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_training_samples_with_more_questions_answer_each_from_the_text_before_it(task):
+    """Every question of a many-question sample comes after what it needs, followed by the answer
+    that a reader of the text before it gives; multikey asks more than its first key."""
+    window = FILLER[:2049].astype(np.int64)
+    sample = task_training_sample(task, window, TOKENIZER, np.random.default_rng(7), questions=6)
+    assert len(sample) == len(window)
+    text = decode(sample)
+    ends = [m.end() for m in re.finditer(QUESTION_ENDS[task], text)]
+    assert len(ends) == 6 and text.endswith(oracle_answer(text[:ends[-1]], task))
+    for end in ends:
+        right = oracle_answer(text[:end], task)
+        assert text[end:end + len(right)] == right
+    if task == "multikey":
+        assert len(set(re.findall(r"What is the special magic number for (\w+)\?", text))) > 1
+    one = task_training_sample(task, window, TOKENIZER, np.random.default_rng(7))
+    asked = text[text.rfind("\n\n"):]  # the last question and its answer (bytes: one token a character)
+    assert task_fixed_tokens(task, TOKENIZER, questions=6) - task_fixed_tokens(task, TOKENIZER) == 5 * len(asked)
+    assert len(re.findall(QUESTION_ENDS[task], decode(one))) == 1
 
 
 # ----------------------------------------------------------------------------- scorers
@@ -224,6 +251,13 @@ def test_task_fractions_mix_the_tasks_into_training_and_keep_other_samples():
     with pytest.raises(DataConfigError, match="must map tasks of"):
         check_data_spec({"source": "stdlib", "task_fractions": {"passkey": 0.5}})
     assert check_data_spec({"source": "stdlib", "task_fractions": {"vartrack": 0.5}})["task_fractions"]
+    with pytest.raises(DataConfigError, match="task_questions=0 must be a positive integer"):
+        check_data_spec({"source": "stdlib", "task_fractions": {"vartrack": 0.5}, "task_questions": 0})
+    asking = PackedSequences(tokenized, 1200, 0.0, TOKENIZER, seed=3, task_fractions={"multivalue": 1.0},
+                             task_questions=3)
+    assert all(decode(asking[i][0].numpy()).count("What are all") == 3 for i in range(len(asking)))
+    with pytest.raises(DataConfigError, match="lower mtraining.data.task_questions"):
+        PackedSequences(tokenized, 1200, 0.0, TOKENIZER, task_fractions={"multivalue": 1.0}, task_questions=9)
 
 
 
@@ -249,7 +283,7 @@ def _toy_config(seq_len: int) -> dict:
 
 @pytest.mark.usefixtures("built_ops")  # built before the rank starts
 def test_the_long_study_end_to_end_on_cpu(tmp_path):
-    """bench.quality long at toy size on CPU: pretrain (512 tokens), extend (768 tokens, from its
+    """bench.quality long at toy size on CPU: pretrain (640 tokens), extend (768 tokens, from its
     export), the probe of extend's model at 768, the slash budget, the three arms (1024 tokens) from
     extend's export on one token stream, static at sparse's final density, each
     evaluation at two lengths, compare; a call skips what an earlier call did, study.json refuses
@@ -267,7 +301,7 @@ def test_the_long_study_end_to_end_on_cpu(tmp_path):
     data.mkdir()
     Dataset.from_list(documents[:3]).to_parquet(str(data / "train.parquet"))
     Dataset.from_list(documents[3:]).to_parquet(str(data / "heldout.parquet"))
-    for name, length in (("base", 1024), ("pretrain", 512)):
+    for name, length in (("base", 1024), ("pretrain", 640)):
         (tmp_path / f"{name}.json").write_text(json.dumps(_toy_config(length)))
     trained, out = [], tmp_path / "study"
 
@@ -283,7 +317,7 @@ def test_the_long_study_end_to_end_on_cpu(tmp_path):
         return quality.long_main(args, trainer=trainer, say=lambda line: None)
 
     first = ("--config", str(tmp_path / "base.json"), "--pretrain_config", str(tmp_path / "pretrain.json"),
-             "--pretrain_steps", "2", "--extend_len", "768", "--extend_steps", "2",
+             "--pretrain_steps", "2", "--extend_len", "768", "--extend_steps", "2", "--dense_stage_questions", "2",
              "--probe_trials", "2", "--steps", "2", "--log_interval", "1", "--save_interval", "0",
              "--profile_step", "2", "--density_target", "0.9", "--eval_lengths", "512,1024", "--depths", "0,1",
              "--trials", "1", "--max_trials", "2", "--loss_windows", "1", "--buckets", "4")
@@ -300,7 +334,11 @@ def test_the_long_study_end_to_end_on_cpu(tmp_path):
     # extend continues from the pretrained export, the arms from extend's, static at sparse's final density
     configs = {m: json.loads((out / m / "config.json").read_text())["mtraining"]
                for m in ("extend", "dense", "sparse", "static")}
-    assert configs.pop("extend")["model"] == str((out / "pretrain" / "hf").resolve())
+    extend = configs.pop("extend")  # the dense stages ask twice a sample, the arms as the study's config
+    assert extend["model"] == str((out / "pretrain" / "hf").resolve()) and extend["seq_len"] == 768
+    pretrain = json.loads((out / "pretrain" / "config.json").read_text())["mtraining"]
+    assert all((c["data"]["passkey_questions"], c["data"]["task_questions"]) == (2, 2) for c in (pretrain, extend))
+    assert all("task_questions" not in c["data"] and "passkey_questions" not in c["data"] for c in configs.values())
     assert {c["model"] for c in configs.values()} == {str((out / "extend" / "hf").resolve())}
     assert results["extend"]["seq_len"] == 768 and results["extend"]["train_steps"][-1] == 2
     probe = results["probe"]  # extend's model at its own length, before the arms
@@ -334,8 +372,8 @@ def test_the_long_study_end_to_end_on_cpu(tmp_path):
         (e.split(":")[0], e.split(":")[1], n) for e in quality.LONG_EVALS for n in (512, 1024)}
     assert all((out / name).is_file() for name in record["plots"]) and len(record["plots"]) == 3
     assert record["results_row"].startswith("| <a id=\"quality-1k\"></a>tiny-qwen2 continued at 1K for 2 steps from "
-                                            "dense stages at 512 (2 steps) and 768 (2 steps), CPU (the 768 model before "
-                                            "them: passkey ")
+                                            "dense stages at 640 (2 steps) and 768 (2 steps), 2 questions a task "
+                                            "sample, CPU (the 768 model before them: passkey ")
     assert "quality_toy_cpu_" in record["results_row"]
     # a later call skips every stage done
     count = len(trained)

@@ -402,13 +402,16 @@ def plot(results: dict, out: Path, tag: str) -> list[str]:
 # several lengths.
 LONG_STAGES = ("pretrain", "extend", "probe", "budget", "dense", "sparse", "static", "eval", "compare")
 LONG_EVALS = ("dense:dense", "sparse:sparse", "sparse:dense", "static:static")  # static served as it trained
-LONG_DEFAULTS = {  # a study's settings, fixed by its first call (study.json); the 128K study on one H200
+# A study's settings, fixed by its first call (study.json). The defaults are the 128K study that fits
+# one 30-minute stay on one H100 (docs/BENCHMARKS.md: about 19 min of training, 7 of 128K evaluations);
+# the models do not come back from the machine, so a study cannot span stays.
+LONG_DEFAULTS = {
     "config": "ds_configs/quality_128k.json", "pretrain_config": "ds_configs/quality_pretrain_4k_tasks.json",
-    "pretrain_steps": 1000, "extend_len": 32768, "extend_steps": 900,
-    "probe_trials": 40, "steps": 150, "seed": 1234, "log_interval": 5, "save_interval": 50,
+    "pretrain_steps": 800, "extend_len": 32768, "extend_steps": 500, "dense_stage_questions": 8,
+    "probe_trials": 24, "steps": 100, "seed": 1234, "log_interval": 5, "save_interval": 50,
     "profile_step": 8, "density_target": 0.08, "eval_lengths": [32768, 65536, 131072],
     "depths": [0.0, 0.25, 0.5, 0.75, 1.0], "ruler_tasks": list(RULER_TASKS), "trials": 4,
-    "target_width": 0.04, "max_trials": 600, "loss_windows": 4, "buckets": 16, "evals": list(LONG_EVALS),
+    "target_width": 0.04, "max_trials": 48, "loss_windows": 4, "buckets": 16, "evals": list(LONG_EVALS),
     "dense_kernel": "auto",
 }
 GOALS = {"heldout_loss_gap": 0.01, "last_bucket_loss_gap": 0.02, "accuracy_points": 2.0, "density": 0.10,
@@ -484,10 +487,14 @@ def launch_training(run: TrainingLaunch) -> bool:
     raise RuntimeError(f"training {run.save_dir} failed (exit {process.returncode}); last lines of {run.log}:\n{tail}")
 
 
-def _at_length(config: dict, seq_len: int) -> dict:
-    """``config`` (a DeepSpeed JSON with an ``mtraining`` section) at another sequence length."""
+def _dense_stage_config(config: dict, questions: int, seq_len: int | None = None) -> dict:
+    """A dense stage's DeepSpeed JSON: ``config`` (at ``seq_len`` if given) whose task samples ask
+    ``questions`` times each (many answers a sample teach retrieval; the arms keep the study's
+    config, one question, which the sparse estimator needs: docs/CONFIG.md)."""
     config = json.loads(json.dumps(config))
-    config["mtraining"]["seq_len"] = seq_len
+    config["mtraining"].setdefault("data", {}).update(passkey_questions=questions, task_questions=questions)
+    if seq_len is not None:
+        config["mtraining"]["seq_len"] = seq_len
     return config
 
 
@@ -500,8 +507,9 @@ class LongStudy:
     """The stages of one long-context study in one folder (``--out``), each call running the stages
     it names that are not done yet: ``pretrain`` (dense, short), ``extend`` (dense, continued from
     it at a middle length, where the model learns to retrieve before the study's length; none with
-    --extend_steps 0), ``probe`` (that model's tasks at its own length, up to --probe_trials each: a
-    task it does not solve there, the arms will not solve at the study's length), ``budget`` (the
+    --extend_steps 0; both dense stages' task samples ask --dense_stage_questions times), ``probe``
+    (that model's tasks at its own length, up to --probe_trials each: a task it does not solve
+    there, the arms will not solve at the study's length), ``budget`` (the
     slash budget for --density_target on the model the arms start from, at the study's length),
     ``dense`` / ``sparse`` / ``static`` (continued from that model's export at the study's length,
     same seed: the same token stream; static at sparse's final density), ``eval``
@@ -541,10 +549,10 @@ class LongStudy:
             return settings
         values = {**LONG_DEFAULTS, **given}
         base = json.loads(Path(values["config"]).read_text())
-        settings = {"given": values, "base": base,
-                    "pretrain": json.loads(Path(values["pretrain_config"]).read_text()),
-                    "extend": _at_length(base, values["extend_len"]) if values["extend_steps"] else None,
-                    "budget": None}
+        questions, pretrain = values["dense_stage_questions"], json.loads(Path(values["pretrain_config"]).read_text())
+        extend = _dense_stage_config(base, questions, values["extend_len"]) if values["extend_steps"] else None
+        settings = {"given": values, "base": base, "pretrain": _dense_stage_config(pretrain, questions),
+                    "extend": extend, "budget": None}
         write_json(path, settings)
         return settings
 
@@ -1117,7 +1125,7 @@ def results_row(results: dict, command: str, json_name: str, device: str = "one 
     missed = [name for name, g in goals.items() if isinstance(g, dict) and g.get("pass") is False]
     return (f"| <a id=\"quality-{_k(length).lower()}\"></a>{_model_name(params['model'])} continued at {_k(length)} for "
             f"{params['steps']} steps from dense stages at {_k(params['pretrain_seq_len'])} "
-            f"({params['pretrain_steps']} steps){_extend_words(params)}, {device}{_probe_words(results.get('probe'))}; MTraining's density "
+            f"({params['pretrain_steps']} steps){_dense_stage_words(params)}, {device}{_probe_words(results.get('probe'))}; MTraining's density "
             f"{'n/a' if density is None else f'{density:.3f}'} at the end | "
             f"held-out loss **{_percent(goals['sparse_heldout_loss_gap_le_0.01']['value'])}** of dense, last "
             f"position bucket {_percent(goals['sparse_last_bucket_loss_gap_le_0.02']['value'])} (dense evaluation); "
@@ -1127,10 +1135,11 @@ def results_row(results: dict, command: str, json_name: str, device: str = "one 
             f"{'; goals missed: ' + ', '.join(missed) if missed else ''} | `{command}` | `{json_name}` |")
 
 
-def _extend_words(params: dict) -> str:
-    if not params.get("extend_seq_len"):
-        return ""
-    return f" and {_k(params['extend_seq_len'])} ({params['extend_steps']} steps)"
+def _dense_stage_words(params: dict) -> str:
+    extend = params.get("extend_seq_len")
+    words = f" and {_k(extend)} ({params['extend_steps']} steps)" if extend else ""
+    questions = params.get("dense_stage_questions", 1)
+    return words + (f", {questions} questions a task sample" if questions > 1 else "")
 
 
 def _probe_words(probe) -> str:
@@ -1278,6 +1287,8 @@ def parse_args(argv=None):
                     setattr(args, name, [type(value[0])(x) for x in items])
                 except ValueError:
                     parser.error(f"--{name} {getattr(args, name)!r}: a comma-separated list of {type(value[0]).__name__}")
+        if (args.dense_stage_questions or 1) < 1:
+            parser.error("--dense_stage_questions must be >= 1 (questions a task sample asks in the dense stages)")
     return args
 
 

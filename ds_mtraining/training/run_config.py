@@ -45,8 +45,9 @@ class RunConfig:
         data: where the documents come from: `{"source": "stdlib"}` (the Python standard library's
             sources), `{"source": "random"}` (random token ids over the model's vocabulary),
             `{"files": [...]}` or `{"saved_dataset": DIR}` (or `--data DIR`); every text source also
-            takes `passkey_fraction`, `passkey_questions` and `task_fractions` (the RULER-style tasks of
-            ds_mtraining/ruler.py; the module docstring of ds_mtraining/data.py lists every key).
+            takes `passkey_fraction`, `passkey_questions`, `task_fractions` and `task_questions` (the
+            RULER-style tasks of ds_mtraining/ruler.py; the module docstring of ds_mtraining/data.py
+            lists every key).
         loss_chunk_tokens: rows per chunk of the chunked torch loss (the CPU path; GPUs without liger).
         gradient_checkpointing: activation checkpointing of every decoder layer.
         attention: `sparse` (MTraining), `dense` (a full index through the same ring: the baseline),
