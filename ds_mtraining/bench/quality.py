@@ -509,8 +509,8 @@ class LongStudy:
     it at a middle length, where the model learns to retrieve before the study's length; none with
     --extend_steps 0; both dense stages' task samples ask --dense_stage_questions times), ``probe``
     (that model's tasks at its own length, up to --probe_trials each: a task it does not solve
-    there, the arms will not solve at the study's length), ``budget`` (the
-    slash budget for --density_target on the model the arms start from, at the study's length),
+    there, the arms will not solve at the study's length), ``budget`` (the slash budget for
+    --density_target on the model the arms start from, at the study's length),
     ``dense`` / ``sparse`` / ``static`` (continued from that model's export at the study's length,
     same seed: the same token stream; static at sparse's final density), ``eval``
     (``ds_mtraining.eval`` of each ``arm:attention`` of --evals: loss by position and the
@@ -572,7 +572,7 @@ class LongStudy:
         if stage == "extend" and not self.settings["extend"]:
             return True
         if stage == "probe":
-            return not self.settings["given"]["probe_trials"] or (self._eval_folder(self._probe_spec()) /
+            return not self.settings["given"]["probe_trials"] or (self._eval_folder(probe_spec(self.settings)) /
                                                                   "done.json").is_file()
         if stage in ("pretrain", "extend", *MODES):
             return (self.out / stage / "done.json").is_file()
@@ -583,8 +583,7 @@ class LongStudy:
         return False
 
     def _eval_folder(self, spec: str) -> Path:
-        arm, attention = spec.split(":")
-        return self.out / arm / f"eval_{attention}"
+        return eval_folder(self.out, spec)
 
     # ------------------------------------------------------------------ stages
     def run(self, stages) -> list:
@@ -650,17 +649,14 @@ class LongStudy:
     def _start_model(self) -> str:
         return self._export(start_stage(self.settings))
 
-    def _probe_spec(self) -> str:
-        return f"{start_stage(self.settings)}:dense"
-
     def stage_probe(self):
         """The start model's tasks (and loss) at its own length, before the arms spend their time."""
         stage = start_stage(self.settings)
         length = self.settings[stage]["mtraining"]["seq_len"]
         self._export(stage)
         self.say(f"probe: the {stage} model's tasks at its own length, {length} tokens")
-        self._evaluate(self._probe_spec(), length, self.settings["given"]["probe_trials"])
-        folder = self._eval_folder(self._probe_spec())
+        self._evaluate(probe_spec(self.settings), length, self.settings["given"]["probe_trials"])
+        folder = self._eval_folder(probe_spec(self.settings))
         write_json(folder / "done.json", _json(folder / f"done_{length}.json"))
         tasks = (eval_results(folder) or {}).get("tasks", {})
         solved = {task: cell[str(length)]["accuracy"] for task, cell in tasks.items() if str(length) in cell}
@@ -854,15 +850,26 @@ def eval_results(folder: Path) -> dict | None:
     return result
 
 
+def eval_folder(study: Path, spec: str) -> Path:
+    """Where the evaluation ``arm:attention`` of a study keeps its trials and results."""
+    arm, attention = spec.split(":")
+    return study / arm / f"eval_{attention}"
+
+
 def start_stage(settings: dict) -> str:
     """The dense stage whose model the budget is chosen on and the arms continue from: the last one."""
     return "extend" if settings["extend"] else "pretrain"
 
 
+def probe_spec(settings: dict) -> str:
+    """The probe's evaluation: the start model under dense attention."""
+    return f"{start_stage(settings)}:dense"
+
+
 def probe_results(study: Path, settings: dict) -> dict | None:
     """The probe of the model the arms start from (its tasks and loss at its own length), or None."""
     stage = start_stage(settings)
-    found = eval_results(study / stage / "eval_dense") if settings["given"]["probe_trials"] else None
+    found = eval_results(eval_folder(study, probe_spec(settings))) if settings["given"]["probe_trials"] else None
     return found and {"model_of": stage, "length": settings[stage]["mtraining"]["seq_len"], **found}
 
 
@@ -955,7 +962,7 @@ def long_results(study: Path) -> dict:
                "extend": arm_results(study / "extend") if extend else None,
                "probe": probe_results(study, settings),
                "arms": {mode: arm_results(study / mode) for mode in MODES},
-               "evals": {spec: eval_results(study / spec.split(":")[0] / f"eval_{spec.split(':')[1]}")
+               "evals": {spec: eval_results(eval_folder(study, spec))
                          for spec in settings["given"]["evals"]}}
     rows = []
     for spec, ev in results["evals"].items():
@@ -1125,7 +1132,8 @@ def results_row(results: dict, command: str, json_name: str, device: str = "one 
     missed = [name for name, g in goals.items() if isinstance(g, dict) and g.get("pass") is False]
     return (f"| <a id=\"quality-{_k(length).lower()}\"></a>{_model_name(params['model'])} continued at {_k(length)} for "
             f"{params['steps']} steps from dense stages at {_k(params['pretrain_seq_len'])} "
-            f"({params['pretrain_steps']} steps){_dense_stage_words(params)}, {device}{_probe_words(results.get('probe'))}; MTraining's density "
+            f"({params['pretrain_steps']} steps){_dense_stage_words(params)}, {device}"
+            f"{_probe_words(results.get('probe'))}; MTraining's density "
             f"{'n/a' if density is None else f'{density:.3f}'} at the end | "
             f"held-out loss **{_percent(goals['sparse_heldout_loss_gap_le_0.01']['value'])}** of dense, last "
             f"position bucket {_percent(goals['sparse_last_bucket_loss_gap_le_0.02']['value'])} (dense evaluation); "
