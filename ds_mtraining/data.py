@@ -19,16 +19,16 @@ Sources (the ``mtraining.data`` section of the DeepSpeed JSON, see :func:`load_d
 * any source: ``"passkey_fraction"`` (default 0) turns that share of the samples into passkey
   retrieval samples (:func:`ds_mtraining.passkey.passkey_training_sample`: a random key at a
   random depth of the sample's own text, the question and the key at the end), chosen per sample
-  index with a seeded generator, so a resumed run sees the same samples. ``"passkey_questions"``
+  index and epoch with a seeded generator, so a resumed run sees the same samples and a window
+  seen again in a later epoch holds a new key (not one to learn by heart). ``"passkey_questions"``
   (default 1) asks for the key that many times per sample (more retrieval examples per step).
   ``"task_fractions"`` (default none), e.g. ``{"multikey": 0.25, "multivalue": 0.25, "vartrack":
   0.25}``, turns those shares of the samples into the RULER-style tasks of
   :mod:`ds_mtraining.ruler` in the same way (their answer at the end); with ``passkey_fraction``
-  they sum to at most 1, and a sample is one task or none (one seeded draw per sample: a config
-  without ``task_fractions`` keeps its exact samples). ``"task_questions"`` (default 1) is their
-  ``passkey_questions``: that many questions a sample, each answered (a model learns retrieval
-  from many answers a sample: a dense stage before a long one; keep both at 1 when training
-  sparse, docs/CONFIG.md says why).
+  they sum to at most 1, and a sample is one task or none (one seeded draw per sample and
+  epoch). ``"task_questions"`` (default 1) is their ``passkey_questions``: that many questions a
+  sample, each answered (a model learns retrieval from many answers a sample: a dense stage before
+  a long one; keep both at 1 when training sparse, docs/CONFIG.md says why).
 
 Tokenizers: ``"bytes"`` (default), :class:`ByteTokenizer` (UTF-8 bytes 0..255 plus an end-of-
 document token 256, implemented here, nothing to download), or the path of a local tokenizer
@@ -324,12 +324,14 @@ def tokenize_documents(documents, tokenizer):
 class PackedSequences:
     """Fixed-length causal-LM samples cut from the concatenated token stream of the documents.
 
-    ``self[i]`` is ``(input_ids [L], labels [L])`` int64, labels shifted by one on the stream.
-    With ``passkey_fraction`` > 0 (and the ``tokenizer``), sample i is a passkey sample made from
-    its own window with probability ``passkey_fraction``, decided by a generator seeded (seed, i),
-    asking ``passkey_questions`` times for its key; with ``task_fractions`` the same draw makes it
-    a sample of one of :mod:`ds_mtraining.ruler`'s other tasks with those probabilities, asking
-    ``task_questions`` times."""
+    ``self.sample(i, epoch)`` (``self[i]``: epoch 0) is ``(input_ids [L], labels [L])`` int64,
+    labels shifted by one on the stream. With ``passkey_fraction`` > 0 (and the ``tokenizer``),
+    sample i is a passkey sample made from its own window with probability ``passkey_fraction``,
+    decided by a generator seeded (seed, i, epoch), asking ``passkey_questions`` times for its key;
+    with ``task_fractions`` the same draw makes it a sample of one of :mod:`ds_mtraining.ruler`'s
+    other tasks with those probabilities, asking ``task_questions`` times. The epoch is in the seed
+    because a window seen again must not come with the same key: over several epochs of a small
+    corpus a model learns each window's key by heart instead of retrieving it from the needle."""
 
     def __init__(self, tokenized, seq_len: int, passkey_fraction: float = 0.0, tokenizer=None,
                  seed: int = 0, passkey_questions: int = 1, task_fractions: dict | None = None,
@@ -379,11 +381,11 @@ class PackedSequences:
             doc += 1
         return np.concatenate(pieces)
 
-    def _task(self, i: int) -> tuple[str, np.random.Generator] | None:
-        """(task, its generator) of sample i, None when sample i carries none."""
+    def _task(self, i: int, epoch: int) -> tuple[str, np.random.Generator] | None:
+        """(task, its generator) of sample i in ``epoch``, None when it carries none."""
         if not self.passkey_fraction and not self.task_fractions:
             return None
-        rng = np.random.default_rng([self.seed, i, 0x9A55])
+        rng = np.random.default_rng([self.seed, i, epoch, 0x9A55])
         draw = rng.random()
         if draw < self.passkey_fraction:
             return "passkey", rng
@@ -395,10 +397,13 @@ class PackedSequences:
         return None
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.sample(i)
+
+    def sample(self, i: int, epoch: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         if not 0 <= i < len(self):
             raise IndexError(f"sample {i} of {len(self)}")
         tokens = self.window(i * self.seq_len, self.seq_len + 1).astype(np.int64)
-        chosen = self._task(i)
+        chosen = self._task(i, epoch)
         if chosen is not None and chosen[0] == "passkey":
             from .passkey import passkey_training_sample
             tokens = passkey_training_sample(tokens, self.tokenizer, chosen[1], questions=self.passkey_questions)
@@ -408,7 +413,7 @@ class PackedSequences:
         tokens = torch.from_numpy(tokens)
         return tokens[:-1], tokens[1:]
 
-    def cu_seqlens(self, i: int) -> torch.Tensor:
+    def cu_seqlens(self, i: int, epoch: int = 0) -> torch.Tensor:
         """int64 [n + 1]: where the documents of sample i's input tokens begin, then L (a window
         may start inside a document: its first piece is a document of its own). A passkey or task
         sample is one document (its needle and question must see each other)."""
@@ -416,7 +421,7 @@ class PackedSequences:
             raise IndexError(f"sample {i} of {len(self)}")
         start, end = i * self.seq_len, (i + 1) * self.seq_len
         inside = self.starts[(self.starts > start) & (self.starts < end)] - start
-        if self._task(i) is not None:
+        if self._task(i, epoch) is not None:
             inside = inside[:0]
         return torch.from_numpy(np.concatenate([[0], inside, [self.seq_len]]).astype(np.int64))
 
@@ -434,13 +439,17 @@ class RandomSequences:
         return self.samples
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.sample(i)
+
+    def sample(self, i: int, epoch: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sample i, the same in every epoch (the interface of :meth:`PackedSequences.sample`)."""
         if not 0 <= i < len(self):
             raise IndexError(f"sample {i} of {len(self)}")
         generator = torch.Generator().manual_seed(int(np.random.SeedSequence([self.seed, i]).generate_state(1)[0]))
         tokens = torch.randint(0, self.vocab_size, (self.seq_len + 1,), generator=generator)
         return tokens[:-1], tokens[1:]
 
-    def cu_seqlens(self, i: int) -> torch.Tensor:
+    def cu_seqlens(self, i: int, epoch: int = 0) -> torch.Tensor:
         return torch.tensor([0, self.seq_len], dtype=torch.int64)
 
 
@@ -501,19 +510,23 @@ class RankBatches:
                 f"fewer than one global micro-batch (micro batch {self.micro_batch_size} x "
                 f"{self.data_world} data-parallel replicas); add data or shorten mtraining.seq_len")
 
+    def epoch(self, position: int) -> int:
+        """The epoch (pass over the samples) that micro-batch ``position`` belongs to."""
+        return position // self.per_epoch
+
     def sample_ids(self, position: int) -> list[int]:
-        epoch, within = divmod(position, self.per_epoch)
+        epoch, within = self.epoch(position), position % self.per_epoch
         order = np.random.default_rng([self.seed, epoch]).permutation(len(self.samples))
         first = (within * self.data_world + self.data_rank) * self.micro_batch_size
         return [int(i) for i in order[first:first + self.micro_batch_size]]
 
     def batch(self, position: int) -> dict:
-        ids = self.sample_ids(position)
-        pairs = [self.samples[i] for i in ids]
+        ids, epoch = self.sample_ids(position), self.epoch(position)
+        pairs = [self.samples.sample(i, epoch) for i in ids]
         input_ids = torch.stack([p[0] for p in pairs])
         labels = torch.stack([p[1] for p in pairs])
         doc_start = None
-        cu_seqlens = [self.samples.cu_seqlens(i) for i in ids] if self.document_masking else []
+        cu_seqlens = [self.samples.cu_seqlens(i, epoch) for i in ids] if self.document_masking else []
         if any(len(cu) > 2 for cu in cu_seqlens):  # a sample packs several documents: mask them
             from .documents import doc_start_from_cu_seqlens
             doc_start = doc_start_from_cu_seqlens(cu_seqlens, input_ids.shape[1], len(ids))

@@ -24,8 +24,9 @@
 # and the evaluations keep their trials (each row names the model it ran on).
 #
 # Env: BUDGET_S (560: seconds of this call), STAGES (all, or e.g. "pretrain,extend,probe,budget"),
-#      STUDY (/tmp/quality_128k), DATA (data/quality: built from the standard library when missing),
-#      TAG (128k), DEVICE (cuda:0; cpu: a dry run of the script with a toy study in STUDY_ARGS), STUDY_ARGS (more options of `bench.quality long`, fixed by the study's first call:
+#      STUDY (/tmp/quality_128k), DATA (data/quality: built from the standard library and torch's source when missing),
+#      TAG (128k), DEVICE (cuda:0; cpu: a dry run of the script with a toy study in STUDY_ARGS),
+#      STUDY_ARGS (more options of `bench.quality long`, fixed by the study's first call:
 #      --steps, --max_trials, ...)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -48,8 +49,10 @@ if [ ! -f "$STUDY/study.json" ] && [ -f .quality_state/study.tar.gz ]; then
     && echo "quality_128k: continuing the study of .quality_state/study.tar.gz in $STUDY"
 fi
 if [ ! -f "$DATA/train.parquet" ]; then
-  echo "quality_128k: no corpus in $DATA: building one from the standard library"
-  python3 -m ds_mtraining.eval.corpus --stdlib --out "$DATA" || exit 1
+  # the standard library alone (9M characters on the GPU machine): the 4K stage would read it almost 3 times
+  torch_source=$(python3 -c "import os, torch; print(os.path.dirname(torch.__file__))") || exit 1
+  echo "quality_128k: no corpus in $DATA: building one from the standard library and $torch_source"
+  python3 -m ds_mtraining.eval.corpus --stdlib --code "$torch_source" --out "$DATA" || exit 1
 fi
 DEVICE=${DEVICE:-cuda:0}
 [ "$DEVICE" = cpu ] || python3 -c "

@@ -199,3 +199,32 @@ def test_a_passkey_sample_is_one_document():
             inputs = samples[i][0]
             assert cu == [t for t in range(512) if t == 0 or int(inputs[t - 1]) == EOS] + [512]
     assert kinds == {True, False}
+
+
+def test_a_window_seen_again_asks_for_a_new_answer():
+    """A task sample's key, values or names are drawn per epoch: over several epochs of a small
+    corpus a fixed draw lets a model learn each window's answer by heart instead of retrieving it.
+    The answer, read from the end of the text, differs between epochs for every sample; the batches
+    of a later epoch carry that epoch's samples."""
+    import re
+    from datasets import Dataset
+    words = stdlib_documents(max_documents=1)[0]["text"][:40_000]
+    documents = Dataset.from_list([{"text": words[k:k + 5000]} for k in range(0, 40_000, 5000)])
+    tokenizer = ByteTokenizer()
+    samples = PackedSequences(tokenize_documents(documents, tokenizer), 1024, 0.25, tokenizer, seed=3,
+                              task_fractions={"multikey": 0.25, "multivalue": 0.25, "vartrack": 0.25})
+
+    def answer(inputs, labels) -> str:  # the sample's last question's answer: what follows its " is" / " are"
+        text = bytes(int(x) for x in torch.cat([inputs, labels[-1:]]) if int(x) < 256).decode()
+        return re.split(r" (?:is|are) ", text[-120:])[-1]
+
+    for i in range(len(samples)):
+        first, again = samples.sample(i, 0), samples.sample(i, 1)
+        assert torch.equal(samples.sample(i, 1)[0], again[0])  # a resumed run draws the same sample
+        assert answer(*first) != answer(*again), f"sample {i} asks for {answer(*first)!r} in both epochs"
+    batches = RankBatches(samples, 2, block_size=64, seed=0)
+    position = batches.per_epoch + 1
+    assert batches.epoch(position) == 1
+    ids = batches.sample_ids(position)
+    assert torch.equal(batches.batch(position)["input_ids"], torch.stack([samples.sample(i, 1)[0] for i in ids]))
+    assert not torch.equal(batches.batch(position)["input_ids"], torch.stack([samples.sample(i, 0)[0] for i in ids]))

@@ -387,3 +387,28 @@ def test_corpus_splits_whole_documents_and_reads_gzipped_docs(tmp_path):
         where = [name for name, documents in splits.items() for d in documents if f"# {relative}\n{text}" in d]
         assert len(where) == 1, (relative, where)
     assert not any("not this" in d for documents in splits.values() for d in documents)
+
+
+def test_corpus_code_folders_give_their_py_files_only(tmp_path, capsys):
+    # the reference: each .py file's text, read independently, lands in one document; other files in none
+    import datasets
+    from ds_mtraining.eval.corpus import build_corpus, main
+    package = tmp_path / "package"
+    texts = {}
+    for i in range(6):
+        path = package / f"sub{i % 2}" / f"module{i}.py"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        texts[path.relative_to(package)] = f"def f{i}():\n    return {i}\n" * (20 + i)
+        path.write_text(texts[path.relative_to(package)])
+    (package / "README.md").write_text("not code")
+    summary = build_corpus(tmp_path / "out", stdlib=False, docs=[], code=[package], document_chars=300, heldout=0.3)
+    documents = [d for name in ("train", "heldout")
+                 for d in datasets.Dataset.from_parquet(str(tmp_path / "out" / f"{name}.parquet"))["text"]]
+    assert summary["sources"] == ["package"]
+    for relative, text in texts.items():
+        assert sum(f"# {relative}\n{text}" in d for d in documents) == 1, relative
+    assert not any("not code" in d for d in documents)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit):
+        main(["--out", str(tmp_path / "none"), "--code", str(tmp_path / "empty")])
+    assert f"--code {tmp_path / 'empty'}: no .py files" in capsys.readouterr().err

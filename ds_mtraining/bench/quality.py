@@ -402,9 +402,9 @@ def plot(results: dict, out: Path, tag: str) -> list[str]:
 # several lengths.
 LONG_STAGES = ("pretrain", "extend", "probe", "budget", "dense", "sparse", "static", "eval", "compare")
 LONG_EVALS = ("dense:dense", "sparse:sparse", "sparse:dense", "static:static")  # static served as it trained
-# A study's settings, fixed by its first call (study.json). The defaults are the 128K study that fits
-# one 30-minute stay on one H100 (docs/BENCHMARKS.md: about 19 min of training, 7 of 128K evaluations);
-# the models do not come back from the machine, so a study cannot span stays.
+# A study's settings, fixed by its first call (study.json). The defaults train every stage in one
+# 30-minute stay on one H100 and evaluate most of 128K (docs/BENCHMARKS.md gives the measured stay and
+# what to spare); the models do not come back from the machine, so a study cannot span stays.
 LONG_DEFAULTS = {
     "config": "ds_configs/quality_128k.json", "pretrain_config": "ds_configs/quality_pretrain_4k_tasks.json",
     "pretrain_steps": 800, "extend_len": 32768, "extend_steps": 500, "dense_stage_questions": 8,

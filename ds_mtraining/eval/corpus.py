@@ -5,6 +5,10 @@ Sources, all offline and written by nobody on this project:
 
 * ``--stdlib``: the running interpreter's standard library ``.py`` files (code, docstrings and
   comments), as :func:`ds_mtraining.data.stdlib_documents` reads them;
+* ``--code DIR`` (repeatable): the ``.py`` files under DIR, e.g. an installed package's source
+  (``--code "$(python -c 'import torch, os; print(os.path.dirname(torch.__file__))')"``: about 46 MB),
+  a corpus large enough for a study's training not to see a window twice on a machine with nothing
+  else to read;
 * ``--docs DIR`` (repeatable): the text files under DIR (``.rst``, ``.txt``, ``.md``, each also
   gzipped), e.g. the Linux kernel's documentation that Debian ships::
 
@@ -34,6 +38,7 @@ from ..data import DEFAULT_DOCUMENT_CHARS, join_files, stdlib_documents
 from ..record import write_json
 
 TEXT_SUFFIXES = (".rst", ".txt", ".md")
+CODE_SUFFIXES = (".py",)
 
 
 def _read(path: Path) -> str:
@@ -41,20 +46,22 @@ def _read(path: Path) -> str:
     return data.decode("utf-8", errors="replace")
 
 
-def text_files(root: Path, exclude=()) -> list[Path]:
-    """The text files under ``root`` (plain or gzipped), skipping any path with a part in ``exclude``."""
+def text_files(root: Path, exclude=(), suffixes=TEXT_SUFFIXES) -> list[Path]:
+    """The files under ``root`` named ``*<suffix>`` (plain or gzipped), skipping any path with a
+    part in ``exclude``."""
     files = []
     for path in root.rglob("*"):
         name = path.name[:-3] if path.name.endswith(".gz") else path.name
-        if path.is_file() and name.endswith(TEXT_SUFFIXES) and not set(path.relative_to(root).parts) & set(exclude):
+        if path.is_file() and name.endswith(suffixes) and not set(path.relative_to(root).parts) & set(exclude):
             files.append(path)
     return files
 
 
-def docs_documents(root: Path, document_chars: int, exclude=()) -> list[dict]:
-    files = text_files(root, exclude)
+def folder_documents(root: Path, document_chars: int, exclude=(), suffixes=TEXT_SUFFIXES,
+                     option: str = "--docs") -> list[dict]:
+    files = text_files(root, exclude, suffixes)
     if not files:
-        raise ValueError(f"--docs {root}: no {'/'.join(TEXT_SUFFIXES)} files (plain or .gz) under it")
+        raise ValueError(f"{option} {root}: no {'/'.join(suffixes)} files (plain or .gz) under it")
     return [{"text": text, "source": root.name}
             for text in join_files(root, files, document_chars, read=_read)]
 
@@ -76,15 +83,17 @@ def split_documents(documents: list[dict], heldout: float, seed: int) -> tuple[l
 
 
 def build_corpus(out: Path, stdlib: bool, docs, exclude=(), document_chars: int = DEFAULT_DOCUMENT_CHARS,
-                 heldout: float = 0.05, seed: int = 0) -> dict:
+                 heldout: float = 0.05, seed: int = 0, code=()) -> dict:
     """Writes ``out/train.parquet``, ``out/heldout.parquet`` and ``out/corpus.json`` (what went in);
     returns the latter's contents."""
     import datasets
     documents = stdlib_documents(document_chars) if stdlib else []
+    for root in code:
+        documents += folder_documents(Path(root), document_chars, exclude, CODE_SUFFIXES, "--code")
     for root in docs:
-        documents += docs_documents(Path(root), document_chars, exclude)
+        documents += folder_documents(Path(root), document_chars, exclude)
     if not documents:
-        raise ValueError("no source: give --stdlib and/or --docs DIR")
+        raise ValueError("no source: give --stdlib, --code DIR and/or --docs DIR")
     train, held = split_documents(documents, heldout, seed)
     out.mkdir(parents=True, exist_ok=True)
     summary = {"document_chars": document_chars, "heldout_fraction": heldout, "seed": seed,
@@ -101,6 +110,7 @@ def main(argv=None):
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--stdlib", action="store_true", help="include the standard library's .py files")
+    parser.add_argument("--code", action="append", default=[], help="a folder of .py files (repeatable)")
     parser.add_argument("--docs", action="append", default=[], help="a folder of .rst/.txt/.md files (repeatable)")
     parser.add_argument("--exclude", action="append", default=[], help="skip paths with this folder name")
     parser.add_argument("--document_chars", type=int, default=DEFAULT_DOCUMENT_CHARS, help="characters per document")
@@ -111,7 +121,7 @@ def main(argv=None):
         parser.error("--heldout must lie in (0, 1)")
     try:
         summary = build_corpus(Path(args.out), args.stdlib, args.docs, args.exclude, args.document_chars,
-                               args.heldout, args.seed)
+                               args.heldout, args.seed, args.code)
     except (ValueError, FileNotFoundError) as error:
         print(f"ds_mtraining.eval.corpus: error: {error}", file=sys.stderr)
         sys.exit(2)
