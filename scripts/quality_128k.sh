@@ -6,12 +6,12 @@
 # yet until BUDGET_S, stopping in time with what it did saved (training: the step in flight
 # checkpointed; evaluation: its trials), so the same command, called again, continues:
 #
-#   here, once:  the corpus (as the 32K study's: docs/BENCHMARKS.md), the wheels in .whl/, and for
-#                FA4 `bash scripts/fa4_stage.sh` (.fa4_part1/, .fa4_part2/)
+#   here, once:  the wheels in .whl/, and for FA4 `bash scripts/fa4_stage.sh` (.fa4_part1/, .fa4_part2/);
+#                the corpus is built on the machine (below: a carried one would not fit beside FA4's part 2)
 #   device:      run(command="bash scripts/fa4_check.sh part1", carry=[".fa4_part1"], timeout_s=120)
 #                run(command="SKIP_TESTS=1 SKIP_BENCH=1 bash scripts/fa4_check.sh part2 && BUDGET_S=540 bash
-#                    scripts/quality_128k.sh", carry=[".whl", ".fa4_part2", "data/quality"], timeout_s=600)
-#                run(command="bash scripts/quality_128k.sh", carry=[".whl", "data/quality"], timeout_s=600)
+#                    scripts/quality_128k.sh", carry=[".whl", ".fa4_part2"], timeout_s=600)
+#                run(command="bash scripts/quality_128k.sh", carry=[".whl"], timeout_s=600)
 #                ... the last again, at once each time (a warm machine keeps /tmp 30 s), until it prints
 #                the goals: quality_128k_<device>_<date>.json, its PNGs and study.tar.gz in $OUT.
 #
