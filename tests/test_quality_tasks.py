@@ -456,3 +456,14 @@ def test_static_evaluation_serves_sinks_and_the_local_window():
     assert (logits("dense", changed)[-1] - dense[-1]).abs().max() > 1e-4
     with pytest.raises(ValueError, match="static_density"):
         set_attention(tiny_model("qwen2"), "static", sparse)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["long", "--out", "unused", "--dense_stage_questions", "0"], "--dense_stage_questions must be >= 1"),
+    (["run", "--steps", "0", "--config", "c", "--data", "d", "--out", "unused"], "--steps must be >= 1"),
+])
+def test_a_zero_count_is_refused_not_read_as_the_default(argv, message, capsys):
+    from ds_mtraining.bench import quality
+    with pytest.raises(SystemExit):
+        quality.parse_args(argv)
+    assert message in capsys.readouterr().err

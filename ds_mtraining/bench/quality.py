@@ -1283,7 +1283,7 @@ def parse_args(argv=None):
     cmp.add_argument("--results", default=None, help="where quality_<tag>.json and PNGs go (default: the study)")
     args = parser.parse_args(argv)
     if args.command == "run":
-        if (args.steps or 1) < 1 or args.calibration_steps < 2:
+        if (args.steps is not None and args.steps < 1) or args.calibration_steps < 2:
             parser.error("--steps must be >= 1 and --calibration_steps >= 2")
         if bool(args.pretrain_config) != (args.pretrain_steps > 0):
             parser.error("--pretrain_config and --pretrain_steps >= 1 go together")
@@ -1295,7 +1295,7 @@ def parse_args(argv=None):
                     setattr(args, name, [type(value[0])(x) for x in items])
                 except ValueError:
                     parser.error(f"--{name} {getattr(args, name)!r}: a comma-separated list of {type(value[0]).__name__}")
-        if (args.dense_stage_questions or 1) < 1:
+        if args.dense_stage_questions is not None and args.dense_stage_questions < 1:
             parser.error("--dense_stage_questions must be >= 1 (questions a task sample asks in the dense stages)")
     return args
 
