@@ -341,9 +341,11 @@ def test_the_long_study_end_to_end_on_cpu(tmp_path):
     assert all("task_questions" not in c["data"] and "passkey_questions" not in c["data"] for c in configs.values())
     assert {c["model"] for c in configs.values()} == {str((out / "extend" / "hf").resolve())}
     assert results["extend"]["seq_len"] == 768 and results["extend"]["train_steps"][-1] == 2
-    probe = results["probe"]  # extend's model at its own length, before the arms
-    assert probe["model_of"] == "extend" and probe["length"] == 768 and list(probe["loss"]) == ["768"]
-    assert {task: cell["768"]["trials"] for task, cell in probe["tasks"].items()} == {task: 2 for task in TASKS}
+    probes = results["probes"]  # each dense stage's model at its own length, before the arms
+    assert {stage: (p["length"], list(p["loss"])) for stage, p in probes.items()} == {
+        "pretrain": (640, ["640"]), "extend": (768, ["768"])}
+    assert all({task: cell[str(p["length"])]["trials"] for task, cell in p["tasks"].items()} == {task: 2 for task in TASKS}
+               for p in probes.values())
     assert configs["static"]["static"]["density"] == pytest.approx(
         quality.tail_mean(read_metric(out / "sparse" / "run", "density")[1]))
     budget = json.loads((out / "study.json").read_text())["budget"]
@@ -373,8 +375,8 @@ def test_the_long_study_end_to_end_on_cpu(tmp_path):
     assert all((out / name).is_file() for name in record["plots"]) and len(record["plots"]) == 3
     assert record["results_row"].startswith("| <a id=\"quality-1k\"></a>tiny-qwen2 continued at 1K for 2 steps from "
                                             "dense stages at 640 (2 steps) and 768 (2 steps), 2 questions a task "
-                                            "sample, CPU (the 768 model before them: passkey ")
-    assert "quality_toy_cpu_" in record["results_row"]
+                                            "sample, CPU (before them, the 640 model: passkey ")
+    assert "; the 768 model: passkey " in record["results_row"] and "quality_toy_cpu_" in record["results_row"]
     # a later call skips every stage done
     count = len(trained)
     assert call(stages="pretrain,extend,probe,budget,dense,sparse,static,eval") is None and len(trained) == count

@@ -508,8 +508,10 @@ class LongStudy:
     it names that are not done yet: ``pretrain`` (dense, short), ``extend`` (dense, continued from
     it at a middle length, where the model learns to retrieve before the study's length; none with
     --extend_steps 0; both dense stages' task samples ask --dense_stage_questions times), ``probe``
-    (that model's tasks at its own length, up to --probe_trials each: a task it does not solve
-    there, the arms will not solve at the study's length), ``budget`` (the slash budget for
+    (each dense stage's model's tasks at its own length, up to --probe_trials each: a task the
+    arms' start model does not solve there, the arms will not solve at the study's length; one the
+    short stage's model does not solve either was not learned at all, rather than not carried to
+    the longer length), ``budget`` (the slash budget for
     --density_target on the model the arms start from, at the study's length),
     ``dense`` / ``sparse`` / ``static`` (continued from that model's export at the study's length,
     same seed: the same token stream; static at sparse's final density), ``eval``
@@ -572,8 +574,8 @@ class LongStudy:
         if stage == "extend" and not self.settings["extend"]:
             return True
         if stage == "probe":
-            return not self.settings["given"]["probe_trials"] or (self._eval_folder(probe_spec(self.settings)) /
-                                                                  "done.json").is_file()
+            return not self.settings["given"]["probe_trials"] or all(
+                (self._eval_folder(probe_spec(name)) / "done.json").is_file() for name in dense_stages(self.settings))
         if stage in ("pretrain", "extend", *MODES):
             return (self.out / stage / "done.json").is_file()
         if stage == "budget":
@@ -650,19 +652,21 @@ class LongStudy:
         return self._export(start_stage(self.settings))
 
     def stage_probe(self):
-        """The start model's tasks (and loss) at its own length, before the arms spend their time."""
-        stage = start_stage(self.settings)
-        length = self.settings[stage]["mtraining"]["seq_len"]
-        self._export(stage)
-        self.say(f"probe: the {stage} model's tasks at its own length, {length} tokens")
-        self._evaluate(probe_spec(self.settings), length, self.settings["given"]["probe_trials"])
-        folder = self._eval_folder(probe_spec(self.settings))
-        write_json(folder / "done.json", _json(folder / f"done_{length}.json"))
-        tasks = (eval_results(folder) or {}).get("tasks", {})
-        solved = {task: cell[str(length)]["accuracy"] for task, cell in tasks.items() if str(length) in cell}
-        self.say("probe: " + ", ".join(f"{task} {100 * a:.0f}%" for task, a in solved.items())
-                 + "".join(f"; {task} below 50%: the arms' comparison on it will say little"
-                           for task, a in solved.items() if a < 0.5))
+        """Each dense stage's model's tasks (and loss) at its own length, before the arms spend their time."""
+        for stage in dense_stages(self.settings):
+            folder, length = self._eval_folder(probe_spec(stage)), self.settings[stage]["mtraining"]["seq_len"]
+            if (folder / "done.json").is_file():
+                continue
+            self._export(stage)
+            self.say(f"probe: the {stage} model's tasks at its own length, {length} tokens")
+            self._evaluate(probe_spec(stage), length, self.settings["given"]["probe_trials"])
+            write_json(folder / "done.json", _json(folder / f"done_{length}.json"))
+            tasks = (eval_results(folder) or {}).get("tasks", {})
+            solved = {task: cell[str(length)]["accuracy"] for task, cell in tasks.items() if str(length) in cell}
+            start = stage == start_stage(self.settings)
+            self.say(f"probe ({stage}): " + ", ".join(f"{task} {100 * a:.0f}%" for task, a in solved.items())
+                     + "".join(f"; {task} below 50%: the arms' comparison on it will say little"
+                               for task, a in solved.items() if start and a < 0.5))
 
     def _ensure_model(self, stage: str):
         """A stage done in an earlier session whose exported model is not here (a bare machine: the
@@ -856,21 +860,29 @@ def eval_folder(study: Path, spec: str) -> Path:
     return study / arm / f"eval_{attention}"
 
 
+def dense_stages(settings: dict) -> tuple[str, ...]:
+    """The study's dense stages, in order."""
+    return ("pretrain", "extend") if settings["extend"] else ("pretrain",)
+
+
 def start_stage(settings: dict) -> str:
     """The dense stage whose model the budget is chosen on and the arms continue from: the last one."""
-    return "extend" if settings["extend"] else "pretrain"
+    return dense_stages(settings)[-1]
 
 
-def probe_spec(settings: dict) -> str:
-    """The probe's evaluation: the start model under dense attention."""
-    return f"{start_stage(settings)}:dense"
+def probe_spec(stage: str) -> str:
+    """The probe's evaluation of a dense stage: its model under dense attention."""
+    return f"{stage}:dense"
 
 
 def probe_results(study: Path, settings: dict) -> dict | None:
-    """The probe of the model the arms start from (its tasks and loss at its own length), or None."""
-    stage = start_stage(settings)
-    found = eval_results(eval_folder(study, probe_spec(settings))) if settings["given"]["probe_trials"] else None
-    return found and {"model_of": stage, "length": settings[stage]["mtraining"]["seq_len"], **found}
+    """The probes (each dense stage's model: its tasks and loss at its own length) by stage, those
+    run so far; None without probes."""
+    if not settings["given"]["probe_trials"]:
+        return None
+    found = {stage: eval_results(eval_folder(study, probe_spec(stage))) for stage in dense_stages(settings)}
+    return {stage: {"length": settings[stage]["mtraining"]["seq_len"], **probe}
+            for stage, probe in found.items() if probe}
 
 
 def _goal(passed, value, limit, margin, change: str, **extra) -> dict:
@@ -960,7 +972,7 @@ def long_results(study: Path) -> dict:
               "model": settings["base"]["mtraining"]["model"], "budget": settings["budget"]}
     results = {"params": params, "pretrain": arm_results(study / "pretrain"),
                "extend": arm_results(study / "extend") if extend else None,
-               "probe": probe_results(study, settings),
+               "probes": probe_results(study, settings),
                "arms": {mode: arm_results(study / mode) for mode in MODES},
                "evals": {spec: eval_results(eval_folder(study, spec))
                          for spec in settings["given"]["evals"]}}
@@ -1133,7 +1145,7 @@ def results_row(results: dict, command: str, json_name: str, device: str = "one 
     return (f"| <a id=\"quality-{_k(length).lower()}\"></a>{_model_name(params['model'])} continued at {_k(length)} for "
             f"{params['steps']} steps from dense stages at {_k(params['pretrain_seq_len'])} "
             f"({params['pretrain_steps']} steps){_dense_stage_words(params)}, {device}"
-            f"{_probe_words(results.get('probe'))}; MTraining's density "
+            f"{_probe_words(results.get('probes'))}; MTraining's density "
             f"{'n/a' if density is None else f'{density:.3f}'} at the end | "
             f"held-out loss **{_percent(goals['sparse_heldout_loss_gap_le_0.01']['value'])}** of dense, last "
             f"position bucket {_percent(goals['sparse_last_bucket_loss_gap_le_0.02']['value'])} (dense evaluation); "
@@ -1150,14 +1162,17 @@ def _dense_stage_words(params: dict) -> str:
     return words + (f", {questions} questions a task sample" if questions > 1 else "")
 
 
-def _probe_words(probe) -> str:
-    """The start model's task accuracy at its own length, before the arms: where the arms could learn from."""
-    if not probe:
+def _probe_words(probes) -> str:
+    """The dense stages' task accuracy at their own lengths, before the arms: where the arms could learn from."""
+    if not probes:
         return ""
-    length = str(probe["length"])
-    solved = ", ".join(f"{task} {100 * cell[length]['accuracy']:.0f}%" for task, cell in probe["tasks"].items()
-                       if length in cell)
-    return f" (the {_k(probe['length'])} model before them: {solved or 'n/a'})"
+    words = []
+    for probe in probes.values():
+        length = str(probe["length"])
+        solved = ", ".join(f"{task} {100 * cell[length]['accuracy']:.0f}%" for task, cell in probe["tasks"].items()
+                           if length in cell)
+        words.append(f"the {_k(probe['length'])} model: {solved or 'n/a'}")
+    return f" (before them, {'; '.join(words)})"
 
 
 def _model_name(model) -> str:
