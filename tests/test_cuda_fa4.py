@@ -39,15 +39,15 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float((actual.double() - expected.double()).norm() / expected.double().norm().clamp_min(1e-30))
 
 
-def random_inputs(batch: int, seq: int, seed: int):
+def random_inputs(batch: int, seq: int, seed: int, heads: int = HEADS, kv_heads: int = KV_HEADS, dim: int = DIM):
     """bf16 CUDA q, k, v, dout ([B, S, H, D] layout, GQA)."""
     generator = torch.Generator().manual_seed(seed)
-    return [torch.randn(batch, seq, h, DIM, generator=generator).to("cuda", torch.bfloat16)
-            for h in (HEADS, KV_HEADS, KV_HEADS, HEADS)]
+    return [torch.randn(batch, seq, h, dim, generator=generator).to("cuda", torch.bfloat16)
+            for h in (heads, kv_heads, kv_heads, heads)]
 
 
-def causal_mask(batch: int, seq: int) -> torch.Tensor:
-    return torch.ones(seq, seq, dtype=torch.bool, device="cuda").tril().expand(batch, HEADS, seq, seq)
+def causal_mask(batch: int, seq: int, heads: int = HEADS) -> torch.Tensor:
+    return torch.ones(seq, seq, dtype=torch.bool, device="cuda").tril().expand(batch, heads, seq, seq)
 
 
 @pytest.fixture
@@ -70,12 +70,22 @@ def assert_as_accurate(fa4, sdpa, exact):
 
 
 @pytest.mark.parametrize("batch, seq", [(1, 128), (2, 1000), (1, 2048)])
-def test_fa4_matches_float64_causal_attention_with_gradients(batch, seq):
-    q, k, v, dout = random_inputs(batch, seq, seq)
-    mask = causal_mask(batch, seq)
-    fa4 = outputs_and_grads(lambda *t: dense_causal_attention(*t, SCALE, "fa4"), q, k, v, dout)
-    sdpa = outputs_and_grads(lambda *t: dense_causal_attention(*t, SCALE, "sdpa"), q, k, v, dout)
-    exact = outputs_and_grads(lambda *t: dense_attention(*t, mask, SCALE), q.double(), k.double(), v.double(), dout)
+@pytest.mark.parametrize("heads, kv_heads, dim, strided", [
+    (HEADS, KV_HEADS, DIM, False),
+    (12, 2, 64, False),  # the quality studies' 61M shape
+    (12, 2, 64, True),  # ... laid out as transformers hands it over: [B, H, S, D] memory seen as [B, S, H, D]
+])
+def test_fa4_matches_float64_causal_attention_with_gradients(batch, seq, heads, kv_heads, dim, strided):
+    q, k, v, dout = random_inputs(batch, seq, seq, heads, kv_heads, dim)
+    mask, scale = causal_mask(batch, seq, heads), dim ** -0.5
+
+    def fa4_attention(*qkv):
+        if strided:
+            qkv = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in qkv]
+        return dense_causal_attention(*qkv, scale, "fa4")
+    fa4 = outputs_and_grads(fa4_attention, q, k, v, dout)
+    sdpa = outputs_and_grads(lambda *t: dense_causal_attention(*t, scale, "sdpa"), q, k, v, dout)
+    exact = outputs_and_grads(lambda *t: dense_attention(*t, mask, scale), q.double(), k.double(), v.double(), dout)
     assert fa4[0].dtype == torch.bfloat16 and fa4[0].shape == q.shape
     assert_as_accurate(fa4, sdpa, exact)
 

@@ -283,8 +283,8 @@ def _toy_config(seq_len: int) -> dict:
 
 @pytest.mark.usefixtures("built_ops")  # built before the rank starts
 def test_the_long_study_end_to_end_on_cpu(tmp_path):
-    """bench.quality long at toy size on CPU: pretrain (640 tokens), extend (768 tokens, from its
-    export), the probe of extend's model at 768, the slash budget, the three arms (1024 tokens) from
+    """bench.quality long at toy size on CPU: pretrain (640 tokens), extend (its own config, passkey
+    only, at 768 tokens, from pretrain's export), the probes of both models at their lengths, the slash budget, the three arms (1024 tokens) from
     extend's export on one token stream, static at sparse's final density, each
     evaluation at two lengths, compare; a call skips what an earlier call did, study.json refuses
     other settings, the result JSON holds the goals with margins, the rows, the plots and a
@@ -303,6 +303,9 @@ def test_the_long_study_end_to_end_on_cpu(tmp_path):
     Dataset.from_list(documents[3:]).to_parquet(str(data / "heldout.parquet"))
     for name, length in (("base", 1024), ("pretrain", 640)):
         (tmp_path / f"{name}.json").write_text(json.dumps(_toy_config(length)))
+    passkey_only = _toy_config(2048)  # the middle stage's own config: passkey samples only, at --extend_len
+    passkey_only["mtraining"]["data"] = {"source": "stdlib", "passkey_fraction": 1.0}
+    (tmp_path / "extend.json").write_text(json.dumps(passkey_only))
     trained, out = [], tmp_path / "study"
 
     def trainer(run):
@@ -317,7 +320,7 @@ def test_the_long_study_end_to_end_on_cpu(tmp_path):
         return quality.long_main(args, trainer=trainer, say=lambda line: None)
 
     first = ("--config", str(tmp_path / "base.json"), "--pretrain_config", str(tmp_path / "pretrain.json"),
-             "--pretrain_steps", "2", "--extend_len", "768", "--extend_steps", "2", "--dense_stage_questions", "2",
+             "--pretrain_steps", "2", "--extend_config", str(tmp_path / "extend.json"), "--extend_len", "768", "--extend_steps", "2", "--dense_stage_questions", "2",
              "--probe_trials", "2", "--steps", "2", "--log_interval", "1", "--save_interval", "0",
              "--profile_step", "2", "--density_target", "0.9", "--eval_lengths", "512,1024", "--depths", "0,1",
              "--trials", "1", "--max_trials", "2", "--loss_windows", "1", "--buckets", "4")
@@ -336,6 +339,7 @@ def test_the_long_study_end_to_end_on_cpu(tmp_path):
                for m in ("extend", "dense", "sparse", "static")}
     extend = configs.pop("extend")  # the dense stages ask twice a sample, the arms as the study's config
     assert extend["model"] == str((out / "pretrain" / "hf").resolve()) and extend["seq_len"] == 768
+    assert extend["data"]["passkey_fraction"] == 1.0 and "task_fractions" not in extend["data"]
     pretrain = json.loads((out / "pretrain" / "config.json").read_text())["mtraining"]
     assert all((c["data"]["passkey_questions"], c["data"]["task_questions"]) == (2, 2) for c in (pretrain, extend))
     assert all("task_questions" not in c["data"] and "passkey_questions" not in c["data"] for c in configs.values())

@@ -402,13 +402,17 @@ def plot(results: dict, out: Path, tag: str) -> list[str]:
 # several lengths.
 LONG_STAGES = ("pretrain", "extend", "probe", "budget", "dense", "sparse", "static", "eval", "compare")
 LONG_EVALS = ("dense:dense", "sparse:sparse", "sparse:dense", "static:static")  # static served as it trained
-# A study's settings, fixed by its first call (study.json). The defaults train every stage in one
-# 30-minute stay on one H100 and evaluate most of 128K (docs/BENCHMARKS.md gives the measured stay and
-# what to spare); the models do not come back from the machine, so a study cannot span stays.
+# A study's settings, fixed by its first call (study.json). The dense stages are the 32K study's
+# recipe, the one whose model retrieved: its 4K model solves no task yet (probed), so retrieval is
+# learned at 32K, on passkey samples only (quality_32k.json), 900 steps. The defaults train every
+# stage in one 30-minute stay on one H100 with time left for part of 128K's evaluation
+# (docs/BENCHMARKS.md gives the measured stay and what to spare); the models do not come back from
+# the machine, so a study cannot span stays.
 LONG_DEFAULTS = {
     "config": "ds_configs/quality_128k.json", "pretrain_config": "ds_configs/quality_pretrain_4k_tasks.json",
-    "pretrain_steps": 800, "extend_len": 32768, "extend_steps": 500, "dense_stage_questions": 8,
-    "probe_trials": 24, "steps": 100, "seed": 1234, "log_interval": 5, "save_interval": 50,
+    "extend_config": "ds_configs/quality_32k.json",
+    "pretrain_steps": 800, "extend_len": 32768, "extend_steps": 900, "dense_stage_questions": 8,
+    "probe_trials": 24, "steps": 100, "seed": 1234, "log_interval": 5, "save_interval": 200,
     "profile_step": 8, "density_target": 0.08, "eval_lengths": [32768, 65536, 131072],
     "depths": [0.0, 0.25, 0.5, 0.75, 1.0], "ruler_tasks": list(RULER_TASKS), "trials": 4,
     "target_width": 0.04, "max_trials": 48, "loss_windows": 4, "buckets": 16, "evals": list(LONG_EVALS),
@@ -505,13 +509,13 @@ def _sparse_spec(section: dict) -> dict:
 
 class LongStudy:
     """The stages of one long-context study in one folder (``--out``), each call running the stages
-    it names that are not done yet: ``pretrain`` (dense, short), ``extend`` (dense, continued from
-    it at a middle length, where the model learns to retrieve before the study's length; none with
-    --extend_steps 0; both dense stages' task samples ask --dense_stage_questions times), ``probe``
-    (each dense stage's model's tasks at its own length, up to --probe_trials each: a task the
-    arms' start model does not solve there, the arms will not solve at the study's length; one the
-    short stage's model does not solve either was not learned at all, rather than not carried to
-    the longer length), ``budget`` (the slash budget for
+    it names that are not done yet: ``pretrain`` (dense, short), ``extend`` (dense, --extend_config at
+    --extend_len continued from it, where the model learns to retrieve before the study's length;
+    none with --extend_steps 0; both dense stages' task samples ask --dense_stage_questions times), ``probe``
+    (each dense stage's model's tasks at its own length, about --probe_trials each: a task the
+    arms' start model does not solve there, the arms will not solve at the study's length; the
+    short stage's line tells a task learned before the middle length from one learned there or
+    not at all), ``budget`` (the slash budget for
     --density_target on the model the arms start from, at the study's length),
     ``dense`` / ``sparse`` / ``static`` (continued from that model's export at the study's length,
     same seed: the same token stream; static at sparse's final density), ``eval``
@@ -552,7 +556,8 @@ class LongStudy:
         values = {**LONG_DEFAULTS, **given}
         base = json.loads(Path(values["config"]).read_text())
         questions, pretrain = values["dense_stage_questions"], json.loads(Path(values["pretrain_config"]).read_text())
-        extend = _dense_stage_config(base, questions, values["extend_len"]) if values["extend_steps"] else None
+        extend = (_dense_stage_config(json.loads(Path(values["extend_config"]).read_text()), questions,
+                                      values["extend_len"]) if values["extend_steps"] else None)
         settings = {"given": values, "base": base, "pretrain": _dense_stage_config(pretrain, questions),
                     "extend": extend, "budget": None}
         write_json(path, settings)
