@@ -284,11 +284,11 @@ def _toy_config(seq_len: int) -> dict:
 @pytest.mark.usefixtures("built_ops")  # built before the rank starts
 def test_the_long_study_end_to_end_on_cpu(tmp_path):
     """bench.quality long at toy size on CPU: pretrain (640 tokens), extend (its own config, passkey
-    only, at 768 tokens, from pretrain's export), the probes of both models at their lengths, the slash budget, the three arms (1024 tokens) from
-    extend's export on one token stream, static at sparse's final density, each
-    evaluation at two lengths, compare; a call skips what an earlier call did, study.json refuses
-    other settings, the result JSON holds the goals with margins, the rows, the plots and a
-    RESULTS row. Trained in-process on one spawned rank (the launcher's startup would take most
+    only, at 768 tokens, from pretrain's export), the probes of both models at their lengths, the
+    slash budget, the three arms (1024 tokens) from extend's export on one token stream, static at
+    sparse's final density, each evaluation at two lengths, compare; a call skips what an earlier
+    call did, study.json refuses other settings, the result JSON holds the goals with margins, the
+    rows, the plots and a RESULTS row. Trained in-process on one spawned rank (the launcher's startup would take most
     of the time; the launch itself is bench.quality's launch_training)."""
     from datasets import Dataset
     from ds_mtraining.bench import quality
@@ -320,7 +320,8 @@ def test_the_long_study_end_to_end_on_cpu(tmp_path):
         return quality.long_main(args, trainer=trainer, say=lambda line: None)
 
     first = ("--config", str(tmp_path / "base.json"), "--pretrain_config", str(tmp_path / "pretrain.json"),
-             "--pretrain_steps", "2", "--extend_config", str(tmp_path / "extend.json"), "--extend_len", "768", "--extend_steps", "2", "--dense_stage_questions", "2",
+             "--pretrain_steps", "2", "--extend_config", str(tmp_path / "extend.json"), "--extend_len", "768",
+             "--extend_steps", "2", "--dense_stage_questions", "2",
              "--probe_trials", "2", "--steps", "2", "--log_interval", "1", "--save_interval", "0",
              "--profile_step", "2", "--density_target", "0.9", "--eval_lengths", "512,1024", "--depths", "0,1",
              "--trials", "1", "--max_trials", "2", "--loss_windows", "1", "--buckets", "4")
@@ -348,8 +349,9 @@ def test_the_long_study_end_to_end_on_cpu(tmp_path):
     probes = results["probes"]  # each dense stage's model at its own length, before the arms
     assert {stage: (p["length"], list(p["loss"])) for stage, p in probes.items()} == {
         "pretrain": (640, ["640"]), "extend": (768, ["768"])}
-    assert all({task: cell[str(p["length"])]["trials"] for task, cell in p["tasks"].items()} == {task: 2 for task in TASKS}
-               for p in probes.values())
+    for probe in probes.values():
+        assert {task: cell[str(probe["length"])]["trials"] for task, cell in probe["tasks"].items()} == dict.fromkeys(
+            TASKS, 2)
     assert configs["static"]["static"]["density"] == pytest.approx(
         quality.tail_mean(read_metric(out / "sparse" / "run", "density")[1]))
     budget = json.loads((out / "study.json").read_text())["budget"]
