@@ -404,10 +404,10 @@ LONG_STAGES = ("pretrain", "extend", "probe", "budget", "dense", "sparse", "stat
 LONG_EVALS = ("dense:dense", "sparse:sparse", "sparse:dense", "static:static")  # static served as it trained
 # A study's settings, fixed by its first call (study.json). The dense stages are the 32K study's
 # recipe, the one whose model retrieved: its 4K model solves no task yet (probed), so retrieval is
-# learned at 32K, on passkey samples only (quality_32k.json), 900 steps. The defaults train every
-# stage in one 30-minute stay on one H100 with time left for part of 128K's evaluation
-# (docs/BENCHMARKS.md gives the measured stay and what to spare); the models do not come back from
-# the machine, so a study cannot span stays.
+# learned at 32K, on passkey samples only (quality_32k.json), 900 steps. By the measured stages the
+# defaults train every stage in one 30-minute stay on one H100 with time left for part of 128K's
+# evaluation, not yet run as a whole (docs/BENCHMARKS.md gives the measured stay and what to
+# spare); the models do not come back from the machine, so a study cannot span stays.
 LONG_DEFAULTS = {
     "config": "ds_configs/quality_128k.json", "pretrain_config": "ds_configs/quality_pretrain_4k_tasks.json",
     "extend_config": "ds_configs/quality_32k.json",
@@ -509,14 +509,14 @@ def _sparse_spec(section: dict) -> dict:
 
 class LongStudy:
     """The stages of one long-context study in one folder (``--out``), each call running the stages
-    it names that are not done yet: ``pretrain`` (dense, short), ``extend`` (dense, --extend_config at
-    --extend_len continued from it, where the model learns to retrieve before the study's length;
-    none with --extend_steps 0; both dense stages' task samples ask --dense_stage_questions times), ``probe``
-    (each dense stage's model's tasks at its own length, about --probe_trials each: a task the
-    arms' start model does not solve there, the arms will not solve at the study's length; the
-    short stage's line tells a task learned before the middle length from one learned there or
-    not at all), ``budget`` (the slash budget for
-    --density_target on the model the arms start from, at the study's length),
+    it names that are not done yet: ``pretrain`` (dense, short), ``extend`` (dense, --extend_config
+    at --extend_len continued from it, where the model learns to retrieve before the study's
+    length; none with --extend_steps 0; both dense stages' task samples ask --dense_stage_questions
+    times), ``probe`` (each dense stage's model's tasks at its own length, about --probe_trials
+    each: a task the arms' start model does not solve there, the arms will not solve at the study's
+    length; the short stage's line tells a task learned before the middle length from one learned
+    there or not at all), ``budget`` (the slash budget for --density_target on the model the arms
+    start from, at the study's length),
     ``dense`` / ``sparse`` / ``static`` (continued from that model's export at the study's length,
     same seed: the same token stream; static at sparse's final density), ``eval``
     (``ds_mtraining.eval`` of each ``arm:attention`` of --evals: loss by position and the
