@@ -1,7 +1,8 @@
 # Sourced by the device scripts (gpu_check.sh, fa4_check.sh, multi_gpu_check.sh, documents_check.sh,
 # quality_study.sh), from the repository root: the Python environment of a bare GPU machine.
 # - installs the wheels carried in .whl/ (deepspeed, datasets, ...) into /tmp/site when deepspeed
-#   is missing, and puts the checkout on PYTHONPATH;
+#   is missing (or uses /tmp/site where an earlier call on this warm machine filled it), and puts
+#   the checkout on PYTHONPATH;
 # - links op_builder/ as ds_mtraining_op_builder (the name setup.py installs it under);
 # - NVLink multicast off (also for launchers that build their own env);
 # - one extension cache and 16 build jobs;
@@ -12,6 +13,8 @@ if ! python3 -c "import deepspeed" >/dev/null 2>&1 && ls .whl/*.whl >/dev/null 2
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || { echo "wheel install failed"; exit 1; }
   export PYTHONPATH=/tmp/site:$PWD
+elif ! python3 -c "import deepspeed" >/dev/null 2>&1 && [ -d /tmp/site/deepspeed ]; then
+  export PYTHONPATH=/tmp/site:$PWD  # installed by an earlier call on this warm machine: .whl need not travel again
 else
   export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 fi

@@ -16,12 +16,15 @@
 #                the goals: quality_128k_<device>_<date>.json, its PNGs and study.tar.gz in $OUT.
 #
 # The study lives in STUDY on the machine; every 30 s and at the end study.tar.gz in $OUT holds all
-# of it but the models and checkpoints (0.1-1 GB each: more than a call brings back). $OUT gets six
-# files (the log, the JSON, three PNGs, the archive) and a call brings back eight: a wrapper that adds
-# more (fa4_check.sh's FA4_COMMAND adds three) loses one, maybe the archive. On a fresh
-# machine (a later stay), put that archive in .quality_state/ and add ".quality_state" to carry:
-# the study continues from it, training again (same settings, seed and data) the models it needs,
-# and the evaluations keep their trials (each row names the model it ran on).
+# of it but the models, checkpoints and the start model's pack (0.1-1 GB each: more than a call
+# brings back). $OUT gets six files (the log, the JSON, three PNGs, the archive) and a call brings
+# back eight: a wrapper that adds more (fa4_check.sh's FA4_COMMAND adds three) loses one, maybe the
+# archive. On a fresh machine (a later stay), put that archive in .quality_state/ and carry it
+# (".quality_state/study.tar.gz"): the study continues from it, the evaluations keep their trials
+# (each row names the model it ran on), and a model it needs is trained again (same settings, seed
+# and data), except the start model where the pack came along: a stay that cannot reach the arms'
+# end stops after the budget (STAGES=pretrain,extend,probe,budget) and brings the start model back
+# with scripts/quality_model.sh, and the next stay carries it in and trains the arms from it.
 #
 # Env: BUDGET_S (560: seconds of this call), STAGES (all, or e.g. "pretrain,extend,probe,budget"),
 #      STUDY (/tmp/quality_128k), DATA (data/quality: built from the standard library and torch's source when missing),
@@ -61,9 +64,9 @@ from ds_mtraining import ops
 ops.op_module('cuda')
 print(f'CUDA op built and loaded in {time.time() - t:.1f} s')" || exit 1
 
-sync_out() {  # one archive: the study but its models and checkpoints
+sync_out() {  # one archive: the study but its models, checkpoints and the start model's pack
   [ -d "$STUDY" ] || return 0
-  tar czf "$OUT/study.tar.gz.part" --exclude hf --exclude 'step[0-9]*' --exclude latest \
+  tar czf "$OUT/study.tar.gz.part" --exclude hf --exclude 'step[0-9]*' --exclude latest --exclude start_pack \
     -C "$(dirname "$STUDY")" "$(basename "$STUDY")" 2>/dev/null && mv "$OUT/study.tar.gz.part" "$OUT/study.tar.gz"
 }
 ( while sleep 30; do sync_out; done ) &

@@ -388,6 +388,28 @@ def test_the_long_study_end_to_end_on_cpu(tmp_path):
     assert call(stages="pretrain,extend,probe,budget,dense,sparse,static,eval") is None and len(trained) == count
     assert all(len(ev["models"]) == 1 for ev in evals.values())
 
+    # the next stay, on a bare machine: the archive (no models, checkpoints or pack) and the start
+    # model's pack, carried part by part; the arm continues from the unpacked model, nothing retrains
+    import shutil
+    from ds_mtraining.bench.model_pack import MANIFEST
+    pack = sorted((out / quality.START_PACK).glob("model.tar.part-*")) + [out / quality.START_PACK / MANIFEST]
+    assert len(pack) == len(list((out / quality.START_PACK).iterdir())) >= 2
+    original = (out / "extend" / "hf" / "model.safetensors").read_bytes()
+    later = tmp_path / "later"
+    shutil.copytree(out, later, ignore=shutil.ignore_patterns("hf", "step[0-9]*", "latest", quality.START_PACK))
+    shutil.rmtree(later / "dense")
+    out = later
+    (later / quality.START_PACK).mkdir()
+    for part in pack[1:]:  # the first part has not arrived
+        shutil.copy(part, later / quality.START_PACK)
+    with pytest.raises(FileNotFoundError, match=f"lacks {pack[0].name}"):
+        call(stages="dense")
+    shutil.copy(pack[0], later / quality.START_PACK)
+    assert call(stages="dense") is None and trained[count:] == [("dense", False)]
+    assert (later / "extend" / "hf" / "model.safetensors").read_bytes() == original  # fp32 arms: the exact bytes
+    dense = json.loads((later / "dense" / "config.json").read_text())["mtraining"]
+    assert dense["model"] == str((later / "extend" / "hf").resolve())
+
 
 class _Scripted:
     """A TrainingLaunch whose command is a Python one-liner: the launch's signal handling without a launcher."""

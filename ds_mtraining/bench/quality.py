@@ -62,6 +62,7 @@ from ..distributed.spawn import free_port
 from ..record import plot_path, result_path, write_json, write_result
 from ..ruler import TASKS as RULER_TASKS
 from .launch import launcher_env, metric_path, read_metric, run_in_lanes, run_logged, training_command
+from .model_pack import MANIFEST, pack_model, unpack_model
 
 MODES = ("dense", "sparse", "static")
 STATIC_DENSITY_TAIL = 0.1  # static trains at sparse's mean density over this last share of steps
@@ -407,7 +408,8 @@ LONG_EVALS = ("dense:dense", "sparse:sparse", "sparse:dense", "static:static")  
 # learned at 32K, on passkey samples only (quality_32k.json), 900 steps. By the measured stages the
 # defaults train every stage in one 30-minute stay on one H100 with time left for part of 128K's
 # evaluation, not yet run as a whole (docs/BENCHMARKS.md gives the measured stay and what to
-# spare); the models do not come back from the machine, so a study cannot span stays.
+# spare). The arms' models do not come back from the machine; the start model does, as a pack
+# (START_PACK, scripts/quality_model.sh), so a study spans two stays: dense stages, then the arms.
 LONG_DEFAULTS = {
     "config": "ds_configs/quality_128k.json", "pretrain_config": "ds_configs/quality_pretrain_4k_tasks.json",
     "extend_config": "ds_configs/quality_32k.json",
@@ -423,6 +425,7 @@ GOALS = {"heldout_loss_gap": 0.01, "last_bucket_loss_gap": 0.02, "accuracy_point
 PREEMPTED = (128 + signal.SIGTERM, 128 + signal.SIGUSR1)  # the run saved the step in flight and stopped
 STOP_GRACE_S = 180  # after SIGTERM at the deadline: the step in flight and its checkpoint
 RESERVE_S = 30  # of a call's --time_budget, kept for the comparison and the output's archive
+START_PACK = "start_pack"  # the study's folder holding the start model as a pack (bench.model_pack)
 
 
 class StageIncomplete(RuntimeError):
@@ -633,6 +636,8 @@ class LongStudy:
                                   f"resumes it")
         write_json(folder / "done.json", {"steps": steps, **timing})
         self.say(f"{name}: done in {timing['train_s']:.0f} s over {timing['calls']} call(s)")
+        if name == start_stage(self.settings):
+            self._keep_start_pack()
 
     def stage_pretrain(self):
         given = self.settings["given"]
@@ -675,13 +680,33 @@ class LongStudy:
 
     def _ensure_model(self, stage: str):
         """A stage done in an earlier session whose exported model is not here (a bare machine: the
-        models, 0.1-0.3 GB each, do not come back through the device's output folder) trains again
-        with the same settings, seed and data; its evaluations keep their trials, each row naming
-        the model it ran on (``model``: the weights' fingerprint)."""
-        if (self.out / stage / "hf" / "config.json").is_file():
+        models, 0.1-0.3 GB each, do not come back through the device's output folder whole): the
+        start model from its pack where the study has one (``START_PACK``: brought back from the
+        machine that trained it and carried to this one, scripts/quality_model.sh), any other
+        trained again with the same settings, seed and data; its evaluations keep their trials,
+        each row naming the model it ran on (``model``: the weights' fingerprint)."""
+        hf = self.out / stage / "hf"
+        if not (hf / "config.json").is_file():
+            pack = self.out / START_PACK
+            if stage == start_stage(self.settings) and (pack / MANIFEST).is_file():
+                self.say(f"{stage}: its model from the pack in {pack}")
+                unpack_model(pack, hf)  # a missing part stops the study, naming it (no silent retraining)
+            else:
+                self.say(f"{stage}: done in an earlier session, its model is not on this machine: training it again")
+                getattr(self, f"stage_{stage}")()
+        if stage == start_stage(self.settings):
+            self._keep_start_pack()
+
+    def _keep_start_pack(self):
+        """The start model as a pack in ``START_PACK`` (once): what a later stay on a bare machine
+        continues the arms from. In bfloat16 where the arms train in bf16 (nothing they see is lost)."""
+        pack = self.out / START_PACK
+        if (pack / MANIFEST).is_file():
             return
-        self.say(f"{stage}: done in an earlier session, its model is not on this machine: training it again")
-        getattr(self, f"stage_{stage}")()
+        bf16 = bool(self.settings["base"].get("bf16", {}).get("enabled"))
+        files = pack_model(self.out / start_stage(self.settings) / "hf", pack, bf16=bf16)
+        self.say(f"{start_stage(self.settings)}: its model packed in {pack} ({len(files)} files, "
+                 f"{sum(f.stat().st_size for f in files) / 2**20:.0f} MiB{', bf16' if bf16 else ''})")
 
     def _base(self) -> dict:
         """The arms' config: the study's, with the chosen slash budget."""
