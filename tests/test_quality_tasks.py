@@ -284,11 +284,12 @@ def _toy_config(seq_len: int) -> dict:
 @pytest.mark.usefixtures("built_ops")  # built before the rank starts
 def test_the_long_study_end_to_end_on_cpu(tmp_path):
     """bench.quality long at toy size on CPU: pretrain (640 tokens), extend (its own config, passkey
-    only, at 768 tokens, from pretrain's export), the probes of both models at their lengths, the
+    only, at 768 tokens, its own questions a sample, from pretrain's export), the probes of both models at their lengths, the
     slash budget, the three arms (1024 tokens) from extend's export on one token stream, static at
     sparse's final density, each evaluation at two lengths, compare; a call skips what an earlier
     call did, study.json refuses other settings, the result JSON holds the goals with margins, the
-    rows, the plots and a RESULTS row. Trained in-process on one spawned rank (the launcher's startup would take most
+    rows, the plots and a RESULTS row; a later stay continues the arms from the start model's
+    pack. Trained in-process on one spawned rank (the launcher's startup would take most
     of the time; the launch itself is bench.quality's launch_training)."""
     from datasets import Dataset
     from ds_mtraining.bench import quality
@@ -321,7 +322,7 @@ def test_the_long_study_end_to_end_on_cpu(tmp_path):
 
     first = ("--config", str(tmp_path / "base.json"), "--pretrain_config", str(tmp_path / "pretrain.json"),
              "--pretrain_steps", "2", "--extend_config", str(tmp_path / "extend.json"), "--extend_len", "768",
-             "--extend_steps", "2", "--dense_stage_questions", "2",
+             "--extend_steps", "2", "--dense_stage_questions", "2", "--extend_questions", "3",
              "--probe_trials", "2", "--steps", "2", "--log_interval", "1", "--save_interval", "0",
              "--profile_step", "2", "--density_target", "0.9", "--eval_lengths", "512,1024", "--depths", "0,1",
              "--trials", "1", "--max_trials", "2", "--loss_windows", "1", "--buckets", "4")
@@ -338,11 +339,11 @@ def test_the_long_study_end_to_end_on_cpu(tmp_path):
     # extend continues from the pretrained export, the arms from extend's, static at sparse's final density
     configs = {m: json.loads((out / m / "config.json").read_text())["mtraining"]
                for m in ("extend", "dense", "sparse", "static")}
-    extend = configs.pop("extend")  # the dense stages ask twice a sample, the arms as the study's config
+    extend = configs.pop("extend")  # the dense stages ask twice and three times a sample, the arms as the study's config
     assert extend["model"] == str((out / "pretrain" / "hf").resolve()) and extend["seq_len"] == 768
     assert extend["data"]["passkey_fraction"] == 1.0 and "task_fractions" not in extend["data"]
     pretrain = json.loads((out / "pretrain" / "config.json").read_text())["mtraining"]
-    assert all((c["data"]["passkey_questions"], c["data"]["task_questions"]) == (2, 2) for c in (pretrain, extend))
+    assert [(c["data"]["passkey_questions"], c["data"]["task_questions"]) for c in (pretrain, extend)] == [(2, 2), (3, 3)]
     assert all("task_questions" not in c["data"] and "passkey_questions" not in c["data"] for c in configs.values())
     assert {c["model"] for c in configs.values()} == {str((out / "extend" / "hf").resolve())}
     assert results["extend"]["seq_len"] == 768 and results["extend"]["train_steps"][-1] == 2
@@ -380,8 +381,8 @@ def test_the_long_study_end_to_end_on_cpu(tmp_path):
         (e.split(":")[0], e.split(":")[1], n) for e in quality.LONG_EVALS for n in (512, 1024)}
     assert all((out / name).is_file() for name in record["plots"]) and len(record["plots"]) == 3
     assert record["results_row"].startswith("| <a id=\"quality-1k\"></a>tiny-qwen2 continued at 1K for 2 steps from "
-                                            "dense stages at 640 (2 steps) and 768 (2 steps), 2 questions a task "
-                                            "sample, CPU (before them, the 640 model: passkey ")
+                                            "dense stages at 640 (2 steps) and 768 (2 steps), 2 and 3 questions a "
+                                            "task sample, CPU (before them, the 640 model: passkey ")
     assert "; the 768 model: passkey " in record["results_row"] and "quality_toy_cpu_" in record["results_row"]
     # a later call skips every stage done
     count = len(trained)
@@ -490,6 +491,7 @@ def test_static_evaluation_serves_sinks_and_the_local_window():
 
 @pytest.mark.parametrize("argv, message", [
     (["long", "--out", "unused", "--dense_stage_questions", "0"], "--dense_stage_questions must be >= 1"),
+    (["long", "--out", "unused", "--extend_questions", "0"], "--extend_questions must be >= 1"),
     (["run", "--steps", "0", "--config", "c", "--data", "d", "--out", "unused"], "--steps must be >= 1"),
 ])
 def test_a_zero_count_is_refused_not_read_as_the_default(argv, message, capsys):

@@ -404,16 +404,18 @@ def plot(results: dict, out: Path, tag: str) -> list[str]:
 LONG_STAGES = ("pretrain", "extend", "probe", "budget", "dense", "sparse", "static", "eval", "compare")
 LONG_EVALS = ("dense:dense", "sparse:sparse", "sparse:dense", "static:static")  # static served as it trained
 # A study's settings, fixed by its first call (study.json). The dense stages are the 32K study's
-# recipe, the one whose model retrieved: its 4K model solves no task yet (probed), so retrieval is
-# learned at 32K, on passkey samples only (quality_32k.json), 900 steps. By the measured stages the
+# recipe, the one whose model retrieved: 1000 steps at 4K on passkey samples asking 8 times each,
+# then 900 at 32K on passkey samples asking once (quality_32k.json), where retrieval is learned (its
+# 4K model solves none yet; 900 steps at 32K asking 8 times, after a 4K stage of the four tasks,
+# taught none either: docs/RESULTS.md). By the measured stages the
 # defaults train every stage in one 30-minute stay on one H100 with time left for part of 128K's
 # evaluation, not yet run as a whole (docs/BENCHMARKS.md gives the measured stay and what to
 # spare). The arms' models do not come back from the machine; the start model does, as a pack
 # (START_PACK, scripts/quality_model.sh), so a study spans two stays: dense stages, then the arms.
 LONG_DEFAULTS = {
-    "config": "ds_configs/quality_128k.json", "pretrain_config": "ds_configs/quality_pretrain_4k_tasks.json",
-    "extend_config": "ds_configs/quality_32k.json",
-    "pretrain_steps": 800, "extend_len": 32768, "extend_steps": 900, "dense_stage_questions": 8,
+    "config": "ds_configs/quality_128k.json", "pretrain_config": "ds_configs/quality_pretrain_4k.json",
+    "extend_config": "ds_configs/quality_32k.json", "pretrain_steps": 1000, "extend_len": 32768,
+    "extend_steps": 900, "dense_stage_questions": 8, "extend_questions": 1,
     "probe_trials": 24, "steps": 100, "seed": 1234, "log_interval": 5, "save_interval": 200,
     "profile_step": 8, "density_target": 0.08, "eval_lengths": [32768, 65536, 131072],
     "depths": [0.0, 0.25, 0.5, 0.75, 1.0], "ruler_tasks": list(RULER_TASKS), "trials": 4,
@@ -514,8 +516,8 @@ class LongStudy:
     """The stages of one long-context study in one folder (``--out``), each call running the stages
     it names that are not done yet: ``pretrain`` (dense, short), ``extend`` (dense, --extend_config
     at --extend_len continued from it, where the model learns to retrieve before the study's
-    length; none with --extend_steps 0; both dense stages' task samples ask --dense_stage_questions
-    times), ``probe`` (each dense stage's model's tasks at its own length, about --probe_trials
+    length; none with --extend_steps 0; their task samples ask --dense_stage_questions and
+    --extend_questions times), ``probe`` (each dense stage's model's tasks at its own length, about --probe_trials
     each: a task the arms' start model does not solve there, the arms will not solve at the study's
     length; the short stage's line tells a task learned before the middle length from one learned
     there or not at all), ``budget`` (the slash budget for --density_target on the model the arms
@@ -558,10 +560,12 @@ class LongStudy:
             return settings
         values = {**LONG_DEFAULTS, **given}
         base = json.loads(Path(values["config"]).read_text())
-        questions, pretrain = values["dense_stage_questions"], json.loads(Path(values["pretrain_config"]).read_text())
-        extend = (_dense_stage_config(json.loads(Path(values["extend_config"]).read_text()), questions,
-                                      values["extend_len"]) if values["extend_steps"] else None)
-        settings = {"given": values, "base": base, "pretrain": _dense_stage_config(pretrain, questions),
+        pretrain = json.loads(Path(values["pretrain_config"]).read_text())
+        extend = (_dense_stage_config(json.loads(Path(values["extend_config"]).read_text()),
+                                      values["extend_questions"], values["extend_len"])
+                  if values["extend_steps"] else None)
+        settings = {"given": values, "base": base,
+                    "pretrain": _dense_stage_config(pretrain, values["dense_stage_questions"]),
                     "extend": extend, "budget": None}
         write_json(path, settings)
         return settings
@@ -1188,8 +1192,10 @@ def results_row(results: dict, command: str, json_name: str, device: str = "one 
 def _dense_stage_words(params: dict) -> str:
     extend = params.get("extend_seq_len")
     words = f" and {_k(extend)} ({params['extend_steps']} steps)" if extend else ""
-    questions = params.get("dense_stage_questions", 1)
-    return words + (f", {questions} questions a task sample" if questions > 1 else "")
+    asked = [params.get("dense_stage_questions", 1)] + ([params.get("extend_questions", 1)] if extend else [])
+    if max(asked) == 1:
+        return words
+    return words + f", {' and '.join(map(str, dict.fromkeys(asked)))} questions a task sample"
 
 
 def _probe_words(probes) -> str:
@@ -1340,8 +1346,9 @@ def parse_args(argv=None):
                     setattr(args, name, [type(value[0])(x) for x in items])
                 except ValueError:
                     parser.error(f"--{name} {getattr(args, name)!r}: a comma-separated list of {type(value[0]).__name__}")
-        if args.dense_stage_questions is not None and args.dense_stage_questions < 1:
-            parser.error("--dense_stage_questions must be >= 1 (questions a task sample asks in the dense stages)")
+        for name, stage in (("dense_stage_questions", "first dense stage"), ("extend_questions", "extend stage")):
+            if getattr(args, name) is not None and getattr(args, name) < 1:
+                parser.error(f"--{name} must be >= 1 (questions a task sample asks in the {stage})")
     return args
 
 
