@@ -419,7 +419,7 @@ LONG_DEFAULTS = {
     "probe_trials": 24, "steps": 100, "seed": 1234, "log_interval": 5, "save_interval": 200,
     "profile_step": 8, "density_target": 0.08, "eval_lengths": [32768, 65536, 131072],
     "depths": [0.0, 0.25, 0.5, 0.75, 1.0], "ruler_tasks": list(RULER_TASKS), "trials": 4,
-    "target_width": 0.04, "max_trials": 48, "loss_windows": 4, "buckets": 16, "evals": list(LONG_EVALS),
+    "target_width": 0.04, "max_trials": 24, "loss_windows": 4, "buckets": 16, "evals": list(LONG_EVALS),
     "dense_kernel": "auto",
 }
 GOALS = {"heldout_loss_gap": 0.01, "last_bucket_loss_gap": 0.02, "accuracy_points": 2.0, "density": 0.10,
