@@ -22,6 +22,8 @@ import shutil
 import tarfile
 from pathlib import Path
 
+from ..record import provenance, write_json
+
 MANIFEST = "manifest.json"
 PART_PREFIX = "model.tar.part-"
 PART_BYTES = 15 << 20  # under the 16 MiB a file that comes back from a device call may have
@@ -50,9 +52,9 @@ def pack_model(hf_dir: str | Path, dest: str | Path, bf16: bool = False, part_by
         part = dest / f"{PART_PREFIX}{i:02d}"
         part.write_bytes(whole[start:start + part_bytes])
         parts.append(part)
-    manifest = {"source": str(hf_dir.resolve()), "bf16": bf16, "bytes": len(whole), "sha256": _sha256(whole),
+    manifest = {**provenance(), "source": str(hf_dir.resolve()), "bf16": bf16, "bytes": len(whole), "sha256": _sha256(whole),
                 "parts": {p.name: _sha256(p.read_bytes()) for p in parts}}
-    (dest / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    write_json(dest / MANIFEST, manifest)
     return [*parts, dest / MANIFEST]
 
 
