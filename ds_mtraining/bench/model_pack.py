@@ -52,8 +52,8 @@ def pack_model(hf_dir: str | Path, dest: str | Path, bf16: bool = False, part_by
         part = dest / f"{PART_PREFIX}{i:02d}"
         part.write_bytes(whole[start:start + part_bytes])
         parts.append(part)
-    manifest = {**provenance(), "source": str(hf_dir.resolve()), "bf16": bf16, "bytes": len(whole), "sha256": _sha256(whole),
-                "parts": {p.name: _sha256(p.read_bytes()) for p in parts}}
+    manifest = {**provenance(), "source": str(hf_dir.resolve()), "bf16": bf16, "bytes": len(whole),
+                "sha256": _sha256(whole), "parts": {p.name: _sha256(p.read_bytes()) for p in parts}}
     write_json(dest / MANIFEST, manifest)
     return [*parts, dest / MANIFEST]
 
