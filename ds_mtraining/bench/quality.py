@@ -407,11 +407,10 @@ LONG_EVALS = ("dense:dense", "sparse:sparse", "sparse:dense", "static:static")  
 # recipe, the one whose model retrieved: 1000 steps at 4K on passkey samples asking 8 times each,
 # then 900 at 32K on passkey samples asking once (quality_32k.json), where retrieval is learned (its
 # 4K model solves none yet; 900 steps at 32K asking 8 times, after a 4K stage of the four tasks,
-# taught none either: docs/RESULTS.md). By the measured stages the
-# defaults train every stage in one 30-minute stay on one H100 with time left for part of 128K's
-# evaluation, not yet run as a whole (docs/BENCHMARKS.md gives the measured stay and what to
-# spare). The arms' models do not come back from the machine; the start model does, as a pack
-# (START_PACK, scripts/quality_model.sh), so a study spans two stays: dense stages, then the arms.
+# taught none either: docs/RESULTS.md). By the measured stages the defaults need about 13 minutes
+# of one H100 for the dense stages and 20 for the arms and their evaluations (docs/BENCHMARKS.md).
+# The arms' models do not come back from the machine; the start model does, as a pack (START_PACK,
+# scripts/quality_model.sh), so a study spans two stays: dense stages, then the arms.
 LONG_DEFAULTS = {
     "config": "ds_configs/quality_128k.json", "pretrain_config": "ds_configs/quality_pretrain_4k.json",
     "extend_config": "ds_configs/quality_32k.json", "pretrain_steps": 1000, "extend_len": 32768,
@@ -517,12 +516,12 @@ class LongStudy:
     it names that are not done yet: ``pretrain`` (dense, short), ``extend`` (dense, --extend_config
     at --extend_len continued from it, where the model learns to retrieve before the study's
     length; none with --extend_steps 0; their task samples ask --dense_stage_questions and
-    --extend_questions times), ``probe`` (each dense stage's model's tasks at its own length, about --probe_trials
-    each: a task the arms' start model does not solve there, the arms will not solve at the study's
-    length; the short stage's line tells a task learned before the middle length from one learned
-    there or not at all), ``budget`` (the slash budget for --density_target on the model the arms
-    start from, at the study's length),
-    ``dense`` / ``sparse`` / ``static`` (continued from that model's export at the study's length,
+    --extend_questions times), ``probe`` (each dense stage's model's tasks at its own length,
+    about --probe_trials each: a task the arms' start model does not solve there, the arms will
+    not solve at the study's length; the short stage's line tells a task learned before the middle
+    length from one learned there or not at all), ``budget`` (the slash budget for
+    --density_target on the model the arms start from, at the study's length), ``dense`` /
+    ``sparse`` / ``static`` (continued from that model's export at the study's length,
     same seed: the same token stream; static at sparse's final density), ``eval``
     (``ds_mtraining.eval`` of each ``arm:attention`` of --evals: loss by position and the
     RULER-style tasks at --eval_lengths) and ``compare`` (the result JSON, goals and plots). A call
