@@ -9,11 +9,12 @@
 # - `stage`, which gpu_check.sh and fa4_check.sh run their stages with (the others define their own).
 export PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/torch_ext} MAX_JOBS=${MAX_JOBS:-16}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-if ! python3 -c "import deepspeed" >/dev/null 2>&1 && ls .whl/*.whl >/dev/null 2>&1; then
+python3 -c "import deepspeed" >/dev/null 2>&1 && has_deepspeed=1 || has_deepspeed=
+if [ -z "$has_deepspeed" ] && ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || { echo "wheel install failed"; exit 1; }
   export PYTHONPATH=/tmp/site:$PWD
-elif ! python3 -c "import deepspeed" >/dev/null 2>&1 && [ -d /tmp/site/deepspeed ]; then
+elif [ -z "$has_deepspeed" ] && [ -d /tmp/site/deepspeed ]; then
   export PYTHONPATH=/tmp/site:$PWD  # installed by an earlier call on this warm machine: .whl need not travel again
 else
   export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}

@@ -3,7 +3,7 @@ study's diagnosis (docs/RESULTS.md, under the 128K row): a model that answers ev
 the same digits either cannot find the needle or cannot copy digits at all; this tells which.
 
 * ``passkey``: a passkey training sample (:func:`ds_mtraining.passkey.passkey_training_sample`,
-  the held-out text as filler) asking ``--questions`` times; the mean loss of the answer's digits
+  the held-out text's last documents as filler, as ``ds_mtraining.eval`` reads them) asking ``--questions`` times; the mean loss of the answer's digits
   at each question. Later questions can copy the answer just before them, the first only the
   needle. ln 10 = 2.30 nats is a uniform guess among digits;
 * ``repeat_digits`` / ``repeat_letters``: 200 random digits (letters) and the same string again;
@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from ds_mtraining.data import load_tokenizer
+from ds_mtraining.eval.runtime import data_spec, heldout_stream, load_model
 from ds_mtraining.passkey import QUESTION, passkey_training_sample
 from ds_mtraining.record import write_result
 
@@ -42,8 +43,7 @@ def span_loss(losses: np.ndarray, start: int, end: int) -> float:
     return float(losses[start - 1:end - 1].mean())
 
 
-def passkey_rows(model, tokenizer, text: str, length: int, questions: int, samples: int, seed: int) -> list:
-    ids = np.asarray(tokenizer.encode(text), dtype=np.int64)
+def passkey_rows(model, tokenizer, ids: np.ndarray, length: int, questions: int, samples: int, seed: int) -> list:
     question = list(tokenizer.encode(QUESTION))
     rng, rows = np.random.default_rng(seed), []
     for sample in range(samples):
@@ -81,14 +81,11 @@ def main():
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="copy_probe.json")
     args = parser.parse_args()
-    import pyarrow.parquet as pq
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, attn_implementation="sdpa",
-                                                 local_files_only=True).eval()
+    model = load_model(args.model, torch.device("cpu"), torch.float32)
     tokenizer = load_tokenizer("bytes")
-    text = " ".join(pq.read_table(f"{args.data}/heldout.parquet").column("text").to_pylist())
-    rows = passkey_rows(model, tokenizer, text[:4 * args.length], args.length, args.questions, args.samples,
-                        args.seed) + copy_rows(model, tokenizer, args.seed)
+    filler = heldout_stream(data_spec(f"{args.data}/heldout.parquet"), tokenizer, 4 * args.length)
+    rows = passkey_rows(model, tokenizer, filler, args.length, args.questions, args.samples, args.seed) \
+        + copy_rows(model, tokenizer, args.seed)
     for row in rows:
         print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()})
     print(f"(a uniform guess among digits: {math.log(10):.2f} nats)")
