@@ -287,7 +287,8 @@ def test_the_long_study_end_to_end_on_cpu(tmp_path):
     only, at 768 tokens, its own questions a sample, from pretrain's export), the probes of both models at their lengths, the
     slash budget, the three arms (1024 tokens) from extend's export on one token stream, static at
     sparse's final density, each evaluation at two lengths, compare; a call skips what an earlier
-    call did, study.json refuses other settings, the result JSON holds the goals with margins, the
+    call did, study.json refuses other settings, the arms refuse a start model whose probe solves
+    too little of its trained task (and train with the check off), the result JSON holds the goals with margins, the
     rows, the plots and a RESULTS row; a later stay continues the arms from the start model's
     pack. Trained in-process on one spawned rank (the launcher's startup would take most
     of the time; the launch itself is bench.quality's launch_training)."""
@@ -334,7 +335,11 @@ def test_the_long_study_end_to_end_on_cpu(tmp_path):
     assert "MTraining's density n/a at the end | held-out loss **n/a** of dense" in partial["results_row"]
     with pytest.raises(ValueError, match=r"other settings: --steps 3 \(the study's: 2\)"):
         call("--steps", "3")
-    results = call()  # the rest: extend, budget, arms, evaluations, compare
+    with pytest.raises(RuntimeError, match=r"\(the extend stage's, probed at 768 tokens\) solves passkey in 0 of "
+                                           r"\d+, under --min_start_accuracy 0.5"):
+        call()  # extend, the probes and the budget, then no arm: the start model retrieves nothing
+    assert [name for name, _ in trained] == ["pretrain", "extend"]
+    results = call("--min_start_accuracy", "0")  # the rest: the arms anyway, evaluations, compare
     assert [name for name, _ in trained] == ["pretrain", "extend", "dense", "sparse", "static"]
     # extend continues from the pretrained export, the arms from extend's, static at sparse's final density
     configs = {m: json.loads((out / m / "config.json").read_text())["mtraining"]
@@ -404,9 +409,9 @@ def test_the_long_study_end_to_end_on_cpu(tmp_path):
     for part in pack[1:]:  # the first part has not arrived
         shutil.copy(part, later / quality.START_PACK)
     with pytest.raises(FileNotFoundError, match=f"lacks {pack[0].name}"):
-        call(stages="dense")
+        call("--min_start_accuracy", "0", stages="dense")
     shutil.copy(pack[0], later / quality.START_PACK)
-    assert call(stages="dense") is None and trained[count:] == [("dense", False)]
+    assert call("--min_start_accuracy", "0", stages="dense") is None and trained[count:] == [("dense", False)]
     assert (later / "extend" / "hf" / "model.safetensors").read_bytes() == original  # fp32 arms: the exact bytes
     dense = json.loads((later / "dense" / "config.json").read_text())["mtraining"]
     assert dense["model"] == str((later / "extend" / "hf").resolve())

@@ -427,6 +427,9 @@ PREEMPTED = (128 + signal.SIGTERM, 128 + signal.SIGUSR1)  # the run saved the st
 STOP_GRACE_S = 180  # after SIGTERM at the deadline: the step in flight and its checkpoint
 RESERVE_S = 30  # of a call's --time_budget, kept for the comparison and the output's archive
 START_PACK = "start_pack"  # the study's folder holding the start model as a pack (bench.model_pack)
+# the arms train only from a start model whose probe solves at least this share of each task its dense
+# stages trained (--min_start_accuracy): a model that retrieves nothing makes every task comparison empty
+DEFAULT_MIN_START_ACCURACY = 0.5
 
 
 class StageIncomplete(RuntimeError):
@@ -536,6 +539,7 @@ class LongStudy:
         self.trainer, self.say_line = trainer, say
         self.start = time.time()
         self.deadline = None if args.time_budget is None else self.start + args.time_budget - RESERVE_S
+        self.min_start_accuracy = getattr(args, "min_start_accuracy", DEFAULT_MIN_START_ACCURACY)
         self.out.mkdir(parents=True, exist_ok=True)
         self.settings = self._settings(args)
 
@@ -609,6 +613,8 @@ class LongStudy:
             if left is not None and left <= 0:
                 self.say(f"{stage}: the call's time is spent; the next call continues")
                 break
+            if stage in MODES:
+                self._check_start_model()
             try:
                 getattr(self, f"stage_{stage}")()
             except StageIncomplete as stop:
@@ -731,6 +737,37 @@ class LongStudy:
         _release_memory()  # the arms train in other processes on the same GPU
         self.say(f"budget: max_slash_diagonals={choice['chosen']['max_slash_diagonals']} "
                  f"(density {choice['density']:.4f})")
+
+    def trained_tasks(self, stage: str) -> list[str]:
+        """The tasks mixed into a dense stage's samples (its config's ``mtraining.data``)."""
+        data = self.settings[stage]["mtraining"].get("data", {})
+        return (["passkey"] if data.get("passkey_fraction") else []) + sorted(
+            task for task, share in data.get("task_fractions", {}).items() if share)
+
+    def _check_start_model(self):
+        """Stops before an arm whose start model's probe solves less than --min_start_accuracy of a
+        task its dense stages trained: such a model has not learned to copy what it retrieves
+        (benchmarks/probes/copy_onset.py: a recipe's copy onset), every task would compare 0 with 0,
+        and the arms' training and evaluation are the study's longest part."""
+        start = start_stage(self.settings)
+        probe = (probe_results(self.out, self.settings) or {}).get(start)
+        if probe is None or not self.min_start_accuracy:
+            if self.min_start_accuracy:
+                self.say(f"arms: no probe of the {start} model (--probe_trials 0, or the probe stage not run): "
+                         f"they start from it unchecked")
+            return
+        length = str(probe["length"])
+        cells = [(task, probe["tasks"].get(task, {}).get(length)) for task in self.trained_tasks(start)]
+        failed = [(task, cell) for task, cell in cells if cell and cell["trials"]
+                  and cell["accuracy"] < self.min_start_accuracy]
+        if failed:
+            raise RuntimeError(
+                f"the arms' start model (the {start} stage's, probed at {length} tokens) solves "
+                + ", ".join(f"{task} in {cell['correct']} of {cell['trials']}" for task, cell in failed)
+                + f", under --min_start_accuracy {self.min_start_accuracy:g}: it retrieves nothing yet, so the arms "
+                f"would compare nothing. Train its dense stages further (a new --out with more --pretrain_steps / "
+                f"--extend_steps, or more --dense_stage_questions), or pass --min_start_accuracy 0 to train the "
+                f"arms anyway")
 
     def _arm(self, mode: str):
         given = self.settings["given"]
@@ -1320,6 +1357,9 @@ def parse_args(argv=None):
     long.add_argument("--tag", default=None, help="results name quality_<tag>_<device>_<date>.json (default: the "
                                                   "folder's name)")
     long.add_argument("--results", default=None, help="where the JSON and PNGs go (default: --out)")
+    long.add_argument("--min_start_accuracy", type=float, default=DEFAULT_MIN_START_ACCURACY,
+                      help="an arm trains only if the start model's probe solves at least this share of each task "
+                           "its dense stages trained (0: no check); per call, not fixed by the study")
     for name, value in LONG_DEFAULTS.items():  # the study's settings: None keeps study.json's (or the default)
         kind = {list: str, float: float, int: int, str: str}[type(value)]
         if name == "density_target":
