@@ -10,7 +10,8 @@ from helpers import REPO
 def test_no_probe_in_the_package():
     assert not (REPO / "ds_mtraining" / "bench" / "probes").exists()
     assert sorted(p.name for p in (REPO / "benchmarks" / "probes").glob("*.py")) == [
-        "copy_probe.py", "dq_reduction_probe.py", "ncu_flex_case.py", "power_probe.py", "query_kernel_probe.py"]
+        "copy_onset.py", "copy_probe.py", "dq_reduction_probe.py", "ncu_flex_case.py", "power_probe.py",
+        "query_kernel_probe.py"]
     assert not any((REPO / folder / "__init__.py").exists() for folder in ("benchmarks", "benchmarks/probes"))
     setup = (REPO / "setup.py").read_text()
     assert 'find_packages(include=["ds_mtraining", "ds_mtraining.*"])' in setup  # the rule checked below

@@ -738,7 +738,7 @@ class LongStudy:
         self.say(f"budget: max_slash_diagonals={choice['chosen']['max_slash_diagonals']} "
                  f"(density {choice['density']:.4f})")
 
-    def trained_tasks(self, stage: str) -> list[str]:
+    def _trained_tasks(self, stage: str) -> list[str]:
         """The tasks mixed into a dense stage's samples (its config's ``mtraining.data``)."""
         data = self.settings[stage]["mtraining"].get("data", {})
         return (["passkey"] if data.get("passkey_fraction") else []) + sorted(
@@ -757,15 +757,15 @@ class LongStudy:
                          f"they start from it unchecked")
             return
         length = str(probe["length"])
-        cells = [(task, probe["tasks"].get(task, {}).get(length)) for task in self.trained_tasks(start)]
+        cells = [(task, probe["tasks"].get(task, {}).get(length)) for task in self._trained_tasks(start)]
         failed = [(task, cell) for task, cell in cells if cell and cell["trials"]
                   and cell["accuracy"] < self.min_start_accuracy]
         if failed:
             raise RuntimeError(
                 f"the arms' start model (the {start} stage's, probed at {length} tokens) solves "
                 + ", ".join(f"{task} in {cell['correct']} of {cell['trials']}" for task, cell in failed)
-                + f", under --min_start_accuracy {self.min_start_accuracy:g}: it retrieves nothing yet, so the arms "
-                f"would compare nothing. Train its dense stages further (a new --out with more --pretrain_steps / "
+                + f", under --min_start_accuracy {self.min_start_accuracy:g}: it has not learned to retrieve yet, and the "
+                f"arms would compare little. Train its dense stages further (a new --out with more --pretrain_steps / "
                 f"--extend_steps, or more --dense_stage_questions), or pass --min_start_accuracy 0 to train the "
                 f"arms anyway")
 
