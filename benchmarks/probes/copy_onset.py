@@ -28,6 +28,7 @@ On 2 CPU cores (one thread) a run of that size takes about 90 s per 100 steps.
 import argparse
 import math
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -98,8 +99,10 @@ def main():
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     tokenizer = load_tokenizer("bytes")
-    spec = data_spec(f"{args.data}/train.parquet" if args.data and not args.data.endswith(".parquet") else args.data) \
-        if args.data else {"source": "stdlib", "max_documents": 40}
+    if args.data is None:
+        spec = {"source": "stdlib", "max_documents": 40}
+    else:  # a corpus folder's training half only (data_spec would read its held-out file too)
+        spec = data_spec(str(Path(args.data) / "train.parquet") if Path(args.data).is_dir() else args.data)
     samples = PackedSequences(tokenize_documents(load_documents(spec), tokenizer), args.seq_len, 1.0, tokenizer,
                               args.seed, args.questions)
     model = build_model(args)

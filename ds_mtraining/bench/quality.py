@@ -539,7 +539,7 @@ class LongStudy:
         self.trainer, self.say_line = trainer, say
         self.start = time.time()
         self.deadline = None if args.time_budget is None else self.start + args.time_budget - RESERVE_S
-        self.min_start_accuracy = getattr(args, "min_start_accuracy", DEFAULT_MIN_START_ACCURACY)
+        self.min_start_accuracy = args.min_start_accuracy
         self.out.mkdir(parents=True, exist_ok=True)
         self.settings = self._settings(args)
 
@@ -605,7 +605,7 @@ class LongStudy:
     # ------------------------------------------------------------------ stages
     def run(self, stages) -> list:
         """Runs ``stages`` (in the study's order) that are not done; returns the stages done now."""
-        ran = []
+        ran, start_checked = [], False
         for stage in LONG_STAGES:
             if stage not in stages or stage != "compare" and self.done(stage):
                 continue
@@ -613,8 +613,9 @@ class LongStudy:
             if left is not None and left <= 0:
                 self.say(f"{stage}: the call's time is spent; the next call continues")
                 break
-            if stage in MODES:
+            if stage in MODES and not start_checked:  # once a call, before its first arm
                 self._check_start_model()
+                start_checked = True
             try:
                 getattr(self, f"stage_{stage}")()
             except StageIncomplete as stop:
@@ -749,12 +750,13 @@ class LongStudy:
         task its dense stages trained: such a model has not learned to copy what it retrieves
         (benchmarks/probes/copy_onset.py: a recipe's copy onset), every task would compare 0 with 0,
         and the arms' training and evaluation are the study's longest part."""
+        if not self.min_start_accuracy:
+            return
         start = start_stage(self.settings)
         probe = (probe_results(self.out, self.settings) or {}).get(start)
-        if probe is None or not self.min_start_accuracy:
-            if self.min_start_accuracy:
-                self.say(f"arms: no probe of the {start} model (--probe_trials 0, or the probe stage not run): "
-                         f"they start from it unchecked")
+        if probe is None:
+            self.say(f"arms: no probe of the {start} model (--probe_trials 0, or the probe stage not run): "
+                     f"they start from it unchecked")
             return
         length = str(probe["length"])
         cells = [(task, probe["tasks"].get(task, {}).get(length)) for task in self._trained_tasks(start)]
